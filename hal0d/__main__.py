@@ -1,0 +1,3 @@
+from hal0d.cli import main
+
+raise SystemExit(main())

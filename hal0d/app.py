@@ -1,0 +1,125 @@
+"""make_app(config): routes, the request lifecycle middleware, and the cleanup contexts."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+
+import structlog
+from aiohttp import web
+
+from hal0d.appkeys import RUNTIME, Runtime
+from hal0d.config import Config
+from hal0d.errors import Hal0Error, MethodNotAllowed, NoRoute
+from hal0d.handlers import admin, openai
+from hal0d.logs import get_logger
+from hal0d.requestinfo import INFO, RequestInfo
+from hal0d.supervisor import slots_context
+from hal0d.upstream import session_context
+
+log = get_logger()
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path.startswith(("/llm/v1/messages", "/v1/messages"))
+
+
+def error_response(exc: Hal0Error, path: str) -> web.Response:
+    body = exc.anthropic_body() if is_anthropic_path(path) else exc.openai_body()
+    return web.json_response(body, status=exc.status, headers=exc.headers())
+
+
+def error_code(exc: Hal0Error) -> str:
+    """The history row's error_code: `dispatch.upstream_unavailable` -> `upstream_unavailable`."""
+    return exc.code.rsplit(".", 1)[-1]
+
+
+def translate_http_exception(exc: web.HTTPException, request: web.Request) -> Hal0Error:
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        return MethodNotAllowed(
+            f"method {request.method} is not allowed on {request.path}; "
+            f"allowed: {', '.join(sorted(exc.allowed_methods))}"
+        )
+    if isinstance(exc, web.HTTPNotFound):
+        return NoRoute(f"no such endpoint: {request.method} {request.path}")
+    error = Hal0Error(exc.text or exc.reason)
+    error.status = exc.status
+    return error
+
+
+@web.middleware
+async def request_lifecycle(request: web.Request, handler: web.Handler) -> web.StreamResponse:
+    """Names the request, renders every error in the surface's envelope, logs request.done."""
+    given = request.headers.get(REQUEST_ID_HEADER, "")
+    request_id = given if _REQUEST_ID.match(given) else uuid.uuid4().hex[:16]
+    info = RequestInfo(request_id=request_id, endpoint=request.path)
+    request[INFO] = info
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    try:
+        response = await handler(request)
+        if not info.status:
+            info.status = response.status
+        return response
+    except Hal0Error as exc:
+        info.status = exc.status
+        info.fail(error_code(exc))
+        return error_response(exc, request.path)
+    except web.HTTPException as exc:
+        error = translate_http_exception(exc, request)
+        info.status = error.status
+        info.fail(error_code(error))
+        return error_response(error, request.path)
+    except asyncio.CancelledError:
+        info.fail("client_disconnect")
+        raise
+    except Exception:
+        log.exception("request.failed", path=request.path)
+        info.status = 500
+        info.fail("internal")
+        return error_response(Hal0Error("internal error in hal0d; see its log"), request.path)
+    finally:
+        structlog.contextvars.unbind_contextvars("request_id")
+        if request.path != "/healthz":
+            log.info(
+                "request.done",
+                request_id=request_id,
+                method=request.method,
+                path=request.path,
+                slot=info.slot,
+                model=info.model,
+                stream=info.stream,
+                status=info.status,
+                ok=info.ok,
+                error_code=info.error_code,
+                queue_ms=None if info.queue_ms is None else round(info.queue_ms, 2),
+                ttft_ms=None if info.ttft_ms is None else round(info.ttft_ms, 2),
+                duration_ms=round(info.total_ms, 2),
+            )
+
+
+async def add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    info = request.get(INFO)
+    if info is not None:
+        response.headers[REQUEST_ID_HEADER] = info.request_id
+
+
+def make_app(config: Config) -> web.Application:
+    app = web.Application(
+        middlewares=[request_lifecycle], client_max_size=config.server.max_body_bytes
+    )
+    app[RUNTIME] = Runtime.build(config)
+    app.cleanup_ctx.append(session_context)
+    app.cleanup_ctx.append(slots_context)
+    app.on_response_prepare.append(add_request_id)
+
+    router = app.router
+    router.add_get("/healthz", admin.healthz)
+    for prefix in ("/v1", "/llm/v1"):
+        router.add_get(f"{prefix}/models", openai.list_models)
+        for endpoint in openai.ENDPOINTS:
+            router.add_post(f"{prefix}/{{endpoint:{re.escape(endpoint)}}}", openai.dispatch)
+    router.add_get("/api/slots", admin.slots)
+    return app

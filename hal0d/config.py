@@ -1,0 +1,319 @@
+"""Configuration: TOML in, frozen dataclasses out, every problem reported with its key path.
+
+Validation collects all problems before failing, so `hal0d check-config` can print them at once;
+nothing starts half-configured. `to_toml` renders the effective configuration (defaults filled).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import math
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+
+class ConfigError(Exception):
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    shutdown_grace_s: float = 30.0
+    max_body_bytes: int = 32 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class DispatcherConfig:
+    direct_read_timeout_s: float = 300.0
+    stream_total_timeout_s: float = 900.0
+    stream_idle_timeout_s: float = 300.0
+    connect_timeout_s: float = 5.0
+    write_timeout_s: float = 10.0
+    pool_timeout_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class SlotConfig:
+    name: str
+    upstream: str
+    models: tuple[str, ...]
+    max_concurrent: int = 8
+    max_queue: int = 32
+    queue_timeout_s: float = 30.0
+    api_key: str | None = None
+    api_key_env: str | None = None
+    command: tuple[str, ...] | None = None
+    max_output_tokens: int | None = None
+
+    def bearer_token(self) -> str | None:
+        if self.api_key is not None:
+            return self.api_key
+        if self.api_key_env is not None:
+            return os.environ.get(self.api_key_env)
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    database: str = "hal0d-history.sqlite3"
+    retention_days: int = 30
+    ttft_samples: int = 256
+
+
+@dataclass(frozen=True, slots=True)
+class LoggingConfig:
+    level: str = "info"
+    format: str = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    dispatcher: DispatcherConfig = field(default_factory=DispatcherConfig)
+    slots: tuple[SlotConfig, ...] = ()
+    models: dict[str, str] = field(default_factory=dict)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # The folder relative paths (the metrics database) resolve against.
+    base_dir: Path = field(default_factory=Path.cwd, compare=False)
+
+    def database_path(self) -> Path:
+        path = Path(self.metrics.database)
+        return path if path.is_absolute() else self.base_dir / path
+
+
+# Per key: (type, minimum, maximum); None means unbounded. Floats accept integers too.
+_Range = tuple[type, float | None, float | None]
+_SERVER: dict[str, _Range] = {
+    "host": (str, None, None),
+    "port": (int, 1, 65535),
+    "shutdown_grace_s": (float, 0.0, 3600.0),
+    "max_body_bytes": (int, 1024, 1 << 32),
+}
+_DISPATCHER: dict[str, _Range] = {
+    "direct_read_timeout_s": (float, 30.0, 600.0),
+    "stream_total_timeout_s": (float, 0.0, 86400.0),
+    "stream_idle_timeout_s": (float, 0.0, 86400.0),
+    "connect_timeout_s": (float, 0.1, 600.0),
+    "write_timeout_s": (float, 0.1, 600.0),
+    "pool_timeout_s": (float, 0.1, 600.0),
+}
+_SLOT: dict[str, _Range] = {
+    "name": (str, None, None),
+    "upstream": (str, None, None),
+    "models": (list, None, None),
+    "max_concurrent": (int, 1, 4096),
+    "max_queue": (int, 0, 100_000),
+    "queue_timeout_s": (float, 0.0, 3600.0),
+    "api_key": (str, None, None),
+    "api_key_env": (str, None, None),
+    "command": (list, None, None),
+    "max_output_tokens": (int, 1, 10_000_000),
+}
+_METRICS: dict[str, _Range] = {
+    "database": (str, None, None),
+    "retention_days": (int, 1, 36500),
+    "ttft_samples": (int, 1, 1_000_000),
+}
+_LOGGING: dict[str, _Range] = {
+    "level": (str, None, None),
+    "format": (str, None, None),
+}
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+_LOG_FORMATS = ("auto", "console", "json", "journald", "logfmt")
+
+
+def _type_name(kind: type) -> str:
+    return {str: "a string", int: "an integer", float: "a number", list: "a list"}[kind]
+
+
+def _check_table(
+    raw: Any, spec: dict[str, _Range], path: str, problems: list[str]
+) -> dict[str, Any]:
+    """Return the valid keys of one table; append a problem for every bad one."""
+    if not isinstance(raw, dict):
+        problems.append(f"{path}: must be a table")
+        return {}
+    good: dict[str, Any] = {}
+    for key, value in raw.items():
+        where = f"{path}.{key}"
+        if key not in spec:
+            problems.append(f"{where}: unknown key (known: {', '.join(spec)})")
+            continue
+        kind, low, high = spec[key]
+        # bool is an int in Python; a TOML `true` is never a number here.
+        if isinstance(value, bool) or not (
+            isinstance(value, kind) or (kind is float and isinstance(value, int))
+        ):
+            problems.append(f"{where}: {value!r} is not {_type_name(kind)}")
+            continue
+        if kind is float:
+            value = float(value)
+            if not math.isfinite(value):
+                problems.append(f"{where}: {value!r} is not a finite number")
+                continue
+        if low is not None and high is not None and not (low <= value <= high):
+            problems.append(f"{where}: {value!r} is outside {low}-{high}")
+            continue
+        good[key] = value
+    return good
+
+
+def _string_list(value: list[Any], where: str, problems: list[str]) -> tuple[str, ...] | None:
+    if not value or not all(isinstance(item, str) and item for item in value):
+        problems.append(f"{where}: must be a non-empty list of non-empty strings")
+        return None
+    return tuple(value)
+
+
+def _check_slots(raw: Any, problems: list[str]) -> tuple[SlotConfig, ...]:
+    if not isinstance(raw, list):
+        problems.append("slots: must be an array of tables ([[slots]])")
+        return ()
+    slots: list[SlotConfig] = []
+    names: set[str] = set()
+    served: dict[str, str] = {}
+    for index, table in enumerate(raw):
+        path = f"slots[{index}]"
+        before = len(problems)
+        good = _check_table(table, _SLOT, path, problems)
+        for required in ("name", "upstream", "models"):
+            if isinstance(table, dict) and required not in table:
+                problems.append(f"{path}.{required}: is required")
+        if "models" in good:
+            good["models"] = _string_list(good["models"], f"{path}.models", problems)
+        if "command" in good:
+            good["command"] = _string_list(good["command"], f"{path}.command", problems)
+        upstream = good.get("upstream")
+        if isinstance(upstream, str) and not upstream.startswith(("http://", "https://")):
+            problems.append(f"{path}.upstream: {upstream!r} must start with http:// or https://")
+        name = good.get("name")
+        if isinstance(name, str):
+            if not name:
+                problems.append(f"{path}.name: must not be empty")
+            elif name in names:
+                problems.append(f"{path}.name: {name!r} is used by another slot")
+            names.add(name)
+        if "api_key" in good and "api_key_env" in good:
+            problems.append(f"{path}: set api_key or api_key_env, not both")
+        for model in good.get("models") or ():
+            if model in served:
+                problems.append(
+                    f"{path}.models: {model!r} is already served by slot {served[model]!r}"
+                )
+            served[model] = str(name)
+        if len(problems) == before:
+            good["upstream"] = good["upstream"].rstrip("/")
+            slots.append(SlotConfig(**good))
+    return tuple(slots)
+
+
+def _check_models(raw: Any, slots: tuple[SlotConfig, ...], problems: list[str]) -> dict[str, str]:
+    if not isinstance(raw, dict):
+        problems.append("models: must be a table of alias = served model")
+        return {}
+    served = {model for slot in slots for model in slot.models}
+    aliases: dict[str, str] = {}
+    for pattern, target in raw.items():
+        where = f"models.{pattern!r}" if not pattern.isidentifier() else f"models.{pattern}"
+        if not isinstance(target, str):
+            problems.append(f"{where}: {target!r} is not a string")
+        elif slots and target not in served:
+            problems.append(f"{where}: {target!r} is not a model any slot serves")
+        else:
+            aliases[pattern] = target
+    return aliases
+
+
+def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
+    """Validate a decoded TOML document; raise ConfigError listing every problem."""
+    problems: list[str] = []
+    known = {"server", "dispatcher", "slots", "models", "metrics", "logging"}
+    for key in raw:
+        if key not in known:
+            problems.append(f"{key}: unknown section (known: {', '.join(sorted(known))})")
+    server = _check_table(raw.get("server", {}), _SERVER, "server", problems)
+    dispatcher = _check_table(raw.get("dispatcher", {}), _DISPATCHER, "dispatcher", problems)
+    metrics = _check_table(raw.get("metrics", {}), _METRICS, "metrics", problems)
+    logging_ = _check_table(raw.get("logging", {}), _LOGGING, "logging", problems)
+    if logging_.get("level", "info") not in _LOG_LEVELS:
+        problems.append(f"logging.level: {logging_['level']!r} is not one of {_LOG_LEVELS}")
+    if logging_.get("format", "auto") not in _LOG_FORMATS:
+        problems.append(f"logging.format: {logging_['format']!r} is not one of {_LOG_FORMATS}")
+    slots = _check_slots(raw.get("slots", []), problems)
+    models = _check_models(raw.get("models", {}), slots, problems)
+    for pattern in models:
+        if not any(ch in pattern for ch in "*?[") and any(pattern in s.models for s in slots):
+            problems.append(f"models.{pattern}: is already a served model name")
+    if problems:
+        raise ConfigError(problems)
+    return Config(
+        server=ServerConfig(**server),
+        dispatcher=DispatcherConfig(**dispatcher),
+        slots=slots,
+        models=models,
+        metrics=MetricsConfig(**metrics),
+        logging=LoggingConfig(**logging_),
+        base_dir=base_dir or Path.cwd(),
+    )
+
+
+def load(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot be read ({exc.strerror or exc})"]) from None
+    try:
+        raw = tomllib.loads(text.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{path}: not UTF-8 ({exc.reason})"]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{path}: invalid TOML ({exc})"]) from None
+    return parse(raw, base_dir=path.resolve().parent)
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    def table(obj: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for item in dataclasses.fields(obj):
+            value = getattr(obj, item.name)
+            if value is None:
+                continue  # TOML has no null: an absent key means "not set"
+            out[item.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    doc: dict[str, Any] = {
+        "server": table(config.server),
+        "dispatcher": table(config.dispatcher),
+        "metrics": table(config.metrics),
+        "logging": table(config.logging),
+    }
+    if config.models:
+        doc["models"] = dict(config.models)
+    doc["slots"] = [table(slot) for slot in config.slots]
+    return doc
+
+
+def to_toml(config: Config) -> str:
+    return tomli_w.dumps(to_dict(config))
+
+
+def alias_target(aliases: dict[str, str], model: str) -> str | None:
+    """The served model an alias pattern maps `model` to; exact names win over globs."""
+    if model in aliases:
+        return aliases[model]
+    for pattern, target in aliases.items():
+        if fnmatch.fnmatchcase(model, pattern):
+            return target
+    return None

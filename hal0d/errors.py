@@ -1,0 +1,141 @@
+"""Errors hal0d answers with, and the two envelopes they are rendered in.
+
+    Hal0Error                      status  OpenAI type / code                       Anthropic type
+     ├── InvalidRequest            400     invalid_request_error / request.invalid  invalid_request_error
+     ├── Unauthorized              401     authentication_error / auth.invalid_key  authentication_error
+     ├── NoRoute                   404     not_found_error / dispatch.no_route      not_found_error
+     ├── MethodNotAllowed          405     invalid_request_error / request.method   invalid_request_error
+     ├── PayloadTooLarge           413     invalid_request_error / request.too_large request_too_large
+     ├── QueueFull                 429     rate_limit_error / slot.queue_full       rate_limit_error
+     ├── SlotLoading               503     slot_loading / slot.loading              overloaded_error
+     ├── UpstreamUnavailable       502     upstream_unavailable / dispatch.upstream_unavailable  api_error
+     └── UpstreamStatus            (the upstream's status, its message kept)        by status
+
+Foreign exceptions (aiohttp's client errors, asyncio timeouts) are translated into this tree only
+at the upstream boundary (upstream.py); handlers catch Hal0Error and render it for their surface.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Hal0Error(Exception):
+    status = 500
+    openai_type = "internal_error"
+    code = "internal"
+    anthropic_type = "api_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        self.retry_after = retry_after
+
+    def openai_body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.openai_type,
+                "code": self.code,
+                "param": self.field,
+            }
+        }
+
+    def anthropic_body(self) -> dict[str, Any]:
+        return {"type": "error", "error": {"type": self.anthropic_type, "message": self.message}}
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after is None:
+            return {}
+        return {"Retry-After": str(max(1, round(self.retry_after)))}
+
+
+class InvalidRequest(Hal0Error):
+    status = 400
+    openai_type = "invalid_request_error"
+    code = "request.invalid"
+    anthropic_type = "invalid_request_error"
+
+
+class Unauthorized(Hal0Error):
+    status = 401
+    openai_type = "authentication_error"
+    code = "auth.invalid_key"
+    anthropic_type = "authentication_error"
+
+
+class NoRoute(Hal0Error):
+    status = 404
+    openai_type = "not_found_error"
+    code = "dispatch.no_route"
+    anthropic_type = "not_found_error"
+
+
+class MethodNotAllowed(Hal0Error):
+    status = 405
+    openai_type = "invalid_request_error"
+    code = "request.method_not_allowed"
+    anthropic_type = "invalid_request_error"
+
+
+class PayloadTooLarge(Hal0Error):
+    status = 413
+    openai_type = "invalid_request_error"
+    code = "request.too_large"
+    anthropic_type = "request_too_large"
+
+
+class QueueFull(Hal0Error):
+    status = 429
+    openai_type = "rate_limit_error"
+    code = "slot.queue_full"
+    anthropic_type = "rate_limit_error"
+
+
+class SlotLoading(Hal0Error):
+    status = 503
+    openai_type = "slot_loading"
+    code = "slot.loading"
+    anthropic_type = "overloaded_error"
+
+
+class UpstreamUnavailable(Hal0Error):
+    status = 502
+    openai_type = "upstream_unavailable"
+    code = "dispatch.upstream_unavailable"
+    anthropic_type = "api_error"
+
+
+class UpstreamStatus(Hal0Error):
+    """The upstream answered with an error status; its message is kept.
+
+    Only the Anthropic surface raises this: the OpenAI surface relays upstream errors verbatim.
+    """
+
+    openai_type = "upstream_error"
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = f"upstream_status_{status}"
+        self.anthropic_type = anthropic_type_for_status(status)
+
+
+def anthropic_type_for_status(status: int) -> str:
+    if status in (503, 529):
+        return "overloaded_error"
+    return {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        413: "request_too_large",
+        429: "rate_limit_error",
+    }.get(status, "api_error")

@@ -1,0 +1,1 @@
+"""HTTP handlers, one module per surface; they stay thin and hand work to the rooms behind."""

@@ -1,0 +1,47 @@
+"""Reading and checking request bodies, the same way on every surface."""
+
+from __future__ import annotations
+
+import email.parser
+import email.policy
+from typing import Any
+
+import orjson
+from aiohttp import hdrs, web
+
+from hal0d.errors import InvalidRequest, PayloadTooLarge
+
+
+async def read_body(request: web.Request) -> bytes:
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise PayloadTooLarge(
+            f"request body is larger than server.max_body_bytes ({exc.max_size} bytes)"
+        ) from None
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        reason = "is not valid UTF-8" if "utf-8" in str(exc).lower() else f"is not valid JSON ({exc})"
+        raise InvalidRequest(f"request body {reason}") from None
+    if not isinstance(parsed, dict):
+        raise InvalidRequest(f"request body must be a JSON object, not {type(parsed).__name__}")
+    return parsed
+
+
+def multipart_field(request: web.Request, body: bytes, name: str) -> str | None:
+    """One text field of a multipart/form-data body (the `model` of a transcription)."""
+    content_type = request.headers.get(hdrs.CONTENT_TYPE, "")
+    head = f"Content-Type: {content_type}\r\n\r\n".encode("latin-1", "replace")
+    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + body)
+    if not message.is_multipart():
+        raise InvalidRequest("request body must be multipart/form-data")
+    for part in message.iter_parts():
+        if part.get_param("name", header="content-disposition") == name:
+            payload = part.get_payload(decode=True)
+            if isinstance(payload, bytes):
+                return payload.decode("utf-8", "replace").strip()
+    return None

@@ -1,0 +1,146 @@
+"""The OpenAI surface: POST /v1/<endpoint> (and /llm/v1/<endpoint>) dispatched to a slot.
+
+The forward path follows the seed: open the upstream eagerly and wait for its headers before the
+client response starts (so a dead upstream is a clean 502), then relay the body byte for byte.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import hdrs, web
+
+from hal0d.appkeys import RUNTIME, SESSION, SLOTS
+from hal0d.errors import InvalidRequest, UpstreamUnavailable
+from hal0d.handlers.body import multipart_field, parse_json_object, read_body
+from hal0d.metrics.live import StreamTap
+from hal0d.relay import Passthrough, relay
+from hal0d.requestinfo import INFO
+from hal0d.stallguard import StallGuard, guard_active
+from hal0d.upstream import open_upstream, request_headers, response_headers
+
+ENDPOINTS = (
+    "chat/completions",
+    "completions",
+    "embeddings",
+    "audio/speech",
+    "audio/transcriptions",
+    "images/generations",
+    "rerank",
+)
+# Endpoints whose answer is a byte stream even without `"stream": true`.
+ALWAYS_STREAMING = frozenset({"audio/speech"})
+
+
+def release_upstream(upstream: aiohttp.ClientResponse) -> None:
+    """Keep the connection for reuse when its body was read to the end; otherwise close it,
+    which is what tells the upstream to stop generating."""
+    if upstream.content.at_eof():
+        upstream.release()
+    else:
+        upstream.close()
+
+
+def requested_model(request: web.Request, endpoint: str, body: bytes) -> tuple[str, bool, bytes]:
+    """The model name, whether the client asked for a stream, and the body to parse further."""
+    if endpoint == "audio/transcriptions":
+        model = multipart_field(request, body, "model")
+        if not model:
+            raise InvalidRequest("multipart field 'model' is required", field="model")
+        return model, False, body
+    payload = parse_json_object(body)
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' is required and must be a non-empty string", field="model")
+    stream = payload.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be a boolean", field="stream")
+    return model, stream, body
+
+
+def with_model(body: bytes, served_model: str) -> bytes:
+    payload: dict[str, Any] = orjson.loads(body)
+    payload["model"] = served_model
+    return orjson.dumps(payload)
+
+
+async def dispatch(request: web.Request) -> web.StreamResponse:
+    endpoint = request.match_info["endpoint"]
+    info = request[INFO]
+    runtime = request.app[RUNTIME]
+    body = await read_body(request)
+    model, stream, body = requested_model(request, endpoint, body)
+    route = runtime.router.resolve(model)
+    if route.served_model != model and endpoint != "audio/transcriptions":
+        body = with_model(body, route.served_model)
+    streaming = stream or endpoint in ALWAYS_STREAMING
+    info.model, info.slot, info.stream = model, route.slot.name, streaming
+    timeouts = runtime.config.dispatcher
+    slot = request.app[SLOTS].get(route.slot.name)
+
+    async with slot.lease() as lease:
+        info.queue_ms = lease.queue_ms
+        upstream = await open_upstream(
+            request.app[SESSION],
+            route.slot,
+            timeouts,
+            method=hdrs.METH_POST,
+            path=f"/v1/{endpoint}",
+            params=request.query,
+            headers=request_headers(request.headers, route.slot),
+            body=body,
+            guarded=streaming and guard_active(timeouts),
+        )
+        try:
+            info.upstream_status(upstream.status)
+            if not streaming:
+                return await answer_whole(upstream, info, route.slot.name)
+            response = web.StreamResponse(
+                status=upstream.status, headers=response_headers(upstream.headers)
+            )
+            await response.prepare(request)
+            tap = StreamTap(info.started)
+            transform = Passthrough(
+                sse=upstream.content_type == "text/event-stream",
+                legacy_completion=endpoint == "completions",
+                model=model,
+            )
+            outcome = await relay(
+                upstream, response, transform, StallGuard(timeouts, route.slot.name), tap
+            )
+            info.apply_stream(outcome, tap)
+            return response
+        finally:
+            release_upstream(upstream)
+
+
+async def answer_whole(
+    upstream: aiohttp.ClientResponse, info: Any, slot_name: str
+) -> web.Response:
+    """A non-streaming answer: read under the per-read timeout, copied through as it came."""
+    try:
+        data = await upstream.read()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise UpstreamUnavailable(
+            f"slot {slot_name!r} failed while sending its answer: {type(exc).__name__}"
+        ) from None
+    if upstream.content_type == "application/json" and b'"usage"' in data:
+        try:
+            parsed = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
+            info.apply_usage(parsed["usage"])
+    return web.Response(body=data, status=upstream.status, headers=response_headers(upstream.headers))
+
+
+async def list_models(request: web.Request) -> web.Response:
+    config = request.app[RUNTIME].config
+    data = [
+        {"id": model, "object": "model", "created": 0, "owned_by": slot.name}
+        for slot in config.slots
+        for model in slot.models
+    ]
+    return web.json_response({"object": "list", "data": data})

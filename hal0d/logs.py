@@ -1,0 +1,129 @@
+"""The one logging pipeline: structlog events, one line each, for people, journald or shippers.
+
+Event names are `noun.verb` (`request.done`, `slot.state_changed`). Under journald (JOURNAL_STREAM
+set) each line starts with its `<N>` syslog priority and carries no timestamp of its own, so
+`journalctl -p warning` filters and nothing is printed twice. Standard-library loggers (aiohttp's)
+run through the same processors. Secrets are redacted before any renderer sees them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import MutableMapping
+from typing import Any, TextIO
+
+import orjson
+import structlog
+
+# Keys whose values are credentials wherever they appear in an event.
+SECRET_KEYS = frozenset(
+    {"authorization", "api_key", "x-api-key", "x_api_key", "api_keys", "password", "token"}
+)
+REDACTED = "[redacted]"
+_PRIORITY = {"critical": 2, "error": 3, "exception": 3, "warning": 4, "warn": 4, "info": 6,
+             "debug": 7, "notset": 7}
+
+
+def redact_secrets(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    for key in event.keys() & SECRET_KEYS:
+        event[key] = REDACTED
+    headers = event.get("headers")
+    if isinstance(headers, dict):
+        event["headers"] = {
+            k: REDACTED if k.lower() in SECRET_KEYS else v for k, v in headers.items()
+        }
+    return event
+
+
+def _logfmt_value(value: Any) -> str:
+    text = value if isinstance(value, str) else str(value)
+    if text and not any(ch in text for ch in ' "=\n\t\\'):
+        return text
+    return orjson.dumps(text).decode()
+
+
+class LineRenderer:
+    """`event key=value ...` on one line; with journald, prefixed by `<N>` and no timestamp."""
+
+    def __init__(self, journald: bool) -> None:
+        self.journald = journald
+
+    def __call__(self, _: Any, method: str, event: MutableMapping[str, Any]) -> str:
+        level = str(event.pop("level", method))
+        name = str(event.pop("event", ""))
+        stamp = event.pop("timestamp", None)
+        exc = event.pop("exception", None)
+        fields = " ".join(f"{k}={_logfmt_value(v)}" for k, v in event.items())
+        line = f"{name} {fields}" if fields else name
+        if exc:
+            line += " exception=" + _logfmt_value(exc)
+        if self.journald:
+            return f"<{_PRIORITY.get(level, 6)}>{line}"
+        return f"{stamp} [{level}] {line}" if stamp else f"[{level}] {line}"
+
+
+def under_journald(stream: TextIO) -> bool:
+    """True when `stream` is the journal socket systemd handed us (JOURNAL_STREAM=dev:inode)."""
+    value = os.environ.get("JOURNAL_STREAM", "")
+    try:
+        device, inode = (int(part) for part in value.split(":"))
+        stat = os.fstat(stream.fileno())
+    except (ValueError, OSError):
+        return False
+    return (stat.st_dev, stat.st_ino) == (device, inode)
+
+
+def choose_renderer(fmt: str, stream: TextIO) -> Any:
+    if fmt == "auto":
+        if under_journald(stream):
+            fmt = "journald"
+        elif stream.isatty():
+            fmt = "console"
+        else:
+            fmt = "logfmt"
+    if fmt == "json":
+        return structlog.processors.JSONRenderer(serializer=lambda obj, **_: orjson.dumps(
+            obj, default=str).decode())
+    if fmt == "console":
+        return structlog.dev.ConsoleRenderer(colors=True)
+    return LineRenderer(journald=fmt == "journald")
+
+
+def configure(level: str = "info", fmt: str = "auto", stream: TextIO | None = None) -> None:
+    stream = stream or sys.stdout
+    renderer = choose_renderer(fmt, stream)
+    journald = isinstance(renderer, LineRenderer) and renderer.journald
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        redact_secrets,
+    ]
+    if not journald:
+        shared.append(structlog.processors.TimeStamper(fmt="iso", utc=True))
+    shared.append(structlog.processors.format_exc_info)
+    numeric = getattr(logging, level.upper(), logging.INFO)
+    structlog.configure(
+        processors=[*shared, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.WriteLoggerFactory(stream),
+        # capture_logs in the tests needs loggers that are not cached.
+        cache_logger_on_first_use=False,
+    )
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processor=renderer,
+            foreign_pre_chain=[structlog.stdlib.ExtraAdder(), *shared],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(numeric)
+    # aiohttp's access log is replaced by our own request.done line.
+    logging.getLogger("aiohttp.access").disabled = True
+
+
+def get_logger(**bound: Any) -> Any:
+    return structlog.get_logger(**bound)

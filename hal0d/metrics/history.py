@@ -1,0 +1,266 @@
+"""Request history: one SQLite row per finished request, written off the hot path.
+
+Handlers call ``HistoryWriter.submit(record)``, which only puts the record on a bounded queue and
+returns; it never blocks and never raises. A writer task drains the queue in batches and commits
+each batch in one transaction on a dedicated single-thread executor, so one connection is only
+ever touched by one thread and a slow disk delays the history, never a stream. When the queue is
+full the row is dropped and counted in ``dropped``: losing a history row is cheaper than holding
+a request.
+
+Durability: WAL with ``synchronous=NORMAL`` and a commit per batch, so every batch committed
+before a kill -9 is in the file (NORMAL may lose the last commits on power loss, not on a crash of
+the process). Rows older than ``retention_days`` are pruned at start and then at most once per
+``prune_interval_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sqlite3
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    ts: float  # unix time
+    request_id: str
+    slot: str | None
+    model: str | None
+    endpoint: str
+    stream: bool
+    status: int
+    ok: bool
+    error_code: str | None = None
+    queue_ms: float | None = None
+    ttft_ms: float | None = None
+    total_ms: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+COLUMNS: Final[tuple[str, ...]] = tuple(f.name for f in dataclasses.fields(RequestRecord))
+
+_SCHEMA: Final = """
+CREATE TABLE IF NOT EXISTS requests (
+    id INTEGER PRIMARY KEY,
+    ts REAL NOT NULL,
+    request_id TEXT NOT NULL,
+    slot TEXT,
+    model TEXT,
+    endpoint TEXT NOT NULL,
+    stream INTEGER NOT NULL,
+    status INTEGER NOT NULL,
+    ok INTEGER NOT NULL,
+    error_code TEXT,
+    queue_ms REAL,
+    ttft_ms REAL,
+    total_ms REAL,
+    prompt_tokens INTEGER,
+    completion_tokens INTEGER
+);
+CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
+"""
+
+_INSERT: Final = (
+    f"INSERT INTO requests ({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)})"
+)
+_SELECT_RECENT: Final = (
+    f"SELECT id, {', '.join(COLUMNS)} FROM requests ORDER BY ts DESC, id DESC LIMIT ?"
+)
+_BOOLEAN_COLUMNS: Final = ("stream", "ok")
+
+
+class HistoryWriter:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        retention_days: int = 30,
+        batch_size: int = 256,
+        max_pending: int = 10_000,
+        prune_interval_s: float = 3600.0,
+    ) -> None:
+        self.path = Path(path)
+        self.retention_days = retention_days
+        self.batch_size = max(1, batch_size)
+        self.prune_interval_s = prune_interval_s
+        self.dropped = 0  # rows refused because the queue was full or the writer closed
+        self.failed = 0  # rows lost to a failed write (disk full, I/O error)
+        self.written = 0
+        self.batches = 0
+        self._queue: asyncio.Queue[RequestRecord] = asyncio.Queue(maxsize=max_pending)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hal0d-history")
+        self._conn: sqlite3.Connection | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        # flush() waits on counters, not on queue.join(): under steady traffic the queue may
+        # never be empty, but everything submitted before the flush is done at some point.
+        self._submitted = 0
+        self._done = 0
+        self._progress = asyncio.Condition()
+        self._last_prune = 0.0
+        self._dropping = False
+
+    @property
+    def pending(self) -> int:
+        return self._queue.qsize()
+
+    # -- the hot path ------------------------------------------------------------------------
+
+    def submit(self, record: RequestRecord) -> None:
+        if self._closed:
+            self.dropped += 1
+            return
+        try:
+            self._queue.put_nowait(record)
+        except asyncio.QueueFull:
+            self.dropped += 1
+            if not self._dropping:
+                # Once per episode of overload, not once per row.
+                self._dropping = True
+                log.warning("history.dropping", pending=self._queue.qsize(), path=str(self.path))
+            return
+        self._submitted += 1
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is not None:
+            raise RuntimeError("HistoryWriter already started")
+        await self._run(self._open)
+        await self._run(self._prune)
+        self._last_prune = time.monotonic()
+        self._task = asyncio.create_task(self._write_loop(), name="hal0d-history-writer")
+
+    async def flush(self) -> None:
+        """Return once every row submitted before this call is committed (or failed)."""
+        if self._task is None:
+            raise RuntimeError("HistoryWriter not started")
+        target = self._submitted
+        async with self._progress:
+            await self._progress.wait_for(lambda: self._done >= target)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        # Refuse new rows first, so the flush below covers everything that was accepted.
+        self._closed = True
+        if self._task is not None:
+            await self.flush()
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self._conn is not None:
+            await self._run(self._close_conn)
+        self._executor.shutdown(wait=True)
+
+    async def recent(self, limit: int) -> list[dict[str, Any]]:
+        """Newest rows first, as the admin API shows them."""
+        return await self._run(self._select_recent, max(0, limit))
+
+    # -- the writer task ---------------------------------------------------------------------
+
+    async def _write_loop(self) -> None:
+        while True:
+            if time.monotonic() - self._last_prune >= self.prune_interval_s:
+                await self._prune_logged()
+            # Wake for the next prune even when idle: old rows age out without new traffic.
+            try:
+                next_prune = self._last_prune + self.prune_interval_s
+                async with asyncio.timeout(next_prune - time.monotonic()):
+                    first = await self._queue.get()
+            except TimeoutError:
+                continue
+            batch = [first]
+            while len(batch) < self.batch_size:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except asyncio.QueueEmpty:
+                    break
+            try:
+                await self._run(self._insert, batch)
+                self.written += len(batch)
+                self.batches += 1
+            except Exception:
+                # A full or broken disk costs history rows, never the writer task itself.
+                self.failed += len(batch)
+                log.exception("history.write_failed", rows=len(batch), path=str(self.path))
+            if self._queue.empty():
+                self._dropping = False
+            async with self._progress:
+                self._done += len(batch)
+                self._progress.notify_all()
+
+    async def _prune_logged(self) -> None:
+        # Stamped before the attempt: a failing prune is retried next interval, not in a loop.
+        self._last_prune = time.monotonic()
+        try:
+            await self._run(self._prune)
+        except Exception:
+            log.exception("history.prune_failed", path=str(self.path))
+
+    # -- the worker thread: the only place the connection is touched ---------------------------
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Autocommit mode: transactions are explicit, one per batch.
+        conn = sqlite3.connect(self.path, isolation_level=None)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.executescript(_SCHEMA)
+        self._conn = conn
+
+    def _db(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise RuntimeError("HistoryWriter not started")
+        return self._conn
+
+    def _insert(self, batch: list[RequestRecord]) -> None:
+        conn = self._db()
+        rows = [tuple(getattr(record, name) for name in COLUMNS) for record in batch]
+        conn.execute("BEGIN")
+        try:
+            conn.executemany(_INSERT, rows)
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def _prune(self) -> int:
+        if self.retention_days <= 0:
+            return 0
+        cutoff = time.time() - self.retention_days * 86400
+        return self._db().execute("DELETE FROM requests WHERE ts < ?", (cutoff,)).rowcount
+
+    def _select_recent(self, limit: int) -> list[dict[str, Any]]:
+        cursor = self._db().execute(_SELECT_RECENT, (limit,))
+        names = [d[0] for d in cursor.description]
+        out = []
+        for row in cursor.fetchall():
+            item = dict(zip(names, row, strict=True))
+            for key in _BOOLEAN_COLUMNS:
+                item[key] = bool(item[key])
+            out.append(item)
+        return out
+
+    def _close_conn(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None

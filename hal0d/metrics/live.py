@@ -1,0 +1,169 @@
+"""Live metrics piggybacked on the stream: time to first token, token counts, decode speed.
+
+The tap sees every raw upstream chunk and must cost the stream nothing: after the first token,
+per-chunk work is one substring count and one clock read. Only until the first token does it
+look inside chunks, to skip llama-server's role-only opening chunk.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from hal0d.stallguard import STALL_MARKER
+
+# Fields of a chunk's delta (or legacy choice) that carry generated output.
+_GENERATED = ("content", "reasoning_content", "reasoning", "tool_calls", "text")
+
+
+def _carries_generated_text(chunk: bytes) -> bool:
+    for line in chunk.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        try:
+            obj = orjson.loads(line[5:])
+        except orjson.JSONDecodeError:
+            continue  # [DONE], or an event split across reads: the next chunk decides
+        choices = obj.get("choices") if isinstance(obj, dict) else None
+        if not isinstance(choices, list):
+            continue
+        for choice in choices:
+            if not isinstance(choice, dict):
+                continue
+            delta = choice.get("delta")
+            source = delta if isinstance(delta, dict) else choice
+            if any(source.get(name) for name in _GENERATED):
+                return True
+    return False
+
+
+def _usage_of(chunk: bytes) -> dict[str, Any] | None:
+    found = None
+    for line in chunk.split(b"\n"):
+        if line.startswith(b"data:") and b'"usage"' in line:
+            try:
+                obj = orjson.loads(line[5:])
+            except orjson.JSONDecodeError:
+                continue
+            usage = obj.get("usage") if isinstance(obj, dict) else None
+            if isinstance(usage, dict):
+                found = usage
+    return found
+
+
+class StreamTap:
+    """Observes one stream's raw upstream bytes without altering them."""
+
+    __slots__ = ("started", "first_token_at", "last_chunk_at", "tokens", "_usage_chunk")
+
+    def __init__(self, started: float | None = None) -> None:
+        self.started = time.monotonic() if started is None else started
+        self.first_token_at: float | None = None
+        self.last_chunk_at: float | None = None
+        self.tokens = 0
+        self._usage_chunk: bytes | None = None
+
+    def on_chunk(self, chunk: bytes) -> None:
+        now = time.monotonic()
+        if self.first_token_at is None:
+            if STALL_MARKER in chunk or not _carries_generated_text(chunk):
+                return
+            self.first_token_at = now
+        # Approximate: one delta per generated token, as llama-server and vLLM stream them.
+        self.tokens += chunk.count(b'"delta"')
+        self.last_chunk_at = now
+        if b'"usage"' in chunk:
+            self._usage_chunk = chunk  # parsed once, at the end, off the per-chunk path
+
+    @property
+    def ttft_ms(self) -> float | None:
+        if self.first_token_at is None:
+            return None
+        return (self.first_token_at - self.started) * 1000
+
+    def usage(self) -> dict[str, Any] | None:
+        return _usage_of(self._usage_chunk) if self._usage_chunk is not None else None
+
+    def completion_tokens(self) -> int | None:
+        usage = self.usage()
+        reported = usage.get("completion_tokens") if usage else None
+        if isinstance(reported, int):
+            return reported
+        return self.tokens if self.first_token_at is not None else None
+
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens after the first over the time since it: the model's decoding speed."""
+        if self.first_token_at is None or self.last_chunk_at is None or self.tokens < 2:
+            return None
+        span = self.last_chunk_at - self.first_token_at
+        return (self.tokens - 1) / span if span > 0 else None
+
+
+@dataclass(slots=True)
+class SlotMetrics:
+    """What one slot has shown since start: the figures of GET /api/slots/metrics."""
+
+    ttft_ms: deque[float]
+    requests: int = 0
+    errors: int = 0
+    tokens: int = 0
+    tokens_per_s: float | None = None
+    flm: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def new(cls, samples: int) -> SlotMetrics:
+        return cls(ttft_ms=deque(maxlen=samples))
+
+    def record(
+        self,
+        *,
+        ok: bool,
+        ttft_ms: float | None,
+        completion_tokens: int | None,
+        tokens_per_s: float | None,
+    ) -> None:
+        self.requests += 1
+        if not ok:
+            self.errors += 1
+        if ttft_ms is not None:
+            self.ttft_ms.append(ttft_ms)
+        if completion_tokens:
+            self.tokens += completion_tokens
+        if tokens_per_s is not None:
+            self.tokens_per_s = tokens_per_s
+
+    def record_flm(self, usage: dict[str, Any]) -> None:
+        for key in ("decoding_speed_tps", "kv_token_occupancy_rate_percentage"):
+            value = usage.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.flm[key] = float(value)
+        if "decoding_speed_tps" in self.flm:
+            self.tokens_per_s = self.flm["decoding_speed_tps"]
+
+    def snapshot(self) -> dict[str, Any]:
+        samples = sorted(self.ttft_ms)
+
+        def pct(p: float) -> float | None:
+            if not samples:
+                return None
+            return round(samples[min(len(samples) - 1, int(p * len(samples)))], 3)
+
+        out: dict[str, Any] = {
+            "requests": self.requests,
+            "errors": self.errors,
+            "tokens": self.tokens,
+            "tokens_per_s": round(self.tokens_per_s, 3) if self.tokens_per_s else None,
+            "ttft_ms": {
+                "last": round(self.ttft_ms[-1], 3) if self.ttft_ms else None,
+                "p50": round(statistics.median(samples), 3) if samples else None,
+                "p95": pct(0.95),
+                "samples": len(samples),
+            },
+        }
+        out.update(self.flm)
+        return out

@@ -1,0 +1,375 @@
+"""Slots: the room where a request waits its turn for an upstream, and where upstream state lives.
+
+A slot is one upstream (a llama-server, a vLLM, a remote provider) with a capacity. Handlers take a
+*lease* on it for as long as they use the upstream -- for a stream, until the client has drained
+it -- so that the upstream never sees more than ``max_concurrent`` requests and everyone else waits
+in a bounded, strictly FIFO queue instead of piling onto a box that serves one sequence at a time.
+The process supervisor and the health probe drive the state machine through the ``mark_*`` methods.
+
+This module is pure asyncio: no sockets, no aiohttp, so admission can be tested to the last race.
+
+States and the transitions allowed between them (``TRANSITIONS``; anything else raises
+``IllegalTransition``)::
+
+    from      to        when
+    offline   starting  the supervisor launches the process
+    offline   ready     a slot without a command answered its first probe
+    offline   error     the first probe or the launch failed
+    starting  ready     the process answered its probe
+    starting  serving   ... while leases from before a restart are still in flight
+    starting  error     the launch failed
+    ready     serving   the first lease is granted
+    ready     starting  the process is restarted
+    ready     error     a probe failed
+    serving   ready     the last lease is released
+    serving   starting  the process is restarted under load
+    serving   error     a probe or the process failed under load; in_flight keeps counting
+    error     ready     a probe succeeded again and nothing is in flight
+    error     serving   ... and leases are in flight
+    error     starting  the process is restarted
+    (any)     offline   shutdown
+
+Semantics worth knowing:
+
+* READY means in_flight == 0 and SERVING means in_flight > 0; a transition that would break this
+  raises ``IllegalTransition`` too. ``mark_ready()`` therefore lands in SERVING when leases are in
+  flight. Self-transitions are not transitions: ``mark_*`` into the current state is a no-op
+  (the probe calls ``mark_ready()`` every round); ``mark_error`` in ERROR only updates ``reason``.
+* Leases are granted in READY, SERVING and ERROR. ERROR is still tried because the probe may be
+  stale; a lease granted in ERROR leaves the state alone, and releasing the last one leaves it
+  in ERROR. Releasing the last lease in STARTING or OFFLINE leaves those alone too.
+* In STARTING, callers wait in the same FIFO queue and go, in order, once the slot is READY (or
+  ERROR). A waiter still waiting when ``queue_timeout_s`` runs out gets ``SlotLoading`` (503)
+  if the slot is still starting, else ``QueueFull`` (429). A full queue answers the same way:
+  ``SlotLoading`` when the slot is starting -- the honest reason -- else ``QueueFull``.
+* OFFLINE means nobody is bringing the slot up (not yet probed, or shut down): ``lease()`` fails
+  at once with ``SlotLoading``, and going offline fails every queued waiter the same way. The
+  supervisor is expected to mark a slot starting/ready before traffic arrives. Coming back from
+  OFFLINE while old leases are still in flight is an ``IllegalTransition`` (offline -> serving is
+  not in the table): a shutdown is final, a reload builds new slots.
+* ``reason`` says why the slot is in its state (the error text, the restart cause); it is None
+  in READY and SERVING.
+* Admission never polls: each waiter is a future, resolved exactly once -- by a grant (the
+  capacity unit is counted at grant time), by its timeout timer, or by the slot going offline.
+  A waiter cancelled while queued (its client left) removes itself; one cancelled in the same
+  instant it was granted hands the unit on by releasing it, so capacity never leaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Final, Protocol
+
+import structlog
+
+from hal0d.errors import QueueFull, SlotLoading
+
+# Retry-After hints: a queue usually moves within a couple of seconds, a model load takes longer.
+QUEUE_RETRY_AFTER_S: Final = 2.0
+LOADING_RETRY_AFTER_S: Final = 5.0
+
+log = structlog.get_logger(__name__)
+
+
+class SlotState(enum.StrEnum):
+    OFFLINE = "offline"
+    STARTING = "starting"
+    READY = "ready"
+    SERVING = "serving"
+    ERROR = "error"
+
+
+_S = SlotState
+
+TRANSITIONS: Final[Mapping[tuple[SlotState, SlotState], str]] = {
+    (_S.OFFLINE, _S.STARTING): "process launching",
+    (_S.OFFLINE, _S.READY): "first probe ok (no command)",
+    (_S.OFFLINE, _S.ERROR): "first probe or launch failed",
+    (_S.STARTING, _S.READY): "process answered its probe",
+    (_S.STARTING, _S.SERVING): "process answered its probe, leases from before still in flight",
+    (_S.STARTING, _S.ERROR): "launch failed",
+    (_S.READY, _S.SERVING): "first lease granted",
+    (_S.READY, _S.STARTING): "process restart",
+    (_S.READY, _S.ERROR): "probe failed",
+    (_S.SERVING, _S.READY): "last lease released",
+    (_S.SERVING, _S.STARTING): "process restart under load",
+    (_S.SERVING, _S.ERROR): "probe or process failed under load",
+    (_S.ERROR, _S.READY): "probe ok again",
+    (_S.ERROR, _S.SERVING): "probe ok again, leases in flight",
+    (_S.ERROR, _S.STARTING): "process restart",
+    (_S.STARTING, _S.OFFLINE): "shutdown",
+    (_S.READY, _S.OFFLINE): "shutdown",
+    (_S.SERVING, _S.OFFLINE): "shutdown",
+    (_S.ERROR, _S.OFFLINE): "shutdown",
+}
+
+_GRANTABLE: Final = frozenset({SlotState.READY, SlotState.SERVING, SlotState.ERROR})
+
+
+class IllegalTransition(RuntimeError):
+    def __init__(self, slot: str, old: SlotState, new: SlotState, why: str) -> None:
+        super().__init__(f"slot {slot!r}: {old} -> {new}: {why}")
+        self.slot = slot
+        self.old = old
+        self.new = new
+
+
+class SlotLimits(Protocol):
+    """The part of a slot's config admission reads (config.SlotConfig satisfies it)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def max_concurrent(self) -> int: ...
+    @property
+    def max_queue(self) -> int: ...
+    @property
+    def queue_timeout_s(self) -> float: ...
+
+
+StateListener = Callable[["Slot", SlotState, SlotState, "str | None"], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    slot: Slot
+    queue_ms: float
+
+
+class Slot:
+    def __init__(
+        self,
+        config: SlotLimits,
+        *,
+        on_change: StateListener | None = None,
+        state: SlotState = SlotState.OFFLINE,
+    ) -> None:
+        self.config = config
+        self.name = config.name
+        self.state = state
+        self.reason: str | None = None
+        self.in_flight = 0
+        self.on_change = on_change
+        # Only pending futures, oldest first; a future leaves the deque before it is resolved,
+        # except a cancelled one, which lingers until its task runs or the pump skips it.
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    def __repr__(self) -> str:
+        return f"<Slot {self.name} {self.state} in_flight={self.in_flight} queued={self.queued}>"
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiters)
+
+    # -- the state machine -------------------------------------------------------------------
+
+    def transition(self, new: SlotState, reason: str | None = None) -> None:
+        """The one checked step; ``mark_*`` and admission all go through it."""
+        old = self.state
+        if (old, new) not in TRANSITIONS:
+            raise IllegalTransition(self.name, old, new, "not in the transition table")
+        if new is SlotState.SERVING and self.in_flight == 0:
+            raise IllegalTransition(self.name, old, new, "serving with nothing in flight")
+        if new is SlotState.READY and self.in_flight > 0:
+            raise IllegalTransition(self.name, old, new, f"ready with {self.in_flight} in flight")
+        self.state = new
+        self.reason = reason
+        self._notify(old, new, reason)
+        if new is SlotState.OFFLINE:
+            self._fail_waiters()
+        elif new in _GRANTABLE and old not in _GRANTABLE:
+            self._pump()
+
+    def mark_starting(self, reason: str | None = None) -> None:
+        if self.state is SlotState.STARTING:
+            return
+        self.transition(SlotState.STARTING, reason)
+
+    def mark_ready(self) -> None:
+        if self.state in (SlotState.READY, SlotState.SERVING):
+            return
+        self.transition(SlotState.SERVING if self.in_flight else SlotState.READY)
+
+    def mark_error(self, reason: str) -> None:
+        if self.state is SlotState.ERROR:
+            self.reason = reason
+            return
+        self.transition(SlotState.ERROR, reason)
+
+    def mark_offline(self) -> None:
+        if self.state is SlotState.OFFLINE:
+            return
+        self.transition(SlotState.OFFLINE)
+
+    def _notify(self, old: SlotState, new: SlotState, reason: str | None) -> None:
+        if self.on_change is None:
+            return
+        # A broken metrics hook must not wedge admission halfway through a grant or a release.
+        try:
+            self.on_change(self, old, new, reason)
+        except Exception:
+            log.exception("slot.listener_failed", slot=self.name, old=old, new=new)
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def lease(self) -> _LeaseContext:
+        """``async with slot.lease() as lease:`` holds one unit of capacity for the block."""
+        return _LeaseContext(self)
+
+    def _can_grant(self) -> bool:
+        return self.state in _GRANTABLE and self.in_flight < self.config.max_concurrent
+
+    def _take(self) -> None:
+        self.in_flight += 1
+        if self.state is SlotState.READY:
+            self.transition(SlotState.SERVING)
+
+    def _release(self) -> None:
+        self.in_flight -= 1
+        # Hand the unit on before looking at the state, so a busy slot does not flap
+        # serving -> ready -> serving between two requests.
+        self._pump()
+        if self.in_flight == 0 and self.state is SlotState.SERVING:
+            self.transition(SlotState.READY)
+
+    def _pump(self) -> None:
+        while self._waiters and self._can_grant():
+            fut = self._waiters.popleft()
+            if fut.done():
+                continue
+            fut.set_result(None)
+            self._take()
+
+    def _refusal(self, what: str) -> QueueFull | SlotLoading:
+        if self.state is SlotState.STARTING:
+            return SlotLoading(
+                f"slot {self.name!r} is still starting", retry_after=LOADING_RETRY_AFTER_S
+            )
+        return QueueFull(f"slot {self.name!r}: {what}", retry_after=QUEUE_RETRY_AFTER_S)
+
+    def _offline(self) -> SlotLoading:
+        return SlotLoading(f"slot {self.name!r} is offline", retry_after=LOADING_RETRY_AFTER_S)
+
+    async def _acquire(self) -> None:
+        if self.state is SlotState.OFFLINE:
+            raise self._offline()
+        # Only with nobody queued: a newcomer never overtakes a waiter, even at the instant
+        # a unit frees up.
+        if not self._waiters and self._can_grant():
+            self._take()
+            return
+        if len(self._waiters) >= self.config.max_queue:
+            raise self._refusal(f"queue is full ({self.config.max_queue} waiting)")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._waiters.append(fut)
+        # Normally a no-op (units are handed over on release); it only matters if cancelled
+        # futures still linger at the head while a unit is free, which must not strand us.
+        self._pump()
+        timer = loop.call_later(self.config.queue_timeout_s, self._expire, fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                # Granted and cancelled in the same instant: the unit is ours, pass it on.
+                self._release()
+            else:
+                self._discard(fut)
+            raise
+        finally:
+            timer.cancel()
+
+    def _expire(self, fut: asyncio.Future[None]) -> None:
+        if fut.done():
+            return
+        self._discard(fut)
+        fut.set_exception(self._refusal(f"no capacity within {self.config.queue_timeout_s:g}s"))
+
+    def _discard(self, fut: asyncio.Future[None]) -> None:
+        try:
+            self._waiters.remove(fut)
+        except ValueError:
+            pass
+
+    def _fail_waiters(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_exception(self._offline())
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "state": str(self.state),
+            "reason": self.reason,
+            # Not part of SlotLimits: admission does not need them, only the admin view does.
+            "upstream": getattr(self.config, "upstream", None),
+            "models": list(getattr(self.config, "models", ())),
+            "in_flight": self.in_flight,
+            "queued": self.queued,
+            "max_concurrent": self.config.max_concurrent,
+        }
+
+
+class _LeaseContext:
+    __slots__ = ("_held", "_slot", "_started")
+
+    def __init__(self, slot: Slot) -> None:
+        self._slot = slot
+        self._started = time.monotonic()
+        self._held = False
+
+    async def __aenter__(self) -> Lease:
+        await self._slot._acquire()
+        self._held = True
+        return Lease(self._slot, (time.monotonic() - self._started) * 1000.0)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._held:
+            self._held = False
+            self._slot._release()
+
+
+class SlotTable:
+    """Every configured slot by name, in config order."""
+
+    def __init__(
+        self, configs: Iterable[SlotLimits], *, on_change: StateListener | None = None
+    ) -> None:
+        self._slots: dict[str, Slot] = {}
+        for config in configs:
+            if config.name in self._slots:
+                raise ValueError(f"duplicate slot name {config.name!r}")
+            self._slots[config.name] = Slot(config, on_change=on_change)
+
+    def get(self, name: str) -> Slot | None:
+        return self._slots.get(name)
+
+    def __getitem__(self, name: str) -> Slot:
+        return self._slots[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._slots
+
+    def __iter__(self) -> Iterator[Slot]:
+        return iter(self._slots.values())
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def names(self) -> list[str]:
+        return list(self._slots)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        return [slot.snapshot() for slot in self._slots.values()]

@@ -1,0 +1,222 @@
+"""Slot supervision: the processes hal0d starts for slots, and the health probe of every slot.
+
+A slot with a `command` is launched at startup, is `starting` until its upstream answers
+GET /v1/models, and is restarted with exponential backoff when it exits. Every slot is probed
+periodically; the probe moves it between `ready` and `error`. Requests never wait for any of this:
+the server listens at once and requests for a starting slot queue until it is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from hal0d.appkeys import RUNTIME, SESSION, SLOTS, SUPERVISOR
+from hal0d.config import SlotConfig
+from hal0d.logs import get_logger
+from hal0d.slots import Slot, SlotState, SlotTable
+
+log = get_logger()
+
+PROBE_INTERVAL_S = 10.0
+PROBE_TIMEOUT_S = 5.0
+STARTUP_POLL_S = 0.2
+STARTUP_TIMEOUT_S = 600.0  # a big model can take minutes to load
+STOP_GRACE_S = 10.0
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 60.0
+HEALTHY_RUN_S = 60.0  # a process that ran this long restarts from the first backoff step again
+
+
+def resolve_program(argv: tuple[str, ...]) -> list[str]:
+    """A bare program name is looked up beside hal0d's own Python first (its virtualenv), then
+    on PATH, so `command = ["hal0d", "stub", ...]` works however hal0d was installed."""
+    program = argv[0]
+    if os.sep not in program:
+        beside = Path(sys.executable).parent / program
+        if beside.exists():
+            return [str(beside), *argv[1:]]
+        found = shutil.which(program)
+        if found:
+            return [found, *argv[1:]]
+    return list(argv)
+
+
+def log_state_change(slot: Slot, old: SlotState, new: SlotState, reason: str | None) -> None:
+    if new == SlotState.SERVING or old == SlotState.SERVING and new == SlotState.READY:
+        return  # every lease would log twice; in_flight is in /api/slots and /metrics instead
+    level = log.warning if new == SlotState.ERROR else log.info
+    level("slot.state_changed", slot=slot.name, old=str(old), new=str(new), reason=reason)
+
+
+async def probe(session: aiohttp.ClientSession, config: SlotConfig) -> str | None:
+    """None when the upstream answers GET /v1/models, else why not."""
+    headers = {}
+    token = config.bearer_token()
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    try:
+        async with asyncio.timeout(PROBE_TIMEOUT_S):
+            async with session.get(config.upstream + "/v1/models", headers=headers) as resp:
+                await resp.read()
+                if resp.status >= 500:
+                    return f"GET /v1/models answered {resp.status}"
+                return None
+    except TimeoutError:
+        return f"GET /v1/models timed out after {PROBE_TIMEOUT_S:g} s"
+    except aiohttp.ClientConnectorError as exc:
+        return f"cannot connect ({exc.os_error.strerror or exc.os_error})"
+    except (aiohttp.ClientError, OSError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+class SlotProcess:
+    """Runs one slot's command, restarting it with backoff while hal0d runs."""
+
+    def __init__(self, slot: Slot, config: SlotConfig, session: aiohttp.ClientSession) -> None:
+        self.slot = slot
+        self.config = config
+        self.session = session
+        self.process: asyncio.subprocess.Process | None = None
+        self.restarts = 0
+        self._stopping = False
+
+    async def run(self) -> None:
+        backoff = BACKOFF_FIRST_S
+        while not self._stopping:
+            started = time.monotonic()
+            code = await self._run_once()
+            if self._stopping:
+                return
+            ran = time.monotonic() - started
+            if ran >= HEALTHY_RUN_S:
+                backoff = BACKOFF_FIRST_S
+            self.restarts += 1
+            log.warning(
+                "slot.process_exited", slot=self.slot.name, code=code, ran_s=round(ran, 1),
+                restart_in_s=backoff, restarts=self.restarts,
+            )
+            self.slot.mark_error(f"process exited with code {code}; restarting in {backoff:g} s")
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def _run_once(self) -> int | None:
+        argv = resolve_program(self.config.command or ())
+        self.slot.mark_starting("launching " + " ".join(argv))
+        try:
+            self.process = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,  # its own process group: stop() ends its children too
+            )
+        except OSError as exc:
+            log.error("slot.process_failed", slot=self.slot.name, argv=argv, error=str(exc))
+            return None
+        log.info("slot.process_started", slot=self.slot.name, pid=self.process.pid, argv=argv)
+        output = asyncio.create_task(self._log_output(self.process))
+        waiting = asyncio.create_task(self._await_ready())
+        try:
+            await self.process.wait()
+        finally:
+            waiting.cancel()
+            await output
+        return self.process.returncode
+
+    async def _await_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if await probe(self.session, self.config) is None:
+                self.slot.mark_ready()
+                return
+            await asyncio.sleep(STARTUP_POLL_S)
+        self.slot.mark_error(f"not answering after {STARTUP_TIMEOUT_S:g} s")
+
+    async def _log_output(self, process: asyncio.subprocess.Process) -> None:
+        assert process.stdout is not None
+        while line := await process.stdout.readline():
+            text = line.decode("utf-8", "replace").rstrip()
+            if text:
+                log.info("slot.process_output", slot=self.slot.name, line=text)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        process = self.process
+        if process is None or process.returncode is not None:
+            return
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+            async with asyncio.timeout(STOP_GRACE_S):
+                await process.wait()
+        except TimeoutError:
+            os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()
+        except ProcessLookupError:
+            pass
+        log.info("slot.process_stopped", slot=self.slot.name, code=process.returncode)
+
+
+class Supervisor:
+    """All slot processes and the periodic probe of one application."""
+
+    def __init__(self, table: SlotTable, configs: tuple[SlotConfig, ...],
+                 session: aiohttp.ClientSession) -> None:
+        self.table = table
+        self.configs = {c.name: c for c in configs}
+        self.session = session
+        self.processes = {
+            c.name: SlotProcess(table[c.name], c, session) for c in configs if c.command
+        }
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def probe_once(self, name: str) -> None:
+        slot = self.table[name]
+        if slot.state in (SlotState.STARTING, SlotState.OFFLINE) and name in self.processes:
+            return  # the process's own startup wait owns these states
+        reason = await probe(self.session, self.configs[name])
+        if reason is None:
+            slot.mark_ready()
+        else:
+            slot.mark_error(reason)
+
+    async def start(self) -> None:
+        for process in self.processes.values():
+            self._tasks.append(asyncio.create_task(process.run()))
+        plain = [name for name in self.configs if name not in self.processes]
+        await asyncio.gather(*(self.probe_once(name) for name in plain))
+        self._tasks.append(asyncio.create_task(self._probe_forever()))
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            await asyncio.gather(*(self.probe_once(name) for name in self.configs))
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(p.stop() for p in self.processes.values()))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for slot in self.table:
+            slot.mark_offline()
+
+
+async def slots_context(app: web.Application) -> AsyncIterator[None]:
+    """cleanup_ctx: the slot table, its processes and its probe, stopped on shutdown."""
+    configs = app[RUNTIME].config.slots
+    table = SlotTable(configs, on_change=log_state_change)
+    app[SLOTS] = table
+    supervisor = Supervisor(table, configs, app[SESSION])
+    app[SUPERVISOR] = supervisor
+    await supervisor.start()
+    yield
+    await supervisor.stop()

@@ -1,0 +1,138 @@
+"""The upstream boundary: the one ClientSession, its timeouts, header filtering, the eager open.
+
+aiohttp's exceptions stop here: a failure to get an HTTP response at all becomes
+UpstreamUnavailable (a clean 502 before the client response has started), never a torn stream.
+
+Timeouts. aiohttp's client default is total=300 s, which silently kills long streams; the session
+has no total. `connect_timeout_s` bounds the TCP connect, `pool_timeout_s` the wait for a free
+connection, `direct_read_timeout_s` the wait for response headers and, on a non-streaming
+request, every body read. When the stall guard owns a stream's body the per-read timeout is off
+for that request and the header wait is bounded by a deadline around the open instead.
+aiohttp has no request-write timeout of its own, so `write_timeout_s` is added to that deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import aiohttp
+from aiohttp import hdrs, web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from hal0d.appkeys import RUNTIME, SESSION
+from hal0d.config import DispatcherConfig, SlotConfig
+from hal0d.errors import UpstreamUnavailable
+
+# RFC 9110 7.6.1 hop-by-hop headers, plus the ones aiohttp recomputes for each side.
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        hdrs.CONNECTION, hdrs.KEEP_ALIVE, hdrs.PROXY_AUTHENTICATE, hdrs.PROXY_AUTHORIZATION,
+        hdrs.TE, hdrs.TRAILER, hdrs.TRANSFER_ENCODING, hdrs.UPGRADE, "proxy-connection",
+        hdrs.HOST, hdrs.CONTENT_LENGTH,
+    )
+)
+# Never sent upstream: the client's credentials (the slot's own key is injected instead), and
+# Accept-Encoding so the upstream answers uncompressed bytes we can relay and inspect.
+DROP_REQUEST = HOP_BY_HOP | {
+    hdrs.AUTHORIZATION.lower(), "x-api-key", hdrs.ACCEPT_ENCODING.lower(), hdrs.COOKIE.lower(),
+}
+# Not copied back: aiohttp writes its own framing, date and server headers.
+DROP_RESPONSE = HOP_BY_HOP | {hdrs.CONTENT_ENCODING.lower(), hdrs.DATE.lower(), hdrs.SERVER.lower()}
+
+
+def _connection_tokens(headers: Mapping[str, str]) -> set[str]:
+    """Headers named in Connection are hop-by-hop too (RFC 9110 7.6.1)."""
+    value = headers.get(hdrs.CONNECTION, "")
+    return {token.strip().lower() for token in value.split(",") if token.strip()}
+
+
+def request_headers(client: CIMultiDictProxy[str], slot: SlotConfig) -> CIMultiDict[str]:
+    drop = DROP_REQUEST | _connection_tokens(client)
+    out = CIMultiDict((k, v) for k, v in client.items() if k.lower() not in drop)
+    token = slot.bearer_token()
+    if token:
+        out[hdrs.AUTHORIZATION] = f"Bearer {token}"
+    return out
+
+
+def response_headers(upstream: CIMultiDictProxy[str]) -> CIMultiDict[str]:
+    drop = DROP_RESPONSE | _connection_tokens(upstream)
+    out = CIMultiDict((k, v) for k, v in upstream.items() if k.lower() not in drop)
+    if out.get(hdrs.CONTENT_TYPE, "").startswith("text/event-stream"):
+        # Proxies and browsers must not hold SSE back, nor compress it.
+        out[hdrs.CACHE_CONTROL] = "no-cache"
+        out["X-Accel-Buffering"] = "no"
+    return out
+
+
+def make_session(timeouts: DispatcherConfig) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(
+            total=None,
+            connect=timeouts.pool_timeout_s + timeouts.connect_timeout_s,
+            sock_connect=timeouts.connect_timeout_s,
+        ),
+        connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+        auto_decompress=False,
+        # The relay reads with readany(); a huge SSE line must not hit a line-length limit.
+        read_bufsize=2**16,
+        trust_env=False,
+    )
+
+
+async def session_context(app: web.Application) -> AsyncIterator[None]:
+    """cleanup_ctx: the one shared ClientSession for every upstream call."""
+    app[SESSION] = make_session(app[RUNTIME].config.dispatcher)
+    yield
+    await app[SESSION].close()
+
+
+async def open_upstream(
+    session: aiohttp.ClientSession,
+    slot: SlotConfig,
+    timeouts: DispatcherConfig,
+    *,
+    method: str,
+    path: str,
+    headers: CIMultiDict[str],
+    body: bytes,
+    guarded: bool,
+    params: Any = None,
+) -> aiohttp.ClientResponse:
+    """Send the request and wait for the response headers.
+
+    `guarded`: the stall guard owns the body, so the per-read timeout is off for this request.
+    """
+    read_timeout = None if guarded else timeouts.direct_read_timeout_s
+    header_deadline = (
+        timeouts.pool_timeout_s + timeouts.connect_timeout_s + timeouts.write_timeout_s
+        + timeouts.direct_read_timeout_s
+    )
+    try:
+        async with asyncio.timeout(header_deadline):
+            return await session.request(
+                method,
+                slot.upstream + path,
+                params=params,
+                data=body,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(
+                    total=None,
+                    connect=timeouts.pool_timeout_s + timeouts.connect_timeout_s,
+                    sock_connect=timeouts.connect_timeout_s,
+                    sock_read=read_timeout,
+                ),
+                allow_redirects=False,
+            )
+    except (TimeoutError, aiohttp.ServerTimeoutError):
+        reason = "timed out waiting for the upstream's response headers"
+    except aiohttp.ClientConnectorError as exc:
+        reason = f"cannot connect ({exc.os_error.strerror or exc.os_error})"
+    except aiohttp.ClientError as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+    except (OSError, ValueError) as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+    raise UpstreamUnavailable(f"slot {slot.name!r} at {slot.upstream} is unavailable: {reason}")

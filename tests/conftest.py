@@ -1,0 +1,151 @@
+"""Shared fixtures: real sockets everywhere. An upstream (the stub, or a purpose-built aiohttp app)
+listens on a loopback port; hal0d listens on another, built from a real Config."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from hal0d.app import make_app
+from hal0d.config import Config, DispatcherConfig, MetricsConfig, SlotConfig
+from hal0d.stub import make_stub_app
+
+STUB_MODELS = ("reasoning", "chat", "think-only", "tool", "stall", "chatty", "broken")
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def read_log(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+@dataclasses.dataclass
+class Stub:
+    server: TestServer
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return str(self.server.make_url("")).rstrip("/")
+
+    def lines(self) -> list[str]:
+        return read_log(self.log).splitlines()
+
+
+StubFactory = Callable[..., Awaitable[Stub]]
+ServerFactory = Callable[..., Awaitable[TestServer]]
+
+
+@pytest.fixture
+async def start_stub(
+    aiohttp_server: Callable[..., Awaitable[TestServer]], tmp_path: Path
+) -> StubFactory:
+    async def start(delay: float = 0.002) -> Stub:
+        log = tmp_path / f"stub-{free_port()}.log"
+        server = await aiohttp_server(make_stub_app(log, delay))
+        return Stub(server, log)
+
+    return start
+
+
+@pytest.fixture
+async def stub(start_stub: StubFactory) -> Stub:
+    return await start_stub()
+
+
+def make_config(
+    upstream: str,
+    *,
+    tmp_path: Path,
+    models: tuple[str, ...] = STUB_MODELS,
+    slot: dict[str, Any] | None = None,
+    dispatcher: dict[str, Any] | None = None,
+    aliases: dict[str, str] | None = None,
+    extra_slots: tuple[SlotConfig, ...] = (),
+) -> Config:
+    """A Config built directly, so tests may use bounds below the TOML minimums."""
+    return Config(
+        dispatcher=DispatcherConfig(**(dispatcher or {})),
+        slots=(SlotConfig(name="llm", upstream=upstream, models=models, **(slot or {})),
+               *extra_slots),
+        models=aliases or {},
+        metrics=MetricsConfig(database=str(tmp_path / "history.sqlite3")),
+        base_dir=tmp_path,
+    )
+
+
+@pytest.fixture
+async def start_hal0d(
+    aiohttp_server: Callable[..., Awaitable[TestServer]], tmp_path: Path
+) -> ServerFactory:
+    """Start hal0d in front of `upstream`; keyword arguments go to make_config."""
+
+    async def start(upstream: str, **options: Any) -> TestServer:
+        config = options.pop("config", None) or make_config(upstream, tmp_path=tmp_path, **options)
+        return await aiohttp_server(make_app(config))
+
+    return start
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        yield session
+
+
+@pytest.fixture
+async def upstream_app(aiohttp_server: Callable[..., Awaitable[TestServer]]) -> Callable[
+    [dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]], Awaitable[str]
+]:
+    """A purpose-built upstream: give it {"POST /v1/chat/completions": handler, ...}.
+    GET /v1/models answers by default so the health probe sees a live slot."""
+
+    async def start(routes: dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]
+                    ) -> str:
+        app = web.Application()
+
+        async def models(_: web.Request) -> web.Response:
+            return web.json_response({"object": "list", "data": []})
+
+        if "GET /v1/models" not in routes:
+            app.router.add_get("/v1/models", models)
+        for key, handler in routes.items():
+            method, path = key.split(" ", 1)
+            app.router.add_route(method, path, handler)
+        server = await aiohttp_server(app)
+        return str(server.make_url("")).rstrip("/")
+
+    return start
+
+
+def chat_body(model: str = "chat", *, stream: bool = True, content: str = "hi",
+              **extra: Any) -> dict[str, Any]:
+    return {"model": model, "stream": stream,
+            "messages": [{"role": "user", "content": content}], **extra}
+
+
+async def read_http_chunks(response: aiohttp.ClientResponse) -> list[bytes]:
+    """The body as the HTTP chunks it was framed in (chunked transfer encoding boundaries)."""
+    chunks: list[bytes] = []
+    current = b""
+    async for data, end_of_chunk in response.content.iter_chunks():
+        current += data
+        if end_of_chunk:
+            chunks.append(current)
+            current = b""
+    if current:
+        chunks.append(current)
+    return chunks

@@ -1,0 +1,111 @@
+"""Configuration: every problem named by its key path; the CLI's check-config and print-config."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from hal0d import config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def hal0d_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hal0d", *args], capture_output=True, text=True, timeout=30,
+        cwd=ROOT,
+    )
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "hal0d.toml"
+    path.write_text(text)
+    return path
+
+
+SLOT = '[[slots]]\nname = "a"\nupstream = "http://127.0.0.1:9"\nmodels = ["m"]\n'
+
+
+@pytest.mark.parametrize(
+    ("toml", "problem"),
+    [
+        ("[dispatcher]\ndirect_read_timeout_s = 700\n",
+         "dispatcher.direct_read_timeout_s: 700.0 is outside 30.0-600.0"),
+        ("[dispatcher]\nstream_total_timeout_s = 90000\n",
+         "dispatcher.stream_total_timeout_s: 90000.0 is outside 0.0-86400.0"),
+        ("[dispatcher]\nstream_idle_timeout_s = -1\n",
+         "dispatcher.stream_idle_timeout_s: -1.0 is outside 0.0-86400.0"),
+        ('[server]\nport = "8080"\n', "server.port: '8080' is not an integer"),
+        ("[server]\nport = 70000\n", "server.port: 70000 is outside 1-65535"),
+        ("[server]\nhots = 1\n", "server.hots: unknown key"),
+        ("[servr]\n", "servr: unknown section"),
+        ("[dispatcher]\nconnect_timeout_s = true\n",
+         "dispatcher.connect_timeout_s: True is not a number"),
+        (SLOT + "max_concurrent = 0\n", "slots[0].max_concurrent: 0 is outside 1-4096"),
+        (SLOT + "colour = 1\n", "slots[0].colour: unknown key"),
+        ('[[slots]]\nname = "a"\nmodels = ["m"]\n', "slots[0].upstream: is required"),
+        (SLOT.replace("http://", "ftp://"), "slots[0].upstream: 'ftp://127.0.0.1:9' must start"),
+        (SLOT + SLOT, "slots[1].name: 'a' is used by another slot"),
+        (SLOT + "models = []\n", "invalid TOML"),
+        (SLOT.replace('["m"]', "[]"), "slots[0].models: must be a non-empty list"),
+        (SLOT + '[models]\n"claude-*" = "nope"\n', "'nope' is not a model any slot serves"),
+        ('[logging]\nformat = "xml"\n', "logging.format: 'xml' is not one of"),
+    ],
+)
+def test_bad_values_are_reported_with_their_key_path(tmp_path, toml, problem):
+    with pytest.raises(config.ConfigError) as caught:
+        config.load(write(tmp_path, toml))
+    assert any(problem in p for p in caught.value.problems), caught.value.problems
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    toml = "[server]\nport = 0\nhost = 1\n[dispatcher]\ndirect_read_timeout_s = 1\n"
+    with pytest.raises(config.ConfigError) as caught:
+        config.load(write(tmp_path, toml))
+    assert len(caught.value.problems) == 3
+
+
+def test_fractional_stream_bounds_are_valid(tmp_path):
+    toml = "[dispatcher]\nstream_total_timeout_s = 0.5\nstream_idle_timeout_s = 0.25\n"
+    loaded = config.load(write(tmp_path, toml))
+    assert loaded.dispatcher.stream_idle_timeout_s == 0.25
+
+
+def test_check_config_exits_1_naming_every_key_path(tmp_path):
+    path = write(tmp_path, "[dispatcher]\ndirect_read_timeout_s = 700\n[server]\nport = -1\n")
+    result = hal0d_cli("check-config", "--config", str(path))
+    assert result.returncode == 1
+    assert "dispatcher.direct_read_timeout_s: 700.0 is outside 30.0-600.0" in result.stderr
+    assert "server.port: -1 is outside 1-65535" in result.stderr
+
+
+def test_check_config_accepts_the_shipped_example():
+    result = hal0d_cli("check-config", "--config", "etc/hal0d.toml")
+    assert result.returncode == 0, result.stderr
+
+
+def test_print_config_fills_defaults_and_round_trips(tmp_path):
+    path = write(tmp_path, SLOT)
+    result = hal0d_cli("print-config", "--config", str(path))
+    assert result.returncode == 0, result.stderr
+    printed = tomllib.loads(result.stdout)
+    assert printed["dispatcher"]["stream_total_timeout_s"] == 900.0
+    assert printed["slots"][0]["max_concurrent"] == 8
+    again = write(tmp_path, result.stdout)
+    assert config.load(again) == config.load(path)
+
+
+def test_relative_database_resolves_against_the_config_folder(tmp_path):
+    loaded = config.load(write(tmp_path, '[metrics]\ndatabase = "h.sqlite3"\n'))
+    assert loaded.database_path() == tmp_path / "h.sqlite3"
+
+
+def test_alias_globs_and_exact_names():
+    aliases = {"claude-*": "reasoning", "claude-exact": "chat"}
+    assert config.alias_target(aliases, "claude-sonnet-4") == "reasoning"
+    assert config.alias_target(aliases, "claude-exact") == "chat"
+    assert config.alias_target(aliases, "gpt-4") is None

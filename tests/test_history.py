@@ -1,0 +1,193 @@
+"""Request history: rows land in a real SQLite file, in batches, off the hot path; kill -9 loses none."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+from hal0d.metrics.history import HistoryWriter, RequestRecord
+
+REPO = Path(__file__).resolve().parent.parent
+DAY = 86400.0
+
+
+def record(i: int, *, ts: float | None = None, ok: bool = True) -> RequestRecord:
+    return RequestRecord(
+        ts=time.time() + i * 0.001 if ts is None else ts,
+        request_id=f"req-{i}",
+        slot="llm",
+        model="qwen",
+        endpoint="/v1/chat/completions",
+        stream=i % 2 == 0,
+        status=200 if ok else 502,
+        ok=ok,
+        error_code=None if ok else "dispatch.upstream_unavailable",
+        queue_ms=1.5,
+        ttft_ms=42.0 if ok else None,
+        total_ms=100.0 + i,
+        prompt_tokens=10,
+        completion_tokens=i,
+    )
+
+
+def count_rows(path: Path, where: str = "1") -> int:
+    with closing(sqlite3.connect(path)) as conn:
+        return int(conn.execute(f"SELECT count(*) FROM requests WHERE {where}").fetchone()[0])
+
+
+@pytest.fixture
+async def writer(tmp_path: Path) -> AsyncIterator[HistoryWriter]:
+    w = HistoryWriter(tmp_path / "history.db")
+    await w.start()
+    yield w
+    await w.close()
+
+
+async def test_rows_are_written_and_read_back_newest_first(writer: HistoryWriter) -> None:
+    for i in range(5):
+        writer.submit(record(i, ok=i != 3))
+    await writer.flush()
+    rows = await writer.recent(3)
+    assert [r["request_id"] for r in rows] == ["req-4", "req-3", "req-2"]
+    failed = rows[1]
+    assert failed["ok"] is False and failed["stream"] is False
+    assert failed["status"] == 502
+    assert failed["error_code"] == "dispatch.upstream_unavailable"
+    assert failed["ttft_ms"] is None
+    assert rows[0]["ok"] is True and rows[0]["stream"] is True
+    assert rows[0]["completion_tokens"] == 4
+    assert isinstance(rows[0]["id"], int)
+    assert set(rows[0]) == {"id", *RequestRecord.__dataclass_fields__}
+
+
+async def test_newest_means_by_timestamp_not_by_arrival(writer: HistoryWriter) -> None:
+    now = time.time()
+    writer.submit(record(1, ts=now))
+    writer.submit(record(2, ts=now - 60))  # a long request that finished last, started first
+    await writer.flush()
+    assert [r["request_id"] for r in await writer.recent(10)] == ["req-1", "req-2"]
+
+
+async def test_whatever_is_queued_is_written_in_batches(tmp_path: Path) -> None:
+    w = HistoryWriter(tmp_path / "h.db", batch_size=256)
+    await w.start()
+    for i in range(600):
+        w.submit(record(i))
+    assert w.pending == 600
+    await w.flush()
+    assert (w.batches, w.written, w.pending) == (3, 600, 0)
+    await w.close()
+    assert count_rows(tmp_path / "h.db") == 600
+
+
+async def test_flushed_rows_are_committed_for_other_readers(writer: HistoryWriter) -> None:
+    for i in range(10):
+        writer.submit(record(i))
+    await writer.flush()
+    assert count_rows(writer.path) == 10
+
+
+async def test_a_full_queue_drops_and_counts_rows(tmp_path: Path) -> None:
+    w = HistoryWriter(tmp_path / "h.db", max_pending=5)
+    await w.start()
+    for i in range(12):
+        w.submit(record(i))  # no await in between: the writer cannot drain
+    assert w.dropped == 7
+    await w.flush()
+    assert [r["request_id"] for r in await w.recent(100)] == [f"req-{i}" for i in range(4, -1, -1)]
+    w.submit(record(99))
+    await w.close()
+    w.submit(record(100))
+    assert w.dropped == 8
+    assert count_rows(tmp_path / "h.db") == 6
+
+
+async def test_a_failed_batch_is_counted_and_the_writer_carries_on(writer: HistoryWriter) -> None:
+    bad = record(1)
+    bad.request_id = None  # type: ignore[assignment]  # NOT NULL: the whole batch rolls back
+    writer.submit(bad)
+    await writer.flush()
+    assert (writer.failed, writer.written) == (1, 0)
+    writer.submit(record(2))
+    await writer.flush()
+    assert [r["request_id"] for r in await writer.recent(10)] == ["req-2"]
+
+
+async def test_rows_past_retention_are_pruned_at_start(tmp_path: Path) -> None:
+    path = tmp_path / "h.db"
+    now = time.time()
+    first = HistoryWriter(path)
+    await first.start()
+    first.submit(record(1, ts=now - 40 * DAY))
+    first.submit(record(2, ts=now - 29 * DAY))
+    first.submit(record(3, ts=now))
+    await first.close()
+    assert count_rows(path) == 3
+
+    second = HistoryWriter(path, retention_days=30)
+    await second.start()
+    assert [r["request_id"] for r in await second.recent(10)] == ["req-3", "req-2"]
+    await second.close()
+
+
+async def test_pruning_recurs_even_when_idle(tmp_path: Path) -> None:
+    path = tmp_path / "h.db"
+    w = HistoryWriter(path, retention_days=1, prune_interval_s=0.05)
+    await w.start()
+    w.submit(record(1))
+    await w.flush()
+    with closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute("UPDATE requests SET ts = ?", (time.time() - 2 * DAY,))
+    deadline = time.monotonic() + 2.0
+    while count_rows(path) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert count_rows(path) == 0
+    await w.close()
+
+
+_KILLED_WRITER = """
+import asyncio, os, sys, time
+from pathlib import Path
+from hal0d.metrics.history import HistoryWriter, RequestRecord
+
+async def main() -> None:
+    w = HistoryWriter(Path(sys.argv[1]), batch_size=16)
+    await w.start()
+    for i in range(50):
+        w.submit(RequestRecord(time.time(), f"req-{i}", "llm", "qwen", "/v1/x", False, 200, True))
+    await w.flush()
+    print("flushed", flush=True)
+    os.kill(os.getpid(), 9)
+
+asyncio.run(main())
+"""
+
+
+def test_committed_rows_survive_kill_9(tmp_path: Path) -> None:
+    path = tmp_path / "h.db"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_WRITER, str(path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert proc.stdout.strip() == "flushed"
+    # Never checkpointed: the rows are only in the WAL, which the next reader recovers.
+    assert (tmp_path / "h.db-wal").exists()
+    assert count_rows(path) == 50
+    assert count_rows(path, "request_id = 'req-49'") == 1
