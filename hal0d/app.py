@@ -9,7 +9,7 @@ import uuid
 import structlog
 from aiohttp import web
 
-from hal0d.appkeys import RUNTIME, Runtime
+from hal0d.appkeys import RUNTIME, STREAMS, Runtime, RuntimeRef
 from hal0d.config import Config
 from hal0d.errors import Hal0Error, MethodNotAllowed, NoRoute
 from hal0d.handlers import admin, openai
@@ -110,7 +110,8 @@ def make_app(config: Config) -> web.Application:
     app = web.Application(
         middlewares=[request_lifecycle], client_max_size=config.server.max_body_bytes
     )
-    app[RUNTIME] = Runtime.build(config)
+    app[RUNTIME] = RuntimeRef(Runtime.build(config))
+    app[STREAMS] = set()
     app.cleanup_ctx.append(session_context)
     app.cleanup_ctx.append(slots_context)
     app.on_response_prepare.append(add_request_id)

@@ -13,6 +13,7 @@ from hal0d.routing import Router
 from hal0d.slots import SlotTable
 
 if TYPE_CHECKING:
+    from hal0d.stallguard import StallGuard
     from hal0d.supervisor import Supervisor
 
 
@@ -29,7 +30,17 @@ class Runtime:
         return cls(config, Router(config))
 
 
-RUNTIME = web.AppKey("runtime", Runtime)
+class RuntimeRef:
+    """The application's current Runtime; a reload points it at a new one. (An aiohttp app's
+    own mapping is frozen once it runs, so the swap happens inside this holder.)"""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.current = runtime
+
+
+RUNTIME = web.AppKey("runtime", RuntimeRef)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 SLOTS = web.AppKey("slots", SlotTable)
 SUPERVISOR: web.AppKey[Supervisor] = web.AppKey("supervisor")
+# The stall guards of the streams being relayed now: a shutdown past its grace ends them.
+STREAMS: web.AppKey[set[StallGuard]] = web.AppKey("streams")

@@ -102,6 +102,7 @@ class StallGuard:
         self.started = self._loop.time()
         self._total_deadline = self.started + self.total_s if self.total_s > 0 else None
         self._armed_for_idle = False
+        self._forced_reason: str | None = None
         self._timeout = asyncio.timeout_at(self._total_deadline)
 
     async def __aenter__(self) -> StallGuard:
@@ -126,10 +127,15 @@ class StallGuard:
             self._armed_for_idle = False
             self._timeout.reschedule(self._total_deadline)
 
+    def end_now(self, reason: str) -> None:
+        """Trip at once with `reason` (a shutdown past its grace): the same exit, the same frame."""
+        self._forced_reason = reason
+        self._timeout.reschedule(self._loop.time())
+
     def trip(self, reason: str | None = None) -> StallTrip:
-        """What tripped: `reason` when given (read, shutdown), else the deadline that fired."""
+        """What tripped: `reason` when given (read), a forced end, or the deadline that fired."""
         if reason is None:
-            reason = "idle" if self._armed_for_idle else "total"
+            reason = self._forced_reason or ("idle" if self._armed_for_idle else "total")
         return StallTrip(
             reason=reason,
             elapsed_s=self._loop.time() - self.started,

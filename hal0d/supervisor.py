@@ -212,7 +212,7 @@ class Supervisor:
 
 async def slots_context(app: web.Application) -> AsyncIterator[None]:
     """cleanup_ctx: the slot table, its processes and its probe, stopped on shutdown."""
-    configs = app[RUNTIME].config.slots
+    configs = app[RUNTIME].current.config.slots
     table = SlotTable(configs, on_change=log_state_change)
     app[SLOTS] = table
     supervisor = Supervisor(table, configs, app[SESSION])

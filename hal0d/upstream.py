@@ -85,7 +85,7 @@ def make_session(timeouts: DispatcherConfig) -> aiohttp.ClientSession:
 
 async def session_context(app: web.Application) -> AsyncIterator[None]:
     """cleanup_ctx: the one shared ClientSession for every upstream call."""
-    app[SESSION] = make_session(app[RUNTIME].config.dispatcher)
+    app[SESSION] = make_session(app[RUNTIME].current.config.dispatcher)
     yield
     await app[SESSION].close()
 

@@ -12,7 +12,7 @@ import aiohttp
 import orjson
 from aiohttp import hdrs, web
 
-from hal0d.appkeys import RUNTIME, SESSION, SLOTS
+from hal0d.appkeys import RUNTIME, SESSION, SLOTS, STREAMS
 from hal0d.errors import InvalidRequest, UpstreamUnavailable
 from hal0d.handlers.body import multipart_field, parse_json_object, read_body
 from hal0d.metrics.live import StreamTap
@@ -69,7 +69,7 @@ def with_model(body: bytes, served_model: str) -> bytes:
 async def dispatch(request: web.Request) -> web.StreamResponse:
     endpoint = request.match_info["endpoint"]
     info = request[INFO]
-    runtime = request.app[RUNTIME]
+    runtime = request.app[RUNTIME].current
     body = await read_body(request)
     model, stream, body = requested_model(request, endpoint, body)
     route = runtime.router.resolve(model)
@@ -107,9 +107,12 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
                 legacy_completion=endpoint == "completions",
                 model=model,
             )
-            outcome = await relay(
-                upstream, response, transform, StallGuard(timeouts, route.slot.name), tap
-            )
+            guard = StallGuard(timeouts, route.slot.name)
+            request.app[STREAMS].add(guard)
+            try:
+                outcome = await relay(upstream, response, transform, guard, tap)
+            finally:
+                request.app[STREAMS].discard(guard)
             info.apply_stream(outcome, tap)
             return response
         finally:
@@ -137,7 +140,7 @@ async def answer_whole(
 
 
 async def list_models(request: web.Request) -> web.Response:
-    config = request.app[RUNTIME].config
+    config = request.app[RUNTIME].current.config
     data = [
         {"id": model, "object": "model", "created": 0, "owned_by": slot.name}
         for slot in config.slots

@@ -1,0 +1,1 @@
+"""The Anthropic Messages surface, translated to and from OpenAI chat completions (pure)."""

@@ -1,0 +1,419 @@
+"""The Anthropic streaming room: OpenAI chat.completion.chunk dicts in, Anthropic Messages events out.
+
+Sans-I/O in the manner of h11: the relay owns the sockets, the clocks and the JSON parsing of
+upstream frames; this module owns the protocol, so every rule is testable as "these chunks in,
+these events out". It imports neither asyncio nor aiohttp (tests/test_purity.py holds it to that).
+
+States (`Translator.state`):
+
+    IDLE ──feed──► STREAMING ──finish_reason──► STOPPING ──chunk with usage──► DONE ──finish()──► CLOSED
+     │                │                             └───────────finish()────────────────────────► CLOSED
+     │                └──finish() with no finish_reason seen──► FAILED
+     └──fail()──► FAILED ◄──fail()── STREAMING, STOPPING
+
+Anthropic clients are strict, so the translator guarantees: message_start first; block indices
+contiguous from 0 in emission order; one block open at a time and a content_block_stop for every
+start; message_delta then message_stop exactly once, last. A failure is one `error` event and
+nothing after it, never a message_stop: a truncated answer must not look complete (the SDK raises
+on an error event).
+
+Why STOPPING waits: the finish_reason chunk and the usage chunk are separate in llama-server and
+OpenAI (a trailing `"choices": []` chunk), so message_delta is held until a chunk with usage or
+the end of the stream, never longer. vLLM with continuous usage stats puts usage on the finish
+chunk itself, and keeps sending usage chunks after it; those are ignored once DONE.
+
+Token counts: usage.prompt_tokens and usage.completion_tokens from the upstream win, the latest
+seen. llama-cpp-python ignores include_usage when streaming, so without an upstream count
+output_tokens is the number of chunks that carried generated text, reasoning or tool arguments.
+Servers emit about one token per chunk, so this is close, but it is an approximation.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from hal0d.anthropic.stop import anthropic_stop
+from hal0d.sse import encode
+
+__all__ = [
+    "Event",
+    "MalformedChunk",
+    "State",
+    "Translator",
+    "TranslatorError",
+    "encode_events",
+    "new_message_id",
+    "new_tool_use_id",
+]
+
+Event = tuple[str, dict[str, Any]]
+
+_THINKING = "thinking"
+_TEXT = "text"
+_TOOL_USE = "tool_use"
+
+
+class State(enum.Enum):
+    IDLE = "idle"
+    STREAMING = "streaming"
+    STOPPING = "stopping"
+    DONE = "done"
+    CLOSED = "closed"
+    FAILED = "failed"
+
+
+class TranslatorError(RuntimeError):
+    """The caller drove the translator in an order no stream can produce."""
+
+
+class MalformedChunk(TranslatorError):
+    """The upstream sent something that is not a usable chat.completion.chunk.
+
+    The translator's state is untouched by the offending chunk; the caller should `fail()` the
+    stream with this message.
+    """
+
+
+def new_message_id() -> str:
+    return "msg_" + secrets.token_hex(12)
+
+
+def new_tool_use_id() -> str:
+    return "toolu_" + secrets.token_hex(12)
+
+
+# (opens a block, tool key, id, name, argument fragment)
+_ToolPiece = tuple[bool, object, str, str, str]
+
+
+class Translator:
+    __slots__ = (
+        "_model",
+        "_message_id",
+        "_stop_sequences",
+        "_state",
+        "_input_tokens",
+        "_upstream_output",
+        "_fragments",
+        "_blocks",
+        "_open",
+        "_open_tool",
+        "_tool_keys",
+        "_stop_reason",
+        "_stop_sequence",
+    )
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        input_tokens: int | None = None,
+        message_id: str | None = None,
+        stop_sequences: Sequence[str] = (),
+    ) -> None:
+        self._model = model
+        self._message_id = message_id or new_message_id()
+        self._stop_sequences = tuple(stop_sequences)
+        self._state = State.IDLE
+        self._input_tokens = input_tokens
+        self._upstream_output: int | None = None
+        self._fragments = 0
+        self._blocks = 0
+        self._open: str | None = None
+        # Tool calls are keyed by their OpenAI index (or id, for servers that omit the index).
+        self._open_tool: object = None
+        self._tool_keys: set[object] = set()
+        self._stop_reason: str | None = None
+        self._stop_sequence: str | None = None
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @property
+    def done(self) -> bool:
+        """message_stop or an error was emitted: nothing more will reach the client."""
+        return self._state in (State.DONE, State.CLOSED, State.FAILED)
+
+    @property
+    def message_id(self) -> str:
+        return self._message_id
+
+    @property
+    def input_tokens(self) -> int:
+        return self._input_tokens or 0
+
+    @property
+    def output_tokens(self) -> int:
+        return self._fragments if self._upstream_output is None else self._upstream_output
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self._stop_reason
+
+    def feed(self, chunk: dict[str, Any]) -> list[Event]:
+        """Translate one parsed upstream chunk; raises MalformedChunk before changing any state."""
+        state = self._state
+        if state is State.DONE:
+            return []
+        if state is State.CLOSED or state is State.FAILED:
+            raise TranslatorError(f"feed() after the stream was {state.value}")
+        if not isinstance(chunk, dict):
+            raise MalformedChunk("upstream chunk is not a JSON object")
+
+        choice: dict[str, Any] | None = None
+        content = reasoning = finish = None
+        tools: list[_ToolPiece] | None = None
+        choices = chunk.get("choices")
+        if choices:
+            if not isinstance(choices, list):
+                raise MalformedChunk("upstream chunk: choices is not a list")
+            choice = choices[0]
+            if not isinstance(choice, dict):
+                raise MalformedChunk("upstream chunk: choices[0] is not an object")
+            delta = choice.get("delta")
+            if delta:
+                if not isinstance(delta, dict):
+                    raise MalformedChunk("upstream chunk: delta is not an object")
+                content = delta.get("content")
+                if content is not None and not isinstance(content, str):
+                    raise MalformedChunk("upstream chunk: delta.content is not a string")
+                # vLLM renamed reasoning_content to reasoning; versions that send both send the same text.
+                reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+                if reasoning is not None and not isinstance(reasoning, str):
+                    raise MalformedChunk("upstream chunk: delta reasoning is not a string")
+                raw_tools = delta.get("tool_calls")
+                if raw_tools:
+                    tools = self._tool_pieces(raw_tools, reopens=bool(content or reasoning))
+            finish = choice.get("finish_reason")
+            if finish is not None and not isinstance(finish, str):
+                raise MalformedChunk("upstream chunk: finish_reason is not a string")
+        elif choices is not None and not isinstance(choices, list):
+            raise MalformedChunk("upstream chunk: choices is not a list")
+        elif "error" in chunk or chunk.get("object") == "error":
+            raise MalformedChunk(f"upstream reported an error: {_error_message(chunk)}")
+
+        usage = chunk.get("usage")
+        prompt_tokens = completion_tokens = None
+        if usage is not None:
+            if not isinstance(usage, dict):
+                raise MalformedChunk("upstream chunk: usage is not an object")
+            prompt_tokens = usage.get("prompt_tokens")
+            completion_tokens = usage.get("completion_tokens")
+            if not _is_count(prompt_tokens) or not _is_count(completion_tokens):
+                raise MalformedChunk("upstream chunk: usage token counts are not integers")
+
+        generated = bool(content or reasoning or tools)
+        if generated and state is State.STOPPING:
+            raise MalformedChunk("upstream sent output after its finish_reason")
+
+        if prompt_tokens is not None:
+            self._input_tokens = prompt_tokens
+        if completion_tokens is not None:
+            self._upstream_output = completion_tokens
+        events: list[Event] = []
+        if state is State.IDLE:
+            events.append(self._message_start())
+            self._state = state = State.STREAMING
+        if generated:
+            self._fragments += 1
+            index = self._blocks - 1
+            if reasoning:
+                if self._open is not _THINKING:
+                    index = self._start(events, _THINKING, {"type": "thinking", "thinking": "", "signature": ""})
+                events.append(
+                    (
+                        "content_block_delta",
+                        {
+                            "type": "content_block_delta",
+                            "index": index,
+                            "delta": {"type": "thinking_delta", "thinking": reasoning},
+                        },
+                    )
+                )
+            if content:
+                if self._open is not _TEXT:
+                    index = self._start(events, _TEXT, {"type": "text", "text": ""})
+                events.append(
+                    (
+                        "content_block_delta",
+                        {
+                            "type": "content_block_delta",
+                            "index": index,
+                            "delta": {"type": "text_delta", "text": content},
+                        },
+                    )
+                )
+            if tools:
+                for opens, key, call_id, name, arguments in tools:
+                    if opens:
+                        index = self._start(
+                            events, _TOOL_USE, {"type": "tool_use", "id": call_id, "name": name, "input": {}}
+                        )
+                        self._open_tool = key
+                        self._tool_keys.add(key)
+                    if arguments:
+                        events.append(
+                            (
+                                "content_block_delta",
+                                {
+                                    "type": "content_block_delta",
+                                    "index": index,
+                                    "delta": {"type": "input_json_delta", "partial_json": arguments},
+                                },
+                            )
+                        )
+        if finish is not None and state is State.STREAMING:
+            assert choice is not None
+            self._stop_reason, self._stop_sequence = anthropic_stop(
+                choice, self._stop_sequences, used_tools=bool(self._tool_keys)
+            )
+            self._close_block(events)
+            self._state = state = State.STOPPING
+        if usage is not None and state is State.STOPPING:
+            self._end_message(events)
+        return events
+
+    def finish(self) -> list[Event]:
+        """The upstream ended the stream ([DONE] or a clean EOF)."""
+        state = self._state
+        if state is State.DONE:
+            self._state = State.CLOSED
+            return []
+        if state is State.STOPPING:
+            events: list[Event] = []
+            self._end_message(events)
+            self._state = State.CLOSED
+            return events
+        if state is State.IDLE or state is State.STREAMING:
+            events = [self._message_start()] if state is State.IDLE else []
+            events.append(_error_event("upstream ended the stream without a finish_reason", "api_error"))
+            self._state = State.FAILED
+            return events
+        raise TranslatorError(f"finish() after the stream was {state.value}")
+
+    def fail(self, message: str, *, error_type: str = "api_error") -> list[Event]:
+        """The stream broke (upstream error, stall guard, shutdown): one error event, nothing else.
+
+        Before message_start the error stands alone. Open blocks stay unclosed on purpose: a
+        content_block_stop or message_stop would make a truncated answer look complete.
+        """
+        state = self._state
+        if state is State.DONE or state is State.CLOSED or state is State.FAILED:
+            raise TranslatorError(f"fail() after the stream was {state.value}")
+        self._state = State.FAILED
+        return [_error_event(message, error_type)]
+
+    def _tool_pieces(self, raw: object, *, reopens: bool) -> list[_ToolPiece]:
+        if not isinstance(raw, list):
+            raise MalformedChunk("upstream chunk: delta.tool_calls is not a list")
+        # Text or reasoning earlier in the same chunk closes the open tool block first.
+        current = None if reopens or self._open is not _TOOL_USE else self._open_tool
+        pieces: list[_ToolPiece] = []
+        opened: set[object] = set()
+        for call in raw:
+            if not isinstance(call, dict):
+                raise MalformedChunk("upstream chunk: a tool call is not an object")
+            index = call.get("index")
+            call_id = call.get("id")
+            function = call.get("function") or {}
+            if not isinstance(function, dict):
+                raise MalformedChunk("upstream chunk: tool call function is not an object")
+            name = function.get("name")
+            arguments = function.get("arguments")
+            if index is not None and type(index) is not int:
+                raise MalformedChunk("upstream chunk: tool call index is not an integer")
+            if not _is_str(call_id) or not _is_str(name) or not _is_str(arguments):
+                raise MalformedChunk("upstream chunk: tool call id, name or arguments is not a string")
+            key: object = index if index is not None else (call_id or current)
+            if key is None:
+                raise MalformedChunk("upstream chunk: tool call fragment without index or id")
+            opens = key != current
+            if opens:
+                if key in self._tool_keys or key in opened:
+                    raise MalformedChunk("upstream interleaved tool calls: an earlier tool call resumed")
+                if not name:
+                    raise MalformedChunk("upstream chunk: a new tool call has no function name")
+                opened.add(key)
+                current = key
+            pieces.append((opens, key, call_id or new_tool_use_id(), name or "", arguments or ""))
+        return pieces
+
+    def _message_start(self) -> Event:
+        return (
+            "message_start",
+            {
+                "type": "message_start",
+                "message": {
+                    "id": self._message_id,
+                    "type": "message",
+                    "role": "assistant",
+                    "model": self._model,
+                    "content": [],
+                    "stop_reason": None,
+                    "stop_sequence": None,
+                    "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
+                },
+            },
+        )
+
+    def _start(self, events: list[Event], kind: str, block: dict[str, Any]) -> int:
+        self._close_block(events)
+        index = self._blocks
+        self._blocks = index + 1
+        self._open = kind
+        events.append(("content_block_start", {"type": "content_block_start", "index": index, "content_block": block}))
+        return index
+
+    def _close_block(self, events: list[Event]) -> None:
+        if self._open is not None:
+            events.append(("content_block_stop", {"type": "content_block_stop", "index": self._blocks - 1}))
+            self._open = None
+            self._open_tool = None
+
+    def _end_message(self, events: list[Event]) -> None:
+        self._close_block(events)
+        events.append(
+            (
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": self._stop_reason, "stop_sequence": self._stop_sequence},
+                    "usage": {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens},
+                },
+            )
+        )
+        events.append(("message_stop", {"type": "message_stop"}))
+        self._state = State.DONE
+
+
+def encode_events(events: list[Event]) -> bytes:
+    """SSE frames with compact JSON, each with its event: line; empty bytes for no events."""
+    return b"".join([encode(name, orjson.dumps(payload)) for name, payload in events])
+
+
+def _error_event(message: str, error_type: str) -> Event:
+    return ("error", {"type": "error", "error": {"type": error_type, "message": message}})
+
+
+def _is_count(value: object) -> bool:
+    return value is None or (type(value) is int and value >= 0)
+
+
+def _is_str(value: object) -> bool:
+    return value is None or isinstance(value, str)
+
+
+def _error_message(chunk: dict[str, Any]) -> str:
+    error = chunk.get("error")
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return str(error["message"])
+    if isinstance(error, str):
+        return error
+    message = chunk.get("message")
+    return message if isinstance(message, str) else "no message"

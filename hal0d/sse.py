@@ -1,0 +1,120 @@
+"""The SSE room: bytes in, events out (an incremental decoder), and the one frame encoder.
+
+Pure in the h11 manner: no sockets, no event loop, nothing imported from asyncio or aiohttp. The
+relay feeds whatever `readany()` returned; chunk boundaries are not event boundaries, so the
+decoder keeps the unterminated tail of a line and the half of a CRLF that a read cut in two.
+
+Lines end at CR, LF or CRLF and nowhere else (not at the other breaks `str.splitlines` knows), as
+the WHATWG event-stream grammar says. Lines are split as bytes and decoded only once complete, so
+a UTF-8 sequence cut by a read boundary decodes whole. The unterminated tail is kept as a list of
+pieces and joined once when its line ends, and each fed chunk is scanned once, so a multi-MiB
+data line fed in thousands of reads costs linear time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Decoder", "Event", "encode"]
+
+_BOM = b"\xef\xbb\xbf"
+_LF = 0x0A
+_CR = 0x0D
+_COLON = 0x3A
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One dispatched event. `event` is None when the stream named none (the default "message").
+
+    `id` is the last event ID seen so far in the stream, which the spec carries across events.
+    """
+
+    event: str | None
+    data: str
+    id: str | None = None
+
+
+class Decoder:
+    """Incremental event-stream decoder: `feed()` every read, `close()` at end of stream."""
+
+    __slots__ = ("_tail", "_cr_pending", "_bom_pending", "_data", "_event", "_last_id")
+
+    def __init__(self) -> None:
+        self._tail: list[bytes] = []
+        # The previous feed ended with CR: an LF opening the next feed belongs to the same break.
+        self._cr_pending = False
+        self._bom_pending = True
+        self._data: list[str] = []
+        self._event: str | None = None
+        self._last_id: str | None = None
+
+    def feed(self, data: bytes) -> list[Event]:
+        if not data:
+            return []
+        if self._cr_pending:
+            self._cr_pending = False
+            if data[0] == _LF:
+                data = data[1:]
+                if not data:
+                    return []
+        if b"\r" in data:
+            self._cr_pending = data[-1] == _CR
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        lines = data.split(b"\n")
+        rest = lines.pop()
+        events: list[Event] = []
+        if lines:
+            if self._tail:
+                self._tail.append(lines[0])
+                lines[0] = b"".join(self._tail)
+                self._tail = []
+            if self._bom_pending:
+                self._bom_pending = False
+                if lines[0].startswith(_BOM):
+                    lines[0] = lines[0][3:]
+            for line in lines:
+                if not line:
+                    if self._data:
+                        events.append(Event(self._event, "\n".join(self._data), self._last_id))
+                        self._data = []
+                    self._event = None
+                    continue
+                if line[0] == _COLON:
+                    continue
+                colon = line.find(b":")
+                if colon < 0:
+                    name = line
+                    value = ""
+                else:
+                    name = line[:colon]
+                    start = colon + 1
+                    if line[start : start + 1] == b" ":
+                        start += 1
+                    value = line[start:].decode("utf-8", "replace")
+                if name == b"data":
+                    self._data.append(value)
+                elif name == b"event":
+                    self._event = value or None
+                elif name == b"id":
+                    if "\x00" not in value:
+                        self._last_id = value
+                # "retry" and unknown fields are ignored: the relay does not reconnect.
+        if rest:
+            self._tail.append(rest)
+        return events
+
+    def close(self) -> list[Event]:
+        """End of stream. An event without its closing blank line is discarded, as the spec says."""
+        self._tail = []
+        self._cr_pending = False
+        self._bom_pending = True
+        self._data = []
+        self._event = None
+        self._last_id = None
+        return []
+
+
+def encode(event: str, data: bytes) -> bytes:
+    """One named frame. `data` must hold no line break (compact JSON never does)."""
+    return b"event: " + event.encode() + b"\ndata: " + data + b"\n\n"
