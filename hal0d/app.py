@@ -6,6 +6,7 @@ import asyncio
 import re
 import uuid
 
+import orjson
 import structlog
 from aiohttp import web
 
@@ -14,6 +15,7 @@ from hal0d.config import Config
 from hal0d.errors import Hal0Error, MethodNotAllowed, NoRoute
 from hal0d.handlers import admin, openai
 from hal0d.logs import get_logger
+from hal0d.metrics.recorder import RECORDER, recorder_context
 from hal0d.requestinfo import INFO, RequestInfo
 from hal0d.supervisor import slots_context
 from hal0d.upstream import session_context
@@ -27,9 +29,17 @@ def is_anthropic_path(path: str) -> bool:
     return path.startswith(("/llm/v1/messages", "/v1/messages"))
 
 
+def is_dispatch_path(path: str) -> bool:
+    """Requests for a model: the ones the history and the request metrics are about."""
+    return path.startswith(("/v1/", "/llm/"))
+
+
 def error_response(exc: Hal0Error, path: str) -> web.Response:
     body = exc.anthropic_body() if is_anthropic_path(path) else exc.openai_body()
-    return web.json_response(body, status=exc.status, headers=exc.headers())
+    return web.Response(
+        body=orjson.dumps(body), status=exc.status, headers=exc.headers(),
+        content_type="application/json",
+    )
 
 
 def error_code(exc: Hal0Error) -> str:
@@ -82,6 +92,8 @@ async def request_lifecycle(request: web.Request, handler: web.Handler) -> web.S
         return error_response(Hal0Error("internal error in hal0d; see its log"), request.path)
     finally:
         structlog.contextvars.unbind_contextvars("request_id")
+        if is_dispatch_path(request.path) and (recorder := request.app.get(RECORDER)):
+            recorder.record(info)
         if request.path != "/healthz":
             log.info(
                 "request.done",
@@ -113,6 +125,7 @@ def make_app(config: Config) -> web.Application:
     app[RUNTIME] = RuntimeRef(Runtime.build(config))
     app[STREAMS] = set()
     app.cleanup_ctx.append(session_context)
+    app.cleanup_ctx.append(recorder_context)
     app.cleanup_ctx.append(slots_context)
     app.on_response_prepare.append(add_request_id)
 
@@ -123,4 +136,7 @@ def make_app(config: Config) -> web.Application:
         for endpoint in openai.ENDPOINTS:
             router.add_post(f"{prefix}/{{endpoint:{re.escape(endpoint)}}}", openai.dispatch)
     router.add_get("/api/slots", admin.slots)
+    router.add_get("/api/slots/metrics", admin.slot_metrics)
+    router.add_get("/api/requests", admin.requests)
+    router.add_get("/metrics", admin.prometheus)
     return app

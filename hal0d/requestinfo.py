@@ -19,7 +19,8 @@ class RequestInfo:
     endpoint: str
     started: float = field(default_factory=time.monotonic)
     ts: float = field(default_factory=time.time)
-    model: str | None = None
+    model: str | None = None  # as the client named it
+    served_model: str | None = None  # as the upstream knows it
     slot: str | None = None
     stream: bool = False
     status: int = 0

@@ -2,14 +2,50 @@
 
 from __future__ import annotations
 
+import orjson
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hal0d.appkeys import SLOTS
+from hal0d.errors import InvalidRequest
+from hal0d.metrics.recorder import RECORDER
+
+MAX_HISTORY_ROWS = 1000
+
+
+def json(body: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
 
 async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    return json({"status": "ok"})
 
 
 async def slots(request: web.Request) -> web.Response:
-    return web.json_response({"slots": request.app[SLOTS].snapshot()})
+    return json({"slots": request.app[SLOTS].snapshot()})
+
+
+async def slot_metrics(request: web.Request) -> web.Response:
+    recorder = request.app[RECORDER]
+    return json({
+        "slots": [
+            {"name": slot.name, **recorder.slot_metrics(slot.name).snapshot()}
+            for slot in request.app[SLOTS]
+        ]
+    })
+
+
+async def requests(request: web.Request) -> web.Response:
+    raw = request.query.get("limit", "100")
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_HISTORY_ROWS:
+        raise InvalidRequest(f"limit must be an integer from 1 to {MAX_HISTORY_ROWS}",
+                             field="limit")
+    rows = await request.app[RECORDER].history.recent(int(raw))
+    return json({"requests": rows})
+
+
+async def prometheus(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[RECORDER].prom.registry)
+    response = web.Response(body=body)
+    response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+    return response

@@ -76,7 +76,8 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
     if route.served_model != model and endpoint != "audio/transcriptions":
         body = with_model(body, route.served_model)
     streaming = stream or endpoint in ALWAYS_STREAMING
-    info.model, info.slot, info.stream = model, route.slot.name, streaming
+    info.model, info.served_model = model, route.served_model
+    info.slot, info.stream = route.slot.name, streaming
     timeouts = runtime.config.dispatcher
     slot = request.app[SLOTS].get(route.slot.name)
 
