@@ -13,7 +13,7 @@ from aiohttp import web
 from hal0d.appkeys import RUNTIME, STREAMS, Runtime, RuntimeRef
 from hal0d.config import Config
 from hal0d.errors import Hal0Error, MethodNotAllowed, NoRoute
-from hal0d.handlers import admin, openai
+from hal0d.handlers import admin, anthropic, openai
 from hal0d.logs import get_logger
 from hal0d.metrics.recorder import RECORDER, recorder_context
 from hal0d.requestinfo import INFO, RequestInfo
@@ -135,6 +135,9 @@ def make_app(config: Config) -> web.Application:
         router.add_get(f"{prefix}/models", openai.list_models)
         for endpoint in openai.ENDPOINTS:
             router.add_post(f"{prefix}/{{endpoint:{re.escape(endpoint)}}}", openai.dispatch)
+    for path in ("/llm/v1/messages", "/v1/messages"):
+        router.add_post(path, anthropic.messages)
+        router.add_post(f"{path}/count_tokens", anthropic.count_tokens)
     router.add_get("/api/slots", admin.slots)
     router.add_get("/api/slots/metrics", admin.slot_metrics)
     router.add_get("/api/requests", admin.requests)

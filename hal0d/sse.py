@@ -38,7 +38,7 @@ class Event:
 class Decoder:
     """Incremental event-stream decoder: `feed()` every read, `close()` at end of stream."""
 
-    __slots__ = ("_tail", "_cr_pending", "_bom_pending", "_data", "_event", "_last_id")
+    __slots__ = ("_bom_pending", "_cr_pending", "_data", "_event", "_last_id", "_tail")
 
     def __init__(self) -> None:
         self._tail: list[bytes] = []
@@ -96,9 +96,8 @@ class Decoder:
                     self._data.append(value)
                 elif name == b"event":
                     self._event = value or None
-                elif name == b"id":
-                    if "\x00" not in value:
-                        self._last_id = value
+                elif name == b"id" and "\x00" not in value:
+                    self._last_id = value
                 # "retry" and unknown fields are ignored: the relay does not reconnect.
         if rest:
             self._tail.append(rest)

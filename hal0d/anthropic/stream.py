@@ -93,19 +93,19 @@ _ToolPiece = tuple[bool, object, str, str, str]
 
 class Translator:
     __slots__ = (
-        "_model",
-        "_message_id",
-        "_stop_sequences",
-        "_state",
-        "_input_tokens",
-        "_upstream_output",
-        "_fragments",
         "_blocks",
+        "_fragments",
+        "_input_tokens",
+        "_message_id",
+        "_model",
         "_open",
         "_open_tool",
-        "_tool_keys",
+        "_state",
         "_stop_reason",
         "_stop_sequence",
+        "_stop_sequences",
+        "_tool_keys",
+        "_upstream_output",
     )
 
     def __init__(
@@ -157,7 +157,11 @@ class Translator:
         return self._stop_reason
 
     def feed(self, chunk: dict[str, Any]) -> list[Event]:
-        """Translate one parsed upstream chunk; raises MalformedChunk before changing any state."""
+        """Translate one parsed upstream chunk; raises MalformedChunk before changing any state.
+
+        Once message_stop is out, chunks are ignored unread: nothing more can reach the client,
+        and vLLM keeps sending usage after the finish.
+        """
         state = self._state
         if state is State.DONE:
             return []

@@ -110,11 +110,12 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
             )
             guard = StallGuard(timeouts, route.slot.name)
             request.app[STREAMS].add(guard)
+            outcome = None
             try:
                 outcome = await relay(upstream, response, transform, guard, tap)
             finally:
                 request.app[STREAMS].discard(guard)
-            info.apply_stream(outcome, tap)
+                info.apply_stream(outcome, tap)
             return response
         finally:
             release_upstream(upstream)

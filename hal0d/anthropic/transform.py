@@ -1,0 +1,64 @@
+"""The Anthropic transform of the relay: upstream SSE bytes in, Anthropic SSE frames out (pure).
+
+sse.Decoder splits the byte stream into events, Translator turns each OpenAI chunk into
+Anthropic events, encode_events frames them. `data: [DONE]` is consumed here, never forwarded.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+from hal0d.anthropic.stream import MalformedChunk, Translator, encode_events
+from hal0d.relay import TransformFailed
+from hal0d.sse import Decoder
+from hal0d.stallguard import StallTrip
+
+OVERLOADED_STATUSES = (503, 529)
+
+
+class AnthropicTransform:
+    def __init__(self, translator: Translator) -> None:
+        self.translator = translator
+        self.decoder = Decoder()
+
+    def _failed(self, error_code: str, message: str) -> TransformFailed:
+        return TransformFailed(error_code, encode_events(self.translator.fail(message)))
+
+    def feed(self, chunk: bytes) -> bytes:
+        translator = self.translator
+        events = []
+        for event in self.decoder.feed(chunk):
+            if translator.done:
+                break  # message_stop was sent: trailing usage chunks and [DONE] change nothing
+            data = event.data
+            if data == "[DONE]":
+                events += translator.finish()
+                continue
+            try:
+                events += translator.feed(orjson.loads(data))
+            except orjson.JSONDecodeError:
+                raise self._failed("upstream_malformed", "upstream sent a chunk that is not JSON")
+            except MalformedChunk as exc:
+                raise self._failed("upstream_malformed", f"upstream sent a malformed chunk: {exc}")
+        return encode_events(events) if events else b""
+
+    def end(self) -> bytes:
+        self.decoder.close()
+        translator = self.translator
+        if translator.done:
+            return b""
+        events = translator.finish()
+        if translator.done and translator.stop_reason is None:
+            raise TransformFailed("upstream_incomplete", encode_events(events))
+        return encode_events(events)
+
+    def stalled(self, trip: StallTrip) -> bytes:
+        if self.translator.done:
+            return b""
+        details = orjson.dumps({"x_hal0_stall": trip.details()}).decode()
+        return encode_events(self.translator.fail(f"{trip.notice()} {details}"))
+
+    def broken(self, message: str) -> bytes:
+        if self.translator.done:
+            return b""
+        return encode_events(self.translator.fail(message))

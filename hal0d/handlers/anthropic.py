@@ -1,0 +1,160 @@
+"""The Anthropic surface: POST /llm/v1/messages (and /v1/messages), count_tokens.
+
+The request is translated to OpenAI chat completions and sent to the slot like any other; a
+stream comes back through the relay's Anthropic transform. Before message_start every failure is
+a real HTTP status with Anthropic's error body; after it, one `event: error` frame ends the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import hdrs, web
+
+from hal0d.anthropic.request import parse_messages_request, prompt_text, to_openai
+from hal0d.anthropic.response import to_anthropic
+from hal0d.anthropic.stream import Translator
+from hal0d.anthropic.transform import AnthropicTransform
+from hal0d.appkeys import RUNTIME, SESSION, SLOTS, STREAMS
+from hal0d.errors import UpstreamStatus, UpstreamUnavailable
+from hal0d.handlers.body import parse_json_object, read_body
+from hal0d.handlers.openai import release_upstream
+from hal0d.metrics.live import StreamTap
+from hal0d.relay import relay
+from hal0d.requestinfo import INFO
+from hal0d.stallguard import StallGuard, guard_active
+from hal0d.tokens import count_prompt_tokens
+from hal0d.upstream import open_upstream, request_headers
+
+SSE_HEADERS = {
+    hdrs.CONTENT_TYPE: "text/event-stream; charset=utf-8",
+    hdrs.CACHE_CONTROL: "no-cache",
+    "X-Accel-Buffering": "no",
+}
+UPSTREAM_MESSAGE_LIMIT = 2000
+
+
+async def upstream_error(upstream: aiohttp.ClientResponse, slot: str) -> UpstreamStatus:
+    """The upstream's error status and message, kept, for Anthropic's error envelope."""
+    raw = await upstream.read()
+    message = raw.decode("utf-8", "replace").strip()
+    try:
+        parsed = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        parsed = None
+    if isinstance(parsed, dict):
+        error = parsed.get("error", parsed)
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            message = error["message"]
+        elif isinstance(error, str):
+            message = error
+    message = message[:UPSTREAM_MESSAGE_LIMIT] or f"upstream answered {upstream.status}"
+    return UpstreamStatus(upstream.status, f"slot {slot!r}: {message}")
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    info = request[INFO]
+    runtime = request.app[RUNTIME].current
+    req = parse_messages_request(parse_json_object(await read_body(request)))
+    route = runtime.router.resolve(req.model)
+    payload = to_openai(
+        req, served_model=route.served_model, max_output_tokens=route.slot.max_output_tokens
+    )
+    info.model, info.served_model = req.model, route.served_model
+    info.slot, info.stream = route.slot.name, req.stream
+    timeouts = runtime.config.dispatcher
+    session = request.app[SESSION]
+
+    async with request.app[SLOTS][route.slot.name].lease() as lease:
+        info.queue_ms = lease.queue_ms
+        counting = (
+            asyncio.create_task(
+                count_prompt_tokens(session, route.slot, payload, prompt_text(payload))
+            )
+            if req.stream
+            else None
+        )
+        try:
+            upstream = await open_upstream(
+                session,
+                route.slot,
+                timeouts,
+                method=hdrs.METH_POST,
+                path="/v1/chat/completions",
+                headers=request_headers(request.headers, route.slot),
+                body=orjson.dumps(payload),
+                guarded=req.stream and guard_active(timeouts),
+            )
+            try:
+                info.upstream_status(upstream.status)
+                if upstream.status >= 400:
+                    raise await upstream_error(upstream, route.slot.name)
+                if counting is None:
+                    return await answer_whole(upstream, req.model, req.stop_sequences, info)
+                input_tokens, _ = await counting
+                translator = Translator(
+                    req.model, input_tokens=input_tokens, stop_sequences=req.stop_sequences
+                )
+                response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+                await response.prepare(request)
+                tap = StreamTap(info.started)
+                guard = StallGuard(timeouts, route.slot.name)
+                request.app[STREAMS].add(guard)
+                outcome = None
+                try:
+                    outcome = await relay(
+                        upstream, response, AnthropicTransform(translator), guard, tap
+                    )
+                finally:
+                    request.app[STREAMS].discard(guard)
+                    info.apply_stream(outcome, tap)
+                if info.prompt_tokens is None:
+                    info.prompt_tokens = translator.input_tokens
+                return response
+            finally:
+                release_upstream(upstream)
+        finally:
+            if counting is not None:
+                counting.cancel()
+
+
+async def answer_whole(
+    upstream: aiohttp.ClientResponse, model: str, stop_sequences: tuple[str, ...], info: Any
+) -> web.Response:
+    try:
+        parsed = orjson.loads(await upstream.read())
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise UpstreamUnavailable(
+            f"slot {info.slot!r} failed while sending its answer: {type(exc).__name__}"
+        ) from None
+    except orjson.JSONDecodeError:
+        raise UpstreamUnavailable(f"slot {info.slot!r} answered with invalid JSON") from None
+    message = to_anthropic(parsed, model=model, stop_sequences=stop_sequences)
+    info.apply_usage({"prompt_tokens": message["usage"]["input_tokens"],
+                      "completion_tokens": message["usage"]["output_tokens"]})
+    return web.Response(body=orjson.dumps(message), content_type="application/json")
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    info = request[INFO]
+    runtime = request.app[RUNTIME].current
+    body = parse_json_object(await read_body(request))
+    # count_tokens takes the Messages body without max_tokens; the parser requires one.
+    body.setdefault("max_tokens", 1)
+    body["stream"] = False
+    req = parse_messages_request(body)
+    route = runtime.router.resolve(req.model)
+    info.model, info.served_model, info.slot = req.model, route.served_model, route.slot.name
+    payload = to_openai(req, served_model=route.served_model)
+    count, source = await count_prompt_tokens(
+        request.app[SESSION], route.slot, payload, prompt_text(payload)
+    )
+    info.prompt_tokens = count
+    return web.Response(
+        body=orjson.dumps({"input_tokens": count}),
+        content_type="application/json",
+        headers={"X-Hal0d-Token-Count": source},
+    )
