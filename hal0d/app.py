@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import uuid
+from collections.abc import Awaitable, Callable
 
 import orjson
 import structlog
@@ -61,7 +62,9 @@ def translate_http_exception(exc: web.HTTPException, request: web.Request) -> Ha
 
 
 @web.middleware
-async def request_lifecycle(request: web.Request, handler: web.Handler) -> web.StreamResponse:
+async def request_lifecycle(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
     """Names the request, renders every error in the surface's envelope, logs request.done."""
     given = request.headers.get(REQUEST_ID_HEADER, "")
     request_id = given if _REQUEST_ID.match(given) else uuid.uuid4().hex[:16]

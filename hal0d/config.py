@@ -13,7 +13,7 @@ import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import tomli_w
 
@@ -145,6 +145,7 @@ def _check_table(
         problems.append(f"{path}: must be a table")
         return {}
     good: dict[str, Any] = {}
+    value: Any
     for key, value in raw.items():
         where = f"{path}.{key}"
         if key not in spec:
@@ -157,15 +158,14 @@ def _check_table(
         ):
             problems.append(f"{where}: {value!r} is not {_type_name(kind)}")
             continue
-        if kind is float:
-            value = float(value)
-            if not math.isfinite(value):
-                problems.append(f"{where}: {value!r} is not a finite number")
-                continue
-        if low is not None and high is not None and not (low <= value <= high):
-            problems.append(f"{where}: {value!r} is outside {low}-{high}")
+        checked: Any = float(cast(float, value)) if kind is float else value
+        if kind is float and not math.isfinite(checked):
+            problems.append(f"{where}: {checked!r} is not a finite number")
             continue
-        good[key] = value
+        if low is not None and high is not None and not (low <= checked <= high):
+            problems.append(f"{where}: {checked!r} is outside {low}-{high}")
+            continue
+        good[key] = checked
     return good
 
 

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import enum
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -292,10 +293,8 @@ class Slot:
         fut.set_exception(self._refusal(f"no capacity within {self.config.queue_timeout_s:g}s"))
 
     def _discard(self, fut: asyncio.Future[None]) -> None:
-        try:
+        with contextlib.suppress(ValueError):
             self._waiters.remove(fut)
-        except ValueError:
-            pass
 
     def _fail_waiters(self) -> None:
         while self._waiters:

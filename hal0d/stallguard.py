@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 import orjson
 
@@ -105,12 +106,17 @@ class StallGuard:
         self._forced_reason: str | None = None
         self._timeout = asyncio.timeout_at(self._total_deadline)
 
-    async def __aenter__(self) -> StallGuard:
+    async def __aenter__(self) -> Self:
         await self._timeout.__aenter__()
         return self
 
-    async def __aexit__(self, *exc: Any) -> bool | None:
-        return await self._timeout.__aexit__(*exc)
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self._timeout.__aexit__(exc_type, exc, traceback)
 
     def awaiting_upstream(self) -> None:
         if self.idle_s > 0:

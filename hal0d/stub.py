@@ -22,7 +22,7 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from aiohttp import hdrs, web
 MODELS = ("reasoning", "chat", "think-only", "tool", "stall", "chatty", "broken")
 REASONING_TEXT = "The user greets me. A short friendly answer fits best here."
 CONTENT_TEXT = "Hello! I am the hal0d stub upstream. How can I help you today?"
-LONG_WORDS = "and the model keeps talking about nothing in particular".split()
+LONG_WORDS = ["and", "the", "model", "keeps", "talking", "about", "nothing", "in", "particular"]
 DEFAULT_MAX_TOKENS = 256
 
 class StubLog:
@@ -245,10 +245,13 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def logged(endpoint: str):  # type: ignore[no-untyped-def]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def logged(endpoint: str) -> Callable[[Handler], Handler]:
     """Wrap a handler with the start / end / cancelled log lines."""
 
-    def wrap(handler):  # type: ignore[no-untyped-def]
+    def wrap(handler: Handler) -> Handler:
         async def run(request: web.Request) -> web.StreamResponse:
             log = request.app[LOG_KEY]
             rid = uuid.uuid4().hex[:8]

@@ -52,7 +52,7 @@ def resolve_program(argv: tuple[str, ...]) -> list[str]:
 
 
 def log_state_change(slot: Slot, old: SlotState, new: SlotState, reason: str | None) -> None:
-    if new == SlotState.SERVING or old == SlotState.SERVING and new == SlotState.READY:
+    if new == SlotState.SERVING or (old == SlotState.SERVING and new == SlotState.READY):
         return  # every lease would log twice; in_flight is in /api/slots and /metrics instead
     level = log.warning if new == SlotState.ERROR else log.info
     level("slot.state_changed", slot=slot.name, old=str(old), new=str(new), reason=reason)

@@ -77,7 +77,9 @@ def assert_valid_anthropic_stream(events: list[Event]) -> str:
             assert name == "message_stop", f"{where}: only message_stop may follow message_delta"
         if name == "content_block_start":
             assert open_index is None, f"{where}: block {open_index} is still open"
-            assert payload["index"] == next_index, f"{where}: index {payload['index']}, expected {next_index}"
+            assert payload["index"] == next_index, (
+                f"{where}: index {payload['index']}, expected {next_index}"
+            )
             block = payload["content_block"]
             open_type = block["type"]
             assert open_type in BLOCK_DELTAS, f"{where}: unknown block type {open_type!r}"
@@ -93,18 +95,24 @@ def assert_valid_anthropic_stream(events: list[Event]) -> str:
             next_index += 1
         elif name == "content_block_delta":
             assert open_index is not None, f"{where}: delta with no open block"
-            assert payload["index"] == open_index, f"{where}: delta for {payload['index']}, open is {open_index}"
+            assert payload["index"] == open_index, (
+                f"{where}: delta for {payload['index']}, open is {open_index}"
+            )
             assert open_type is not None
             kind = payload["delta"]["type"]
             assert kind in BLOCK_DELTAS[open_type], f"{where}: {kind} inside a {open_type} block"
         elif name == "content_block_stop":
             assert open_index is not None, f"{where}: stop with no open block"
-            assert payload["index"] == open_index, f"{where}: stop for {payload['index']}, open is {open_index}"
+            assert payload["index"] == open_index, (
+                f"{where}: stop for {payload['index']}, open is {open_index}"
+            )
             open_index = open_type = None
         elif name == "message_delta":
             assert open_index is None, f"{where}: block {open_index} still open at message_delta"
             delta = payload["delta"]
-            assert delta["stop_reason"] in STOP_REASONS, f"{where}: stop_reason {delta['stop_reason']!r}"
+            assert delta["stop_reason"] in STOP_REASONS, (
+                f"{where}: stop_reason {delta['stop_reason']!r}"
+            )
             if delta["stop_reason"] == "stop_sequence":
                 assert isinstance(delta["stop_sequence"], str), f"{where}: stop_sequence missing"
             else:
@@ -123,7 +131,12 @@ def assert_valid_anthropic_stream(events: list[Event]) -> str:
 
 def assemble(events: list[Event]) -> dict[str, Any]:
     """The message a client ends up with; tool inputs are parsed from their partial_json."""
-    message: dict[str, Any] = {"content": [], "stop_reason": None, "stop_sequence": None, "error": None}
+    message: dict[str, Any] = {
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "error": None,
+    }
     partial: dict[int, str] = {}
     for name, payload in events:
         if name == "message_start":
@@ -138,7 +151,9 @@ def assemble(events: list[Event]) -> dict[str, Any]:
             elif delta["type"] == "thinking_delta":
                 block["thinking"] += delta["thinking"]
             elif delta["type"] == "input_json_delta":
-                partial[payload["index"]] = partial.get(payload["index"], "") + delta["partial_json"]
+                partial[payload["index"]] = (
+                    partial.get(payload["index"], "") + delta["partial_json"]
+                )
         elif name == "message_delta":
             message["stop_reason"] = payload["delta"]["stop_reason"]
             message["stop_sequence"] = payload["delta"]["stop_sequence"]

@@ -38,8 +38,12 @@ from tests.fixtures_util import fixture_path
 DONE = "[DONE]"
 
 
-def chunk(delta: dict[str, Any] | None = None, finish: str | None = None, usage: dict[str, int] | None = None,
-          **choice: Any) -> dict[str, Any]:
+def chunk(
+    delta: dict[str, Any] | None = None,
+    finish: str | None = None,
+    usage: dict[str, int] | None = None,
+    **choice: Any,
+) -> dict[str, Any]:
     out: dict[str, Any] = {
         "id": "chatcmpl-1",
         "object": "chat.completion.chunk",
@@ -62,7 +66,9 @@ def say(text: str, **kw: Any) -> dict[str, Any]:
     return chunk({"content": text}, **kw)
 
 
-def call(index: int, args: str = "", *, id: str | None = None, name: str | None = None) -> dict[str, Any]:
+def call(
+    index: int, args: str = "", *, id: str | None = None, name: str | None = None
+) -> dict[str, Any]:
     entry: dict[str, Any] = {"index": index, "function": {"arguments": args}}
     if id is not None:
         entry["id"] = id
@@ -77,8 +83,16 @@ def finish(reason: str = "stop", **kw: Any) -> dict[str, Any]:
 
 
 def usage(prompt: int, completion: int) -> dict[str, Any]:
-    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "choices": [],
-            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "choices": [],
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        },
+    }
 
 
 def short(event: Event) -> tuple[Any, ...]:
@@ -94,7 +108,13 @@ def short(event: Event) -> tuple[Any, ...]:
         return ("stop", p["index"])
     if name == "message_delta":
         u = p["usage"]
-        return ("message_delta", p["delta"]["stop_reason"], p["delta"]["stop_sequence"], u["input_tokens"], u["output_tokens"])
+        return (
+            "message_delta",
+            p["delta"]["stop_reason"],
+            p["delta"]["stop_sequence"],
+            u["input_tokens"],
+            u["output_tokens"],
+        )
     if name == "message_stop":
         return ("message_stop",)
     if name == "error":
@@ -117,128 +137,281 @@ PLAYBOOKS: list[Any] = [
     pytest.param(
         [role(), think("Let me"), think(" think."), say("Hi"), say(" there"), finish("stop"), DONE],
         {"input_tokens": 12},
-        [("message_start", 12),
-         ("start", 0, "thinking"), ("delta", 0, "Let me"), ("delta", 0, " think."), ("stop", 0),
-         ("start", 1, "text"), ("delta", 1, "Hi"), ("delta", 1, " there"), ("stop", 1),
-         ("message_delta", "end_turn", None, 12, 4), ("message_stop",)],
+        [
+            ("message_start", 12),
+            ("start", 0, "thinking"),
+            ("delta", 0, "Let me"),
+            ("delta", 0, " think."),
+            ("stop", 0),
+            ("start", 1, "text"),
+            ("delta", 1, "Hi"),
+            ("delta", 1, " there"),
+            ("stop", 1),
+            ("message_delta", "end_turn", None, 12, 4),
+            ("message_stop",),
+        ],
         id="reasoning then text: thinking is index 0 and closes before text index 1",
     ),
     pytest.param(
-        [role(), say("Hello"), say("!"), finish("stop"), DONE], {},
-        [("message_start", 0), ("start", 0, "text"), ("delta", 0, "Hello"), ("delta", 0, "!"), ("stop", 0),
-         ("message_delta", "end_turn", None, 0, 2), ("message_stop",)],
+        [role(), say("Hello"), say("!"), finish("stop"), DONE],
+        {},
+        [
+            ("message_start", 0),
+            ("start", 0, "text"),
+            ("delta", 0, "Hello"),
+            ("delta", 0, "!"),
+            ("stop", 0),
+            ("message_delta", "end_turn", None, 0, 2),
+            ("message_stop",),
+        ],
         id="text only: text block is index 0",
     ),
     pytest.param(
-        [role(), think("hmm"), think("..."), finish("length"), DONE], {},
-        [("message_start", 0), ("start", 0, "thinking"), ("delta", 0, "hmm"), ("delta", 0, "..."), ("stop", 0),
-         ("message_delta", "max_tokens", None, 0, 2), ("message_stop",)],
+        [role(), think("hmm"), think("..."), finish("length"), DONE],
+        {},
+        [
+            ("message_start", 0),
+            ("start", 0, "thinking"),
+            ("delta", 0, "hmm"),
+            ("delta", 0, "..."),
+            ("stop", 0),
+            ("message_delta", "max_tokens", None, 0, 2),
+            ("message_stop",),
+        ],
         id="thinking only, cut by length: thinking closed before message_delta, max_tokens",
     ),
     pytest.param(
-        [role(), say("Checking."),
-         call(0, id="call_a", name="get_weather"), call(0, '{"city":'), call(0, ' "Paris"}'),
-         call(1, "{}", id="call_b", name="get_time"),
-         finish("tool_calls"), DONE], {},
-        [("message_start", 0), ("start", 0, "text"), ("delta", 0, "Checking."), ("stop", 0),
-         ("start", 1, "tool_use"), ("delta", 1, '{"city":'), ("delta", 1, ' "Paris"}'), ("stop", 1),
-         ("start", 2, "tool_use"), ("delta", 2, "{}"), ("stop", 2),
-         ("message_delta", "tool_use", None, 0, 5), ("message_stop",)],
+        [
+            role(),
+            say("Checking."),
+            call(0, id="call_a", name="get_weather"),
+            call(0, '{"city":'),
+            call(0, ' "Paris"}'),
+            call(1, "{}", id="call_b", name="get_time"),
+            finish("tool_calls"),
+            DONE,
+        ],
+        {},
+        [
+            ("message_start", 0),
+            ("start", 0, "text"),
+            ("delta", 0, "Checking."),
+            ("stop", 0),
+            ("start", 1, "tool_use"),
+            ("delta", 1, '{"city":'),
+            ("delta", 1, ' "Paris"}'),
+            ("stop", 1),
+            ("start", 2, "tool_use"),
+            ("delta", 2, "{}"),
+            ("stop", 2),
+            ("message_delta", "tool_use", None, 0, 5),
+            ("message_stop",),
+        ],
         id="two tool calls, each closed before the next",
     ),
     pytest.param(
-        [role(), call(0, id="call_a", name="noop"), finish("tool_calls"), DONE], {},
-        [("message_start", 0), ("start", 0, "tool_use"), ("stop", 0),
-         ("message_delta", "tool_use", None, 0, 1), ("message_stop",)],
+        [role(), call(0, id="call_a", name="noop"), finish("tool_calls"), DONE],
+        {},
+        [
+            ("message_start", 0),
+            ("start", 0, "tool_use"),
+            ("stop", 0),
+            ("message_delta", "tool_use", None, 0, 1),
+            ("message_stop",),
+        ],
         id="tool call with empty arguments still starts and stops",
     ),
     pytest.param(
-        [role(), call(0, "{}", id="call_a", name="noop"), finish("stop"), DONE], {},
-        [("message_start", 0), ("start", 0, "tool_use"), ("delta", 0, "{}"), ("stop", 0),
-         ("message_delta", "tool_use", None, 0, 1), ("message_stop",)],
+        [role(), call(0, "{}", id="call_a", name="noop"), finish("stop"), DONE],
+        {},
+        [
+            ("message_start", 0),
+            ("start", 0, "tool_use"),
+            ("delta", 0, "{}"),
+            ("stop", 0),
+            ("message_delta", "tool_use", None, 0, 1),
+            ("message_stop",),
+        ],
         id="finish_reason stop after tool calls reports tool_use",
     ),
     pytest.param(
-        [role(), say("a"), finish("stop", stop_reason="END"), DONE], {"stop_sequences": ["END"]},
-        [("message_start", 0), ("start", 0, "text"), ("delta", 0, "a"), ("stop", 0),
-         ("message_delta", "stop_sequence", "END", 0, 1), ("message_stop",)],
+        [role(), say("a"), finish("stop", stop_reason="END"), DONE],
+        {"stop_sequences": ["END"]},
+        [
+            ("message_start", 0),
+            ("start", 0, "text"),
+            ("delta", 0, "a"),
+            ("stop", 0),
+            ("message_delta", "stop_sequence", "END", 0, 1),
+            ("message_stop",),
+        ],
         id="vLLM stop_reason names a requested stop sequence",
     ),
     pytest.param(
-        [role(), say("a"), finish("stop", stopping_word="###"), DONE], {"stop_sequences": ["###"]},
-        [("message_start", 0), ("start", 0, "text"), ("delta", 0, "a"), ("stop", 0),
-         ("message_delta", "stop_sequence", "###", 0, 1), ("message_stop",)],
+        [role(), say("a"), finish("stop", stopping_word="###"), DONE],
+        {"stop_sequences": ["###"]},
+        [
+            ("message_start", 0),
+            ("start", 0, "text"),
+            ("delta", 0, "a"),
+            ("stop", 0),
+            ("message_delta", "stop_sequence", "###", 0, 1),
+            ("message_stop",),
+        ],
         id="llama.cpp stopping_word names a requested stop sequence",
     ),
     pytest.param(
-        [role(), say("a"), finish("stop", stop_reason="<|im_end|>"), DONE], {"stop_sequences": ["END"]},
-        [("message_start", 0), ("start", 0, "text"), ("delta", 0, "a"), ("stop", 0),
-         ("message_delta", "end_turn", None, 0, 1), ("message_stop",)],
+        [role(), say("a"), finish("stop", stop_reason="<|im_end|>"), DONE],
+        {"stop_sequences": ["END"]},
+        [
+            ("message_start", 0),
+            ("start", 0, "text"),
+            ("delta", 0, "a"),
+            ("stop", 0),
+            ("message_delta", "end_turn", None, 0, 1),
+            ("message_stop",),
+        ],
         id="a stop string the client did not ask for is an end_turn",
     ),
     pytest.param(
-        [role(), say("a"), finish("content_filter"), DONE], {},
-        [("message_start", 0), ("start", 0, "text"), ("delta", 0, "a"), ("stop", 0),
-         ("message_delta", "end_turn", None, 0, 1), ("message_stop",)],
+        [role(), say("a"), finish("content_filter"), DONE],
+        {},
+        [
+            ("message_start", 0),
+            ("start", 0, "text"),
+            ("delta", 0, "a"),
+            ("stop", 0),
+            ("message_delta", "end_turn", None, 0, 1),
+            ("message_stop",),
+        ],
         id="content_filter becomes end_turn",
     ),
     pytest.param(
-        [role(), say("a"), finish("stop"), usage(31, 9), DONE], {"input_tokens": 30},
-        [("message_start", 30), ("start", 0, "text"), ("delta", 0, "a"), ("stop", 0),
-         ("message_delta", "end_turn", None, 31, 9), ("message_stop",)],
+        [role(), say("a"), finish("stop"), usage(31, 9), DONE],
+        {"input_tokens": 30},
+        [
+            ("message_start", 30),
+            ("start", 0, "text"),
+            ("delta", 0, "a"),
+            ("stop", 0),
+            ("message_delta", "end_turn", None, 31, 9),
+            ("message_stop",),
+        ],
         id="usage on a final choices:[] chunk wins over the estimate",
     ),
     pytest.param(
-        [think("r", field="reasoning", usage={"prompt_tokens": 7, "completion_tokens": 1}),
-         say("t", usage={"prompt_tokens": 7, "completion_tokens": 2}),
-         finish("stop", usage={"prompt_tokens": 7, "completion_tokens": 2}),
-         usage(7, 2), DONE], {"input_tokens": 99},
-        [("message_start", 7), ("start", 0, "thinking"), ("delta", 0, "r"), ("stop", 0),
-         ("start", 1, "text"), ("delta", 1, "t"), ("stop", 1),
-         ("message_delta", "end_turn", None, 7, 2), ("message_stop",)],
+        [
+            think("r", field="reasoning", usage={"prompt_tokens": 7, "completion_tokens": 1}),
+            say("t", usage={"prompt_tokens": 7, "completion_tokens": 2}),
+            finish("stop", usage={"prompt_tokens": 7, "completion_tokens": 2}),
+            usage(7, 2),
+            DONE,
+        ],
+        {"input_tokens": 99},
+        [
+            ("message_start", 7),
+            ("start", 0, "thinking"),
+            ("delta", 0, "r"),
+            ("stop", 0),
+            ("start", 1, "text"),
+            ("delta", 1, "t"),
+            ("stop", 1),
+            ("message_delta", "end_turn", None, 7, 2),
+            ("message_stop",),
+        ],
         id="vLLM: reasoning field, usage on every chunk, trailing usage ignored",
     ),
     pytest.param(
-        [role(), say(""), chunk({"content": None}), chunk(None), {"id": "x", "choices": []}, say("a"),
-         finish("stop"), DONE], {},
-        [("message_start", 0), ("start", 0, "text"), ("delta", 0, "a"), ("stop", 0),
-         ("message_delta", "end_turn", None, 0, 1), ("message_stop",)],
+        [
+            role(),
+            say(""),
+            chunk({"content": None}),
+            chunk(None),
+            {"id": "x", "choices": []},
+            say("a"),
+            finish("stop"),
+            DONE,
+        ],
+        {},
+        [
+            ("message_start", 0),
+            ("start", 0, "text"),
+            ("delta", 0, "a"),
+            ("stop", 0),
+            ("message_delta", "end_turn", None, 0, 1),
+            ("message_stop",),
+        ],
         id="role-only, empty and choices:[] chunks make no blocks",
     ),
     pytest.param(
-        [role(), say("a"), think("b"), say("c"), finish("stop"), DONE], {},
-        [("message_start", 0), ("start", 0, "text"), ("delta", 0, "a"), ("stop", 0),
-         ("start", 1, "thinking"), ("delta", 1, "b"), ("stop", 1),
-         ("start", 2, "text"), ("delta", 2, "c"), ("stop", 2),
-         ("message_delta", "end_turn", None, 0, 3), ("message_stop",)],
+        [role(), say("a"), think("b"), say("c"), finish("stop"), DONE],
+        {},
+        [
+            ("message_start", 0),
+            ("start", 0, "text"),
+            ("delta", 0, "a"),
+            ("stop", 0),
+            ("start", 1, "thinking"),
+            ("delta", 1, "b"),
+            ("stop", 1),
+            ("start", 2, "text"),
+            ("delta", 2, "c"),
+            ("stop", 2),
+            ("message_delta", "end_turn", None, 0, 3),
+            ("message_stop",),
+        ],
         id="reasoning after text opens a new thinking block",
     ),
     pytest.param(
-        [chunk({"reasoning_content": "r", "content": "t"}, finish="stop"), DONE], {},
-        [("message_start", 0), ("start", 0, "thinking"), ("delta", 0, "r"), ("stop", 0),
-         ("start", 1, "text"), ("delta", 1, "t"), ("stop", 1),
-         ("message_delta", "end_turn", None, 0, 1), ("message_stop",)],
+        [chunk({"reasoning_content": "r", "content": "t"}, finish="stop"), DONE],
+        {},
+        [
+            ("message_start", 0),
+            ("start", 0, "thinking"),
+            ("delta", 0, "r"),
+            ("stop", 0),
+            ("start", 1, "text"),
+            ("delta", 1, "t"),
+            ("stop", 1),
+            ("message_delta", "end_turn", None, 0, 1),
+            ("message_stop",),
+        ],
         id="reasoning, content and finish_reason in one chunk",
     ),
     pytest.param(
-        [chunk({"reasoning_content": "r", "reasoning": "r"}), finish(), DONE], {},
-        [("message_start", 0), ("start", 0, "thinking"), ("delta", 0, "r"), ("stop", 0),
-         ("message_delta", "end_turn", None, 0, 1), ("message_stop",)],
+        [chunk({"reasoning_content": "r", "reasoning": "r"}), finish(), DONE],
+        {},
+        [
+            ("message_start", 0),
+            ("start", 0, "thinking"),
+            ("delta", 0, "r"),
+            ("stop", 0),
+            ("message_delta", "end_turn", None, 0, 1),
+            ("message_stop",),
+        ],
         id="both reasoning fields carry the same text once",
     ),
     pytest.param(
-        [finish("stop"), DONE], {},
+        [finish("stop"), DONE],
+        {},
         [("message_start", 0), ("message_delta", "end_turn", None, 0, 0), ("message_stop",)],
         id="empty answer: no blocks",
     ),
     pytest.param(
-        [role(), say("a"), say("b"), DONE], {},
-        [("message_start", 0), ("start", 0, "text"), ("delta", 0, "a"), ("delta", 0, "b"),
-         ("error", "api_error", NO_FINISH)],
+        [role(), say("a"), say("b"), DONE],
+        {},
+        [
+            ("message_start", 0),
+            ("start", 0, "text"),
+            ("delta", 0, "a"),
+            ("delta", 0, "b"),
+            ("error", "api_error", NO_FINISH),
+        ],
         id="upstream ends without finish_reason: error, no message_stop",
     ),
     pytest.param(
-        [DONE], {"input_tokens": 5},
+        [DONE],
+        {"input_tokens": 5},
         [("message_start", 5), ("error", "api_error", NO_FINISH)],
         id="[DONE] then nothing: message_start and an error",
     ),
@@ -246,7 +419,9 @@ PLAYBOOKS: list[Any] = [
 
 
 @pytest.mark.parametrize(("script", "options", "expected"), PLAYBOOKS)
-def test_playbook(script: list[Any], options: dict[str, Any], expected: list[tuple[Any, ...]]) -> None:
+def test_playbook(
+    script: list[Any], options: dict[str, Any], expected: list[tuple[Any, ...]]
+) -> None:
     events = play(script, **options)
     assert [short(e) for e in events] == expected
     assert_valid_anthropic_stream(events)
@@ -258,8 +433,16 @@ def test_message_start_envelope() -> None:
     assert name == "message_start"
     assert payload == {
         "type": "message_start",
-        "message": {"id": "msg_fixed", "type": "message", "role": "assistant", "model": "my-alias", "content": [],
-                    "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 3, "output_tokens": 0}},
+        "message": {
+            "id": "msg_fixed",
+            "type": "message",
+            "role": "assistant",
+            "model": "my-alias",
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 3, "output_tokens": 0},
+        },
     }
 
 
@@ -273,11 +456,18 @@ def test_generated_ids() -> None:
 
 def test_each_chunk_is_translated_as_it_arrives() -> None:
     translator = Translator("m")
-    assert [short(e) for e in translator.feed(say("a"))] == [("message_start", 0), ("start", 0, "text"), ("delta", 0, "a")]
+    assert [short(e) for e in translator.feed(say("a"))] == [
+        ("message_start", 0),
+        ("start", 0, "text"),
+        ("delta", 0, "a"),
+    ]
     assert [short(e) for e in translator.feed(say("b"))] == [("delta", 0, "b")]
     assert [short(e) for e in translator.feed(finish())] == [("stop", 0)]
     assert translator.state is State.STOPPING
-    assert [short(e) for e in translator.feed(usage(1, 2))] == [("message_delta", "end_turn", None, 1, 2), ("message_stop",)]
+    assert [short(e) for e in translator.feed(usage(1, 2))] == [
+        ("message_delta", "end_turn", None, 1, 2),
+        ("message_stop",),
+    ]
     assert translator.done and translator.state is State.DONE
     assert translator.feed(usage(1, 2)) == []
     assert translator.feed(say("late")) == []
@@ -289,7 +479,9 @@ def test_fail_mid_stream_is_one_error_and_nothing_else() -> None:
     translator = Translator("m")
     events = translator.feed(say("a"))
     failure = translator.fail("upstream closed the connection", error_type="overloaded_error")
-    assert [short(e) for e in failure] == [("error", "overloaded_error", "upstream closed the connection")]
+    assert [short(e) for e in failure] == [
+        ("error", "overloaded_error", "upstream closed the connection")
+    ]
     assert translator.state is State.FAILED and translator.done
     assert assert_valid_anthropic_stream(events + failure) == "error"
 
@@ -305,7 +497,9 @@ def test_fail_while_waiting_for_usage() -> None:
 
 def test_fail_before_anything_is_only_the_error() -> None:
     translator = Translator("m")
-    assert [short(e) for e in translator.fail("shutting down")] == [("error", "api_error", "shutting down")]
+    assert [short(e) for e in translator.fail("shutting down")] == [
+        ("error", "api_error", "shutting down")
+    ]
 
 
 def _finished() -> Translator:
@@ -355,13 +549,31 @@ def test_impossible_orders_raise(make: Any, action: Any) -> None:
         pytest.param({"choices": [5]}, id="choice not an object"),
         pytest.param({"choices": [{"delta": "hi"}]}, id="delta not an object"),
         pytest.param({"choices": [{"delta": {"content": 5}}]}, id="content not a string"),
-        pytest.param({"choices": [{"delta": {"reasoning_content": ["x"]}}]}, id="reasoning not a string"),
-        pytest.param({"choices": [{"delta": {"tool_calls": {"index": 0}}}]}, id="tool_calls not a list"),
-        pytest.param({"choices": [{"delta": {"tool_calls": [{"index": "0", "function": {"name": "f"}}]}}]}, id="tool index not int"),
-        pytest.param({"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}}]}, id="new tool call without name"),
-        pytest.param({"choices": [{"delta": {}, "finish_reason": 1}]}, id="finish_reason not a string"),
+        pytest.param(
+            {"choices": [{"delta": {"reasoning_content": ["x"]}}]}, id="reasoning not a string"
+        ),
+        pytest.param(
+            {"choices": [{"delta": {"tool_calls": {"index": 0}}}]}, id="tool_calls not a list"
+        ),
+        pytest.param(
+            {"choices": [{"delta": {"tool_calls": [{"index": "0", "function": {"name": "f"}}]}}]},
+            id="tool index not int",
+        ),
+        pytest.param(
+            {
+                "choices": [
+                    {"delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}}
+                ]
+            },
+            id="new tool call without name",
+        ),
+        pytest.param(
+            {"choices": [{"delta": {}, "finish_reason": 1}]}, id="finish_reason not a string"
+        ),
         pytest.param({"choices": [], "usage": [1]}, id="usage not an object"),
-        pytest.param({"choices": [], "usage": {"completion_tokens": "3"}}, id="usage count not an int"),
+        pytest.param(
+            {"choices": [], "usage": {"completion_tokens": "3"}}, id="usage count not an int"
+        ),
         pytest.param({"error": {"message": "CUDA out of memory"}}, id="upstream error object"),
         pytest.param({"object": "error", "message": "boom"}, id="vLLM error object"),
     ],
@@ -387,8 +599,13 @@ def test_upstream_error_message_is_kept() -> None:
     "script",
     [
         pytest.param([say("a"), finish(), say("b")], id="content after finish_reason"),
-        pytest.param([call(0, id="a", name="f"), call(1, id="b", name="g"), call(0, "{}")], id="earlier tool call resumes"),
-        pytest.param([call(0, id="a", name="f"), say("x"), call(0, "{}")], id="tool call resumes after text"),
+        pytest.param(
+            [call(0, id="a", name="f"), call(1, id="b", name="g"), call(0, "{}")],
+            id="earlier tool call resumes",
+        ),
+        pytest.param(
+            [call(0, id="a", name="f"), say("x"), call(0, "{}")], id="tool call resumes after text"
+        ),
     ],
 )
 def test_impossible_upstream_orders_are_malformed(script: list[dict[str, Any]]) -> None:
@@ -403,36 +620,59 @@ def test_tool_calls_keyed_by_id_when_index_is_missing() -> None:
     def entry(**kw: Any) -> dict[str, Any]:
         return chunk({"tool_calls": [kw]})
 
-    events = play([
-        entry(id="c1", function={"name": "f", "arguments": "{"}),
-        entry(function={"arguments": "}"}),
-        entry(id="c2", function={"name": "g", "arguments": "{}"}),
-        finish("tool_calls"), DONE,
-    ])
+    events = play(
+        [
+            entry(id="c1", function={"name": "f", "arguments": "{"}),
+            entry(function={"arguments": "}"}),
+            entry(id="c2", function={"name": "g", "arguments": "{}"}),
+            finish("tool_calls"),
+            DONE,
+        ]
+    )
     assert [short(e) for e in events][1:-2] == [
-        ("start", 0, "tool_use"), ("delta", 0, "{"), ("delta", 0, "}"), ("stop", 0),
-        ("start", 1, "tool_use"), ("delta", 1, "{}"), ("stop", 1),
+        ("start", 0, "tool_use"),
+        ("delta", 0, "{"),
+        ("delta", 0, "}"),
+        ("stop", 0),
+        ("start", 1, "tool_use"),
+        ("delta", 1, "{}"),
+        ("stop", 1),
     ]
 
 
 def test_several_tool_calls_in_one_chunk() -> None:
-    both = chunk({"tool_calls": [
-        {"index": 0, "id": "a", "function": {"name": "f", "arguments": "{}"}},
-        {"index": 1, "id": "b", "function": {"name": "g", "arguments": "{}"}},
-    ]})
+    both = chunk(
+        {
+            "tool_calls": [
+                {"index": 0, "id": "a", "function": {"name": "f", "arguments": "{}"}},
+                {"index": 1, "id": "b", "function": {"name": "g", "arguments": "{}"}},
+            ]
+        }
+    )
     events = play([both, finish("tool_calls"), DONE])
     assert [short(e) for e in events][1:-2] == [
-        ("start", 0, "tool_use"), ("delta", 0, "{}"), ("stop", 0), ("start", 1, "tool_use"), ("delta", 1, "{}"), ("stop", 1),
+        ("start", 0, "tool_use"),
+        ("delta", 0, "{}"),
+        ("stop", 0),
+        ("start", 1, "tool_use"),
+        ("delta", 1, "{}"),
+        ("stop", 1),
     ]
     message = assemble(events)
-    assert [(b["id"], b["name"], b["input"]) for b in message["content"]] == [("a", "f", {}), ("b", "g", {})]
+    assert [(b["id"], b["name"], b["input"]) for b in message["content"]] == [
+        ("a", "f", {}),
+        ("b", "g", {}),
+    ]
 
 
 # --- wire format -------------------------------------------------------------------------------
 
 
 def test_encode_events_is_compact_named_frames() -> None:
-    events = play([role(), think("hmm"), say("Hi"), call(0, '{"q":1}', id="c", name="f"), finish(), DONE], input_tokens=1)
+    events = play(
+        [role(), think("hmm"), say("Hi"), call(0, '{"q":1}', id="c", name="f"), finish(), DONE],
+        input_tokens=1,
+    )
     raw = encode_events(events)
     frames = raw.split(b"\n\n")
     assert frames[-1] == b""
@@ -478,26 +718,48 @@ def test_llama_cpp_python_capture_translates() -> None:
     events = run_pipeline([raw], input_tokens=36)
     assert assert_valid_anthropic_stream(events) == "success"
     message = assemble(events)
-    assert message["content"] == [{"type": "text", "text": "Hello, welcome to my little corner of the world!"}]
+    assert message["content"] == [
+        {"type": "text", "text": "Hello, welcome to my little corner of the world!"}
+    ]
     assert message["stop_reason"] == "end_turn"
     assert message["usage"] == {"input_tokens": 36, "output_tokens": 11}
     for cut in range(0, len(raw), 53):
-        assert run_pipeline([raw[:cut], raw[cut:]], message_id=events[0][1]["message"]["id"], input_tokens=36) == events
+        assert (
+            run_pipeline(
+                [raw[:cut], raw[cut:]], message_id=events[0][1]["message"]["id"], input_tokens=36
+            )
+            == events
+        )
 
 
 def _sdk_client(body: bytes) -> anthropic.Anthropic:
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
 
-    return anthropic.Anthropic(api_key="test", base_url="http://hal0d.test", max_retries=0,
-                               http_client=httpx.Client(transport=httpx.MockTransport(handler)))
+    return anthropic.Anthropic(
+        api_key="test",
+        base_url="http://hal0d.test",
+        max_retries=0,
+        http_client=httpx.Client(transport=httpx.MockTransport(handler)),
+    )
 
 
 def test_anthropic_sdk_accepts_the_stream() -> None:
-    events = play([role(), think("Because."), say("Hi"), call(0, '{"q": 1}', id="call_1", name="lookup"),
-                   finish("tool_calls"), usage(10, 4), DONE])
+    events = play(
+        [
+            role(),
+            think("Because."),
+            say("Hi"),
+            call(0, '{"q": 1}', id="call_1", name="lookup"),
+            finish("tool_calls"),
+            usage(10, 4),
+            DONE,
+        ]
+    )
     client = _sdk_client(encode_events(events))
-    with client.messages.stream(model="client-model", max_tokens=64, messages=[{"role": "user", "content": "hi"}]) as stream:
+    with client.messages.stream(
+        model="client-model", max_tokens=64, messages=[{"role": "user", "content": "hi"}]
+    ) as stream:
         message = stream.get_final_message()
     assert [block.type for block in message.content] == ["thinking", "text", "tool_use"]
     assert message.content[1].text == "Hi"  # type: ignore[union-attr]
@@ -510,7 +772,9 @@ def test_anthropic_sdk_raises_on_a_failed_stream() -> None:
     translator = Translator("client-model")
     events = translator.feed(say("partial")) + translator.fail("upstream went away")
     client = _sdk_client(encode_events(events))
-    request = client.messages.stream(model="m", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    request = client.messages.stream(
+        model="m", max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+    )
     with pytest.raises(anthropic.APIStatusError, match="upstream went away"), request as stream:
         stream.get_final_message()
 
@@ -540,8 +804,17 @@ def upstream_streams(draw: st.DrawFn) -> tuple[bytes, list[dict[str, Any]]]:
             tool_input = {"q": "".join(parts)} if parts else {}
             arguments = orjson.dumps(tool_input).decode() if parts else ""
             step = max(1, len(arguments) // max(1, len(parts)))
-            chunks.extend(call(tools, arguments[i : i + step]) for i in range(0, len(arguments), step))
-            expected.append({"type": "tool_use", "id": f"call_{tools}", "name": f"tool_{tools}", "input": tool_input})
+            chunks.extend(
+                call(tools, arguments[i : i + step]) for i in range(0, len(arguments), step)
+            )
+            expected.append(
+                {
+                    "type": "tool_use",
+                    "id": f"call_{tools}",
+                    "name": f"tool_{tools}",
+                    "input": tool_input,
+                }
+            )
             tools += 1
             continue
         for part in parts:
@@ -573,7 +846,9 @@ def test_any_split_of_the_upstream_gives_the_same_valid_stream(
     whole = run_pipeline([raw], message_id="msg_x")
     cuts = sorted(data.draw(st.lists(st.integers(0, len(raw)), max_size=16)))
     bounds = [0, *cuts, len(raw)]
-    assert run_pipeline([raw[a:b] for a, b in itertools.pairwise(bounds)], message_id="msg_x") == whole
+    assert (
+        run_pipeline([raw[a:b] for a, b in itertools.pairwise(bounds)], message_id="msg_x") == whole
+    )
     assert assert_valid_anthropic_stream(whole) == "success"
     assert events_from_sse(encode_events(whole)) == whole
     blocks = assemble(whole)["content"]

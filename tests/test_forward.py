@@ -64,7 +64,7 @@ async def test_the_stub_streams_through_hal0d(stub, start_hal0d, http):
         raw = await resp.read()
     events = [e for e in raw.split(b"\n\n") if e]
     assert events[-1] == b"data: [DONE]"
-    chunks = [orjson.loads(e[len(b"data: "):]) for e in events[:-1]]
+    chunks = [orjson.loads(e[len(b"data: ") :]) for e in events[:-1]]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
     kinds = [next(iter(c["choices"][0]["delta"]), None) for c in chunks[1:-2]]
     assert kinds[0] == "reasoning_content" and kinds[-1] == "content"
@@ -108,9 +108,7 @@ async def test_dead_upstream_is_a_clean_502_within_the_connect_timeout(start_hal
     assert "'llm'" in body["error"]["message"]
 
 
-async def test_client_disconnect_closes_the_upstream_within_a_second(
-    stub, start_hal0d, http
-):
+async def test_client_disconnect_closes_the_upstream_within_a_second(stub, start_hal0d, http):
     hal0d = await start_hal0d(stub.url)
     body = chat_body("reasoning", content="long", max_tokens=100_000)
     resp = await http.post(hal0d.make_url("/v1/chat/completions"), json=body)
@@ -124,9 +122,7 @@ async def test_client_disconnect_closes_the_upstream_within_a_second(
 
 async def test_unknown_model_is_404_listing_served_models(stub, start_hal0d, http):
     hal0d = await start_hal0d(stub.url)
-    async with http.post(
-        hal0d.make_url("/v1/chat/completions"), json=chat_body("gpt-9")
-    ) as resp:
+    async with http.post(hal0d.make_url("/v1/chat/completions"), json=chat_body("gpt-9")) as resp:
         body = await resp.json()
     assert resp.status == 404
     assert body["error"]["code"] == "dispatch.no_route"
@@ -149,8 +145,9 @@ async def test_credentials_and_hop_by_hop_headers_are_not_forwarded(
 
     async def upstream(request: web.Request) -> web.Response:
         seen.update(request.headers)
-        return web.json_response({"choices": []}, headers={"Keep-Alive": "timeout=5",
-                                                            "X-Upstream": "yes"})
+        return web.json_response(
+            {"choices": []}, headers={"Keep-Alive": "timeout=5", "X-Upstream": "yes"}
+        )
 
     url = await upstream_app({"POST /v1/chat/completions": upstream})
     hal0d = await start_hal0d(url, slot={"api_key": "slot-secret"})
@@ -197,12 +194,12 @@ async def test_every_endpoint_is_dispatched_under_both_prefixes(stub, start_hal0
             assert {"reasoning", "chat", "broken"} <= ids
 
 
-async def test_transcription_model_comes_from_the_multipart_form(
-    upstream_app, start_hal0d, http
-):
+async def test_transcription_model_comes_from_the_multipart_form(upstream_app, start_hal0d, http):
     async def upstream(request: web.Request) -> web.Response:
         form = await request.post()
-        return web.json_response({"text": f"model={form['model']} bytes={len(form['file'].file.read())}"})
+        return web.json_response(
+            {"text": f"model={form['model']} bytes={len(form['file'].file.read())}"}
+        )
 
     url = await upstream_app({"POST /v1/audio/transcriptions": upstream})
     hal0d = await start_hal0d(url, models=("whisper",))

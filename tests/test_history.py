@@ -1,4 +1,5 @@
-"""Request history: rows land in a real SQLite file, in batches, off the hot path; kill -9 loses none."""
+"""Request history: rows land in a real SQLite file, in batches, off the hot path; kill -9
+loses none."""
 
 from __future__ import annotations
 

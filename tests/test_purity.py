@@ -6,7 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-PURE_MODULES = ("hal0d.sse", "hal0d.anthropic.stream", "hal0d.anthropic.request", "hal0d.anthropic.response")
+PURE_MODULES = (
+    "hal0d.sse",
+    "hal0d.anthropic.stream",
+    "hal0d.anthropic.request",
+    "hal0d.anthropic.response",
+)
 
 
 def test_pure_modules_import_no_event_loop_or_http() -> None:

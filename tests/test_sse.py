@@ -64,9 +64,17 @@ def reference_decode(data: bytes) -> list[Event]:
         pytest.param(b"data: a\n\n", [Event(None, "a")], id="LF"),
         pytest.param(b"data: a\r\n\r\n", [Event(None, "a")], id="CRLF"),
         pytest.param(b"data: a\r\r", [Event(None, "a")], id="CR"),
-        pytest.param(b"data: a\r\n\ndata: b\r\rdata: c\n\r\n", [Event(None, "a"), Event(None, "b"), Event(None, "c")], id="mixed"),
-        pytest.param(b"data: a\ndata: b\n\n", [Event(None, "a\nb")], id="multi-line data joined with LF"),
-        pytest.param(b": keepalive\ndata: a\n: more\n\n", [Event(None, "a")], id="comments ignored"),
+        pytest.param(
+            b"data: a\r\n\ndata: b\r\rdata: c\n\r\n",
+            [Event(None, "a"), Event(None, "b"), Event(None, "c")],
+            id="mixed",
+        ),
+        pytest.param(
+            b"data: a\ndata: b\n\n", [Event(None, "a\nb")], id="multi-line data joined with LF"
+        ),
+        pytest.param(
+            b": keepalive\ndata: a\n: more\n\n", [Event(None, "a")], id="comments ignored"
+        ),
         pytest.param(b":\n\n", [], id="comment-only event not dispatched"),
         pytest.param(b"event: ping\n\n", [], id="event without data not dispatched"),
         pytest.param(b"data\n\n", [Event(None, "")], id="field without colon has empty value"),
@@ -74,15 +82,43 @@ def reference_decode(data: bytes) -> list[Event]:
         pytest.param(b"data:a\n\n", [Event(None, "a")], id="no space after colon"),
         pytest.param(b"data:  a \n\n", [Event(None, " a ")], id="only one leading space stripped"),
         pytest.param(b"data: a:b: c\n\n", [Event(None, "a:b: c")], id="later colons kept"),
-        pytest.param(b"event: message_start\ndata: {}\n\n", [Event("message_start", "{}")], id="named event"),
-        pytest.param(b"event: x\n\ndata: a\n\n", [Event(None, "a")], id="event name reset by blank line"),
-        pytest.param(b"id: 7\ndata: a\n\ndata: b\n\n", [Event(None, "a", "7"), Event(None, "b", "7")], id="last id carries over"),
-        pytest.param(b"id: 7\ndata: a\n\nid: 8\x00\ndata: b\n\n", [Event(None, "a", "7"), Event(None, "b", "7")], id="id with NUL ignored"),
-        pytest.param(b"retry: 10\nfoo: bar\ndata: a\n\n", [Event(None, "a")], id="retry and unknown fields ignored"),
+        pytest.param(
+            b"event: message_start\ndata: {}\n\n", [Event("message_start", "{}")], id="named event"
+        ),
+        pytest.param(
+            b"event: x\n\ndata: a\n\n", [Event(None, "a")], id="event name reset by blank line"
+        ),
+        pytest.param(
+            b"id: 7\ndata: a\n\ndata: b\n\n",
+            [Event(None, "a", "7"), Event(None, "b", "7")],
+            id="last id carries over",
+        ),
+        pytest.param(
+            b"id: 7\ndata: a\n\nid: 8\x00\ndata: b\n\n",
+            [Event(None, "a", "7"), Event(None, "b", "7")],
+            id="id with NUL ignored",
+        ),
+        pytest.param(
+            b"retry: 10\nfoo: bar\ndata: a\n\n",
+            [Event(None, "a")],
+            id="retry and unknown fields ignored",
+        ),
         pytest.param(b"\xef\xbb\xbfdata: a\n\n", [Event(None, "a")], id="leading BOM stripped"),
-        pytest.param(b"data: a\xe2\x80\xa8b\x85\x0b\x0c\x1c\n\n", [Event(None, "a\u2028b\ufffd\x0b\x0c\x1c")], id="only CR and LF break lines"),
-        pytest.param(b"data: a\n\ndata: incomplete\n", [Event(None, "a")], id="event without blank line dropped at close"),
-        pytest.param(b"data: a\n\ndata: no newline", [Event(None, "a")], id="unterminated line dropped at close"),
+        pytest.param(
+            b"data: a\xe2\x80\xa8b\x85\x0b\x0c\x1c\n\n",
+            [Event(None, "a\u2028b\ufffd\x0b\x0c\x1c")],
+            id="only CR and LF break lines",
+        ),
+        pytest.param(
+            b"data: a\n\ndata: incomplete\n",
+            [Event(None, "a")],
+            id="event without blank line dropped at close",
+        ),
+        pytest.param(
+            b"data: a\n\ndata: no newline",
+            [Event(None, "a")],
+            id="unterminated line dropped at close",
+        ),
     ],
 )
 def test_decoder_playbook(stream: bytes, expected: list[Event]) -> None:
@@ -151,7 +187,9 @@ def test_llama_cpp_python_capture_decodes() -> None:
     chunks = [orjson.loads(event.data) for event in events[:-1]]
     assert len(chunks) == 13
     assert {chunk["object"] for chunk in chunks} == {"chat.completion.chunk"}
-    assert [feed_split(raw, [cut]) for cut in range(0, len(raw), 97)] == [events] * len(range(0, len(raw), 97))
+    assert [feed_split(raw, [cut]) for cut in range(0, len(raw), 97)] == [events] * len(
+        range(0, len(raw), 97)
+    )
 
 
 def test_encode_frame() -> None:
@@ -162,8 +200,27 @@ def test_encode_frame() -> None:
 
 
 _PIECES = [
-    b"data:", b"data: ", b"event: ", b"id: ", b"id", b"retry: 5", b":", b" ", b"x", b"yz", b"{}",
-    b"\n", b"\r", b"\r\n", b"\n\n", b"\r\n\r\n", "é".encode(), "😀".encode(), b"\xff", b"\x00", b"\xef\xbb\xbf",
+    b"data:",
+    b"data: ",
+    b"event: ",
+    b"id: ",
+    b"id",
+    b"retry: 5",
+    b":",
+    b" ",
+    b"x",
+    b"yz",
+    b"{}",
+    b"\n",
+    b"\r",
+    b"\r\n",
+    b"\n\n",
+    b"\r\n\r\n",
+    "é".encode(),
+    "😀".encode(),
+    b"\xff",
+    b"\x00",
+    b"\xef\xbb\xbf",
 ]
 streams = st.lists(st.sampled_from(_PIECES), max_size=60).map(b"".join) | st.binary(max_size=200)
 

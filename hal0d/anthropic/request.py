@@ -116,10 +116,18 @@ def parse_messages_request(body: Any) -> MessagesRequest:
     )
 
 
-def to_openai(req: MessagesRequest, *, served_model: str, max_output_tokens: int | None = None) -> dict[str, Any]:
+def to_openai(
+    req: MessagesRequest, *, served_model: str, max_output_tokens: int | None = None
+) -> dict[str, Any]:
     """The upstream body. Shares the messages list with `req` rather than copying it."""
-    max_tokens = req.max_tokens if max_output_tokens is None else min(req.max_tokens, max_output_tokens)
-    out: dict[str, Any] = {"model": served_model, "messages": req.messages, "max_tokens": max_tokens}
+    max_tokens = (
+        req.max_tokens if max_output_tokens is None else min(req.max_tokens, max_output_tokens)
+    )
+    out: dict[str, Any] = {
+        "model": served_model,
+        "messages": req.messages,
+        "max_tokens": max_tokens,
+    }
     if req.stop_sequences:
         out["stop"] = list(req.stop_sequences)
     if req.temperature is not None:
@@ -381,7 +389,9 @@ def _tools(value: Any) -> list[dict[str, Any]] | None:
             _invalid(path, "tool must be an object")
         kind = tool.get("type")
         if kind is not None and kind != "custom":
-            _invalid(f"{path}.type", f"server tool {kind!r} is not supported; only custom tools are")
+            _invalid(
+                f"{path}.type", f"server tool {kind!r} is not supported; only custom tools are"
+            )
         name = tool.get("name")
         if not isinstance(name, str) or not name:
             _invalid(f"{path}.name", "is required and must be a non-empty string")

@@ -39,7 +39,11 @@ def anthropic_stop(
             matched = choice.get(key)
             if isinstance(matched, str) and matched in stop_sequences:
                 return "stop_sequence", matched
-    reason = _STOP_REASONS.get(finish_reason, "end_turn") if isinstance(finish_reason, str) else "end_turn"
+    reason = (
+        _STOP_REASONS.get(finish_reason, "end_turn")
+        if isinstance(finish_reason, str)
+        else "end_turn"
+    )
     if reason == "end_turn" and used_tools:
         return "tool_use", None
     return reason, None

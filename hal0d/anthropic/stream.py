@@ -1,4 +1,4 @@
-"""The Anthropic streaming room: OpenAI chat.completion.chunk dicts in, Anthropic Messages events out.
+"""The Anthropic streaming room: OpenAI chat.completion.chunk dicts in, Anthropic events out.
 
 Sans-I/O in the manner of h11: the relay owns the sockets, the clocks and the JSON parsing of
 upstream frames; this module owns the protocol, so every rule is testable as "these chunks in,
@@ -187,7 +187,7 @@ class Translator:
                 content = delta.get("content")
                 if content is not None and not isinstance(content, str):
                     raise MalformedChunk("upstream chunk: delta.content is not a string")
-                # vLLM renamed reasoning_content to reasoning; versions that send both send the same text.
+                # vLLM renamed reasoning_content to reasoning; versions sending both send the same.
                 reasoning = delta.get("reasoning_content") or delta.get("reasoning")
                 if reasoning is not None and not isinstance(reasoning, str):
                     raise MalformedChunk("upstream chunk: delta reasoning is not a string")
@@ -229,7 +229,9 @@ class Translator:
             index = self._blocks - 1
             if reasoning:
                 if self._open is not _THINKING:
-                    index = self._start(events, _THINKING, {"type": "thinking", "thinking": "", "signature": ""})
+                    index = self._start(
+                        events, _THINKING, {"type": "thinking", "thinking": "", "signature": ""}
+                    )
                 events.append(
                     (
                         "content_block_delta",
@@ -257,7 +259,9 @@ class Translator:
                 for opens, key, call_id, name, arguments in tools:
                     if opens:
                         index = self._start(
-                            events, _TOOL_USE, {"type": "tool_use", "id": call_id, "name": name, "input": {}}
+                            events,
+                            _TOOL_USE,
+                            {"type": "tool_use", "id": call_id, "name": name, "input": {}},
                         )
                         self._open_tool = key
                         self._tool_keys.add(key)
@@ -268,7 +272,10 @@ class Translator:
                                 {
                                     "type": "content_block_delta",
                                     "index": index,
-                                    "delta": {"type": "input_json_delta", "partial_json": arguments},
+                                    "delta": {
+                                        "type": "input_json_delta",
+                                        "partial_json": arguments,
+                                    },
                                 },
                             )
                         )
@@ -296,7 +303,9 @@ class Translator:
             return events
         if state is State.IDLE or state is State.STREAMING:
             events = [self._message_start()] if state is State.IDLE else []
-            events.append(_error_event("upstream ended the stream without a finish_reason", "api_error"))
+            events.append(
+                _error_event("upstream ended the stream without a finish_reason", "api_error")
+            )
             self._state = State.FAILED
             return events
         raise TranslatorError(f"finish() after the stream was {state.value}")
@@ -333,14 +342,18 @@ class Translator:
             if index is not None and type(index) is not int:
                 raise MalformedChunk("upstream chunk: tool call index is not an integer")
             if not _is_str(call_id) or not _is_str(name) or not _is_str(arguments):
-                raise MalformedChunk("upstream chunk: tool call id, name or arguments is not a string")
+                raise MalformedChunk(
+                    "upstream chunk: tool call id, name or arguments is not a string"
+                )
             key: object = index if index is not None else (call_id or current)
             if key is None:
                 raise MalformedChunk("upstream chunk: tool call fragment without index or id")
             opens = key != current
             if opens:
                 if key in self._tool_keys or key in opened:
-                    raise MalformedChunk("upstream interleaved tool calls: an earlier tool call resumed")
+                    raise MalformedChunk(
+                        "upstream interleaved tool calls: an earlier tool call resumed"
+                    )
                 if not name:
                     raise MalformedChunk("upstream chunk: a new tool call has no function name")
                 opened.add(key)
@@ -371,12 +384,19 @@ class Translator:
         index = self._blocks
         self._blocks = index + 1
         self._open = kind
-        events.append(("content_block_start", {"type": "content_block_start", "index": index, "content_block": block}))
+        events.append(
+            (
+                "content_block_start",
+                {"type": "content_block_start", "index": index, "content_block": block},
+            )
+        )
         return index
 
     def _close_block(self, events: list[Event]) -> None:
         if self._open is not None:
-            events.append(("content_block_stop", {"type": "content_block_stop", "index": self._blocks - 1}))
+            events.append(
+                ("content_block_stop", {"type": "content_block_stop", "index": self._blocks - 1})
+            )
             self._open = None
             self._open_tool = None
 
@@ -387,8 +407,14 @@ class Translator:
                 "message_delta",
                 {
                     "type": "message_delta",
-                    "delta": {"stop_reason": self._stop_reason, "stop_sequence": self._stop_sequence},
-                    "usage": {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens},
+                    "delta": {
+                        "stop_reason": self._stop_reason,
+                        "stop_sequence": self._stop_sequence,
+                    },
+                    "usage": {
+                        "input_tokens": self.input_tokens,
+                        "output_tokens": self.output_tokens,
+                    },
                 },
             )
         )

@@ -37,9 +37,13 @@ class AnthropicTransform:
             try:
                 events += translator.feed(orjson.loads(data))
             except orjson.JSONDecodeError:
-                raise self._failed("upstream_malformed", "upstream sent a chunk that is not JSON")
+                raise self._failed(
+                    "upstream_malformed", "upstream sent a chunk that is not JSON"
+                ) from None
             except MalformedChunk as exc:
-                raise self._failed("upstream_malformed", f"upstream sent a malformed chunk: {exc}")
+                raise self._failed(
+                    "upstream_malformed", f"upstream sent a malformed chunk: {exc}"
+                ) from None
         return encode_events(events) if events else b""
 
     def end(self) -> bytes:

@@ -15,9 +15,9 @@ from hal0d.errors import InvalidRequest, PayloadTooLarge
 async def read_body(request: web.Request) -> bytes:
     try:
         return await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
+    except web.HTTPRequestEntityTooLarge:
         raise PayloadTooLarge(
-            f"request body is larger than server.max_body_bytes ({exc.max_size} bytes)"
+            f"request body is larger than server.max_body_bytes ({request.client_max_size} bytes)"
         ) from None
 
 
@@ -25,7 +25,9 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     try:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        reason = "is not valid UTF-8" if "utf-8" in str(exc).lower() else f"is not valid JSON ({exc})"
+        reason = (
+            "is not valid UTF-8" if "utf-8" in str(exc).lower() else f"is not valid JSON ({exc})"
+        )
         raise InvalidRequest(f"request body {reason}") from None
     if not isinstance(parsed, dict):
         raise InvalidRequest(f"request body must be a JSON object, not {type(parsed).__name__}")

@@ -79,7 +79,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
     info.model, info.served_model = model, route.served_model
     info.slot, info.stream = route.slot.name, streaming
     timeouts = runtime.config.dispatcher
-    slot = request.app[SLOTS].get(route.slot.name)
+    slot = request.app[SLOTS][route.slot.name]
 
     async with slot.lease() as lease:
         info.queue_ms = lease.queue_ms
@@ -138,7 +138,9 @@ async def answer_whole(
             parsed = None
         if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
             info.apply_usage(parsed["usage"])
-    return web.Response(body=data, status=upstream.status, headers=response_headers(upstream.headers))
+    return web.Response(
+        body=data, status=upstream.status, headers=response_headers(upstream.headers)
+    )
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -16,6 +16,7 @@ the process). Rows older than ``retention_days`` are pruned at start and then at
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import sqlite3
 import time
@@ -160,10 +161,8 @@ class HistoryWriter:
         if self._task is not None:
             await self.flush()
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
         if self._conn is not None:
             await self._run(self._close_conn)
         self._executor.shutdown(wait=True)

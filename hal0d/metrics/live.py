@@ -59,7 +59,7 @@ def _usage_of(chunk: bytes) -> dict[str, Any] | None:
 class StreamTap:
     """Observes one stream's raw upstream bytes without altering them."""
 
-    __slots__ = ("started", "first_token_at", "last_chunk_at", "tokens", "_usage_chunk")
+    __slots__ = ("_usage_chunk", "first_token_at", "last_chunk_at", "started", "tokens")
 
     def __init__(self, started: float | None = None) -> None:
         self.started = time.monotonic() if started is None else started
