@@ -11,6 +11,7 @@ import orjson
 import structlog
 from aiohttp import web
 
+from hal0d import access
 from hal0d.appkeys import RUNTIME, STREAMS, Runtime, RuntimeRef
 from hal0d.config import Config
 from hal0d.errors import Hal0Error, MethodNotAllowed, NoRoute
@@ -72,6 +73,7 @@ async def request_lifecycle(
     request[INFO] = info
     structlog.contextvars.bind_contextvars(request_id=request_id)
     try:
+        access.check(request, request.app[RUNTIME].current.config.server)
         response = await handler(request)
         if not info.status:
             info.status = response.status
@@ -121,6 +123,16 @@ async def add_request_id(request: web.Request, response: web.StreamResponse) -> 
         response.headers[REQUEST_ID_HEADER] = info.request_id
 
 
+async def warn_if_exposed(app: web.Application) -> None:
+    server = app[RUNTIME].current.config.server
+    if not access.is_loopback(server.host) and not server.accepted_keys:
+        log.warning(
+            "server.unprotected",
+            host=server.host,
+            hint="reachable beyond this machine with no [server].api_keys: anyone can use it",
+        )
+
+
 def make_app(config: Config) -> web.Application:
     app = web.Application(
         middlewares=[request_lifecycle], client_max_size=config.server.max_body_bytes
@@ -131,6 +143,7 @@ def make_app(config: Config) -> web.Application:
     app.cleanup_ctx.append(recorder_context)
     app.cleanup_ctx.append(slots_context)
     app.on_response_prepare.append(add_request_id)
+    app.on_startup.append(warn_if_exposed)
 
     router = app.router
     router.add_get("/healthz", admin.healthz)

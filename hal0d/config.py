@@ -30,6 +30,12 @@ class ServerConfig:
     port: int = 8080
     shutdown_grace_s: float = 30.0
     max_body_bytes: int = 32 * 1024 * 1024
+    api_keys: tuple[str, ...] = ()
+    api_keys_file: str | None = None
+    protect_metrics: bool = False
+    # The keys clients may present: api_keys plus the lines of api_keys_file, read at load time.
+    # Kept out of repr and of print-config's output.
+    accepted_keys: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +105,9 @@ _SERVER: dict[str, _Range] = {
     "port": (int, 1, 65535),
     "shutdown_grace_s": (float, 0.0, 3600.0),
     "max_body_bytes": (int, 1024, 1 << 32),
+    "api_keys": (list, None, None),
+    "api_keys_file": (str, None, None),
+    "protect_metrics": (bool, None, None),
 }
 _DISPATCHER: dict[str, _Range] = {
     "direct_read_timeout_s": (float, 30.0, 600.0),
@@ -134,7 +143,9 @@ _LOG_FORMATS = ("auto", "console", "json", "journald", "logfmt")
 
 
 def _type_name(kind: type) -> str:
-    return {str: "a string", int: "an integer", float: "a number", list: "a list"}[kind]
+    return {
+        str: "a string", int: "an integer", float: "a number", list: "a list", bool: "a boolean",
+    }[kind]
 
 
 def _check_table(
@@ -153,7 +164,7 @@ def _check_table(
             continue
         kind, low, high = spec[key]
         # bool is an int in Python; a TOML `true` is never a number here.
-        if isinstance(value, bool) or not (
+        if (isinstance(value, bool) and kind is not bool) or not (
             isinstance(value, kind) or (kind is float and isinstance(value, int))
         ):
             problems.append(f"{where}: {value!r} is not {_type_name(kind)}")
@@ -235,6 +246,31 @@ def _check_models(raw: Any, slots: tuple[SlotConfig, ...], problems: list[str]) 
     return aliases
 
 
+def _access_keys(server: dict[str, Any], base_dir: Path, problems: list[str]) -> None:
+    """Check api_keys, read api_keys_file (one key per line; systemd's LoadCredential can
+    supply it: `api_keys_file = "${CREDENTIALS_DIRECTORY}/hal0d-keys"`)."""
+    keys: set[str] = set()
+    listed = server.get("api_keys", [])
+    if not all(isinstance(key, str) and key.strip() for key in listed):
+        problems.append("server.api_keys: every key must be a non-empty string")
+    else:
+        server["api_keys"] = tuple(key.strip() for key in listed)
+        keys.update(server["api_keys"])
+    if "api_keys_file" in server:
+        path = Path(os.path.expandvars(server["api_keys_file"]))
+        path = path if path.is_absolute() else base_dir / path
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            problems.append(f"server.api_keys_file: {str(path)!r} cannot be read ({exc})")
+        else:
+            found = {line.strip() for line in lines if line.strip() and not line.startswith("#")}
+            if not found:
+                problems.append(f"server.api_keys_file: {str(path)!r} holds no key")
+            keys.update(found)
+    server["accepted_keys"] = frozenset(keys)
+
+
 def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     """Validate a decoded TOML document; raise ConfigError listing every problem."""
     problems: list[str] = []
@@ -242,7 +278,9 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     for key in raw:
         if key not in known:
             problems.append(f"{key}: unknown section (known: {', '.join(sorted(known))})")
+    base_dir = base_dir or Path.cwd()
     server = _check_table(raw.get("server", {}), _SERVER, "server", problems)
+    _access_keys(server, base_dir, problems)
     dispatcher = _check_table(raw.get("dispatcher", {}), _DISPATCHER, "dispatcher", problems)
     metrics = _check_table(raw.get("metrics", {}), _METRICS, "metrics", problems)
     logging_ = _check_table(raw.get("logging", {}), _LOGGING, "logging", problems)
@@ -264,7 +302,7 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         models=models,
         metrics=MetricsConfig(**metrics),
         logging=LoggingConfig(**logging_),
-        base_dir=base_dir or Path.cwd(),
+        base_dir=base_dir,
     )
 
 
@@ -288,7 +326,7 @@ def to_dict(config: Config) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for item in dataclasses.fields(obj):
             value = getattr(obj, item.name)
-            if value is None:
+            if value is None or not item.repr:
                 continue  # TOML has no null: an absent key means "not set"
             out[item.name] = list(value) if isinstance(value, tuple) else value
         return out

@@ -9,6 +9,7 @@
      ├── QueueFull                 429     rate_limit_error / slot.queue_full       rate_limit_error
      ├── SlotLoading               503     slot_loading / slot.loading              overloaded_error
      ├── UpstreamUnavailable       502     upstream_unavailable / dispatch.upstream_unavailable  api_error
+     │    └── UpstreamInvalid      502     upstream_invalid / dispatch.upstream_invalid  api_error
      └── UpstreamStatus            (the upstream's status, its message kept)        by status
 
 Foreign exceptions (aiohttp's client errors, asyncio timeouts) are translated into this tree only
@@ -111,6 +112,13 @@ class UpstreamUnavailable(Hal0Error):
     openai_type = "upstream_unavailable"
     code = "dispatch.upstream_unavailable"
     anthropic_type = "api_error"
+
+
+class UpstreamInvalid(UpstreamUnavailable):
+    """The upstream answered, but not with anything usable (an empty body, a wrong content-type)."""
+
+    openai_type = "upstream_invalid"
+    code = "dispatch.upstream_invalid"
 
 
 class UpstreamStatus(Hal0Error):

@@ -46,19 +46,46 @@ class Transform(Protocol):
     def broken(self, message: str) -> bytes: ...
 
 
-class Passthrough:
-    """OpenAI surface: bytes out exactly as they came in; frames only for hal0d's own endings."""
+def error_event(message: str, code: str) -> bytes:
+    """An OpenAI-style SSE error event, after a blank line in case a line was left half-written.
+    The OpenAI SDKs raise on it, so a cut-off stream is never mistaken for a complete answer."""
+    error = {"error": {"message": message, "type": "upstream_error", "code": code}}
+    return b"\n\ndata: " + orjson.dumps(error) + b"\n\n"
 
-    def __init__(self, *, sse: bool, legacy_completion: bool, model: str | None) -> None:
+
+class Passthrough:
+    """OpenAI surface: bytes out exactly as they came in; frames only for hal0d's own endings.
+
+    The only thing it looks at is the end of a successful SSE stream: one without `data: [DONE]`
+    was cut short by the upstream, and the client is told so instead of being left to guess.
+    """
+
+    __slots__ = ("_before_last", "_last", "expect_done", "legacy_completion", "model", "sse")
+
+    def __init__(
+        self, *, sse: bool, legacy_completion: bool, model: str | None, expect_done: bool
+    ) -> None:
         self.sse = sse
         self.legacy_completion = legacy_completion
         self.model = model
+        self.expect_done = expect_done
+        self._before_last = b""
+        self._last = b""
 
     def feed(self, chunk: bytes) -> bytes:
+        self._before_last, self._last = self._last, chunk
         return chunk
 
     def end(self) -> bytes:
-        return b""
+        if not self.expect_done:
+            return b""
+        tail = (self._before_last + self._last)[-32:].rstrip()
+        if tail.endswith(b"data: [DONE]") or tail.endswith(b"data:[DONE]"):
+            return b""
+        message = "the upstream ended the stream without data: [DONE]; the answer may be cut"
+        raise TransformFailed(
+            "upstream_incomplete", error_event(message, "dispatch.upstream_incomplete")
+        )
 
     def stalled(self, trip: StallTrip) -> bytes:
         if not self.sse:
@@ -66,13 +93,7 @@ class Passthrough:
         return sse_frame(trip, legacy_completion=self.legacy_completion, model=self.model)
 
     def broken(self, message: str) -> bytes:
-        if not self.sse:
-            return b""
-        # The OpenAI SDKs raise on an `error` event, so the client cannot mistake the cut-off
-        # stream for a complete answer.
-        error = {"error": {"message": message, "type": "upstream_error",
-                           "code": "dispatch.upstream_broken"}}
-        return b"\n\ndata: " + orjson.dumps(error) + b"\n\n"
+        return error_event(message, "dispatch.upstream_broken") if self.sse else b""
 
 
 @dataclass(slots=True)

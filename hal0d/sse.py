@@ -38,7 +38,15 @@ class Event:
 class Decoder:
     """Incremental event-stream decoder: `feed()` every read, `close()` at end of stream."""
 
-    __slots__ = ("_bom_pending", "_cr_pending", "_data", "_event", "_last_id", "_tail")
+    __slots__ = (
+        "_bom_pending",
+        "_cr_pending",
+        "_data",
+        "_event",
+        "_last_id",
+        "_tail",
+        "invalid_utf8",
+    )
 
     def __init__(self) -> None:
         self._tail: list[bytes] = []
@@ -48,6 +56,9 @@ class Decoder:
         self._data: list[str] = []
         self._event: str | None = None
         self._last_id: str | None = None
+        # A value that was not UTF-8 is decoded with replacement characters and remembered here,
+        # so a caller that must not pass corrupt text on can tell.
+        self.invalid_utf8 = False
 
     def feed(self, data: bytes) -> list[Event]:
         if not data:
@@ -91,7 +102,11 @@ class Decoder:
                     start = colon + 1
                     if line[start : start + 1] == b" ":
                         start += 1
-                    value = line[start:].decode("utf-8", "replace")
+                    try:
+                        value = line[start:].decode()
+                    except UnicodeDecodeError:
+                        self.invalid_utf8 = True
+                        value = line[start:].decode("utf-8", "replace")
                 if name == b"data":
                     self._data.append(value)
                 elif name == b"event":

@@ -27,7 +27,10 @@ class AnthropicTransform:
     def feed(self, chunk: bytes) -> bytes:
         translator = self.translator
         events = []
-        for event in self.decoder.feed(chunk):
+        decoded = self.decoder.feed(chunk)
+        if self.decoder.invalid_utf8 and not translator.done:
+            raise self._failed("upstream_malformed", "upstream sent text that is not UTF-8")
+        for event in decoded:
             if translator.done:
                 break  # message_stop was sent: trailing usage chunks and [DONE] change nothing
             data = event.data

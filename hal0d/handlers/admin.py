@@ -27,19 +27,22 @@ async def slots(request: web.Request) -> web.Response:
 
 async def slot_metrics(request: web.Request) -> web.Response:
     recorder = request.app[RECORDER]
-    return json({
-        "slots": [
-            {"name": slot.name, **recorder.slot_metrics(slot.name).snapshot()}
-            for slot in request.app[SLOTS]
-        ]
-    })
+    return json(
+        {
+            "slots": [
+                {"name": slot.name, **recorder.slot_metrics(slot.name).snapshot()}
+                for slot in request.app[SLOTS]
+            ]
+        }
+    )
 
 
 async def requests(request: web.Request) -> web.Response:
     raw = request.query.get("limit", "100")
     if not raw.isdigit() or not 1 <= int(raw) <= MAX_HISTORY_ROWS:
-        raise InvalidRequest(f"limit must be an integer from 1 to {MAX_HISTORY_ROWS}",
-                             field="limit")
+        raise InvalidRequest(
+            f"limit must be an integer from 1 to {MAX_HISTORY_ROWS}", field="limit"
+        )
     rows = await request.app[RECORDER].history.recent(int(raw))
     return json({"requests": rows})
 

@@ -19,7 +19,7 @@ from hal0d.anthropic.response import to_anthropic
 from hal0d.anthropic.stream import Translator
 from hal0d.anthropic.transform import AnthropicTransform
 from hal0d.appkeys import RUNTIME, SESSION, SLOTS, STREAMS
-from hal0d.errors import UpstreamStatus, UpstreamUnavailable
+from hal0d.errors import UpstreamInvalid, UpstreamStatus, UpstreamUnavailable
 from hal0d.handlers.body import parse_json_object, read_body
 from hal0d.handlers.openai import release_upstream
 from hal0d.metrics.live import StreamTap
@@ -94,6 +94,11 @@ async def messages(request: web.Request) -> web.StreamResponse:
                     raise await upstream_error(upstream, route.slot.name)
                 if counting is None:
                     return await answer_whole(upstream, req.model, req.stop_sequences, info)
+                if upstream.content_type != "text/event-stream":
+                    raise UpstreamInvalid(
+                        f"slot {route.slot.name!r} answered a streaming request with "
+                        f"content-type {upstream.content_type!r}, not text/event-stream"
+                    )
                 input_tokens, _ = await counting
                 translator = Translator(
                     req.model, input_tokens=input_tokens, stop_sequences=req.stop_sequences
@@ -131,10 +136,14 @@ async def answer_whole(
             f"slot {info.slot!r} failed while sending its answer: {type(exc).__name__}"
         ) from None
     except orjson.JSONDecodeError:
-        raise UpstreamUnavailable(f"slot {info.slot!r} answered with invalid JSON") from None
+        raise UpstreamInvalid(f"slot {info.slot!r} answered with invalid JSON") from None
     message = to_anthropic(parsed, model=model, stop_sequences=stop_sequences)
-    info.apply_usage({"prompt_tokens": message["usage"]["input_tokens"],
-                      "completion_tokens": message["usage"]["output_tokens"]})
+    info.apply_usage(
+        {
+            "prompt_tokens": message["usage"]["input_tokens"],
+            "completion_tokens": message["usage"]["output_tokens"],
+        }
+    )
     return web.Response(body=orjson.dumps(message), content_type="application/json")
 
 

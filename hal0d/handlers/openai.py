@@ -13,7 +13,7 @@ import orjson
 from aiohttp import hdrs, web
 
 from hal0d.appkeys import RUNTIME, SESSION, SLOTS, STREAMS
-from hal0d.errors import InvalidRequest, UpstreamUnavailable
+from hal0d.errors import InvalidRequest, UpstreamInvalid, UpstreamUnavailable
 from hal0d.handlers.body import multipart_field, parse_json_object, read_body
 from hal0d.metrics.live import StreamTap
 from hal0d.relay import Passthrough, relay
@@ -43,6 +43,44 @@ def release_upstream(upstream: aiohttp.ClientResponse) -> None:
         upstream.close()
 
 
+MAX_TOKENS_LIMIT = 1_000_000
+MAX_MESSAGES = 100_000
+
+
+def check_fields(endpoint: str, payload: dict[str, Any]) -> None:
+    """Reject what no upstream could serve, in hal0d's envelope, before a slot is taken.
+
+    Only the fields every OpenAI-compatible server reads the same way; the rest is the
+    upstream's to judge, and its 4xx is relayed verbatim.
+    """
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = payload.get(name)
+        if value is not None and (type(value) is not int or not 1 <= value <= MAX_TOKENS_LIMIT):
+            raise InvalidRequest(
+                f"'{name}' must be an integer from 1 to {MAX_TOKENS_LIMIT}, not {value!r}",
+                field=name,
+            )
+    for name in ("temperature", "top_p"):
+        value = payload.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise InvalidRequest(f"'{name}' must be a number", field=name)
+    options = payload.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise InvalidRequest("'stream_options' must be an object", field="stream_options")
+    if endpoint != "chat/completions":
+        return
+    messages = payload.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty array", field="messages")
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidRequest(f"'messages' holds more than {MAX_MESSAGES} items", field="messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidRequest(
+                "each message must be an object with a string 'role'", field=f"messages.{index}"
+            )
+
+
 def requested_model(request: web.Request, endpoint: str, body: bytes) -> tuple[str, bool, bytes]:
     """The model name, whether the client asked for a stream, and the body to parse further."""
     if endpoint == "audio/transcriptions":
@@ -57,6 +95,7 @@ def requested_model(request: web.Request, endpoint: str, body: bytes) -> tuple[s
     stream = payload.get("stream", False)
     if not isinstance(stream, bool):
         raise InvalidRequest("'stream' must be a boolean", field="stream")
+    check_fields(endpoint, payload)
     return model, stream, body
 
 
@@ -103,10 +142,12 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
             )
             await response.prepare(request)
             tap = StreamTap(info.started)
+            sse = upstream.content_type == "text/event-stream"
             transform = Passthrough(
-                sse=upstream.content_type == "text/event-stream",
+                sse=sse,
                 legacy_completion=endpoint == "completions",
                 model=model,
+                expect_done=sse and upstream.status == 200,
             )
             guard = StallGuard(timeouts, route.slot.name)
             request.app[STREAMS].add(guard)
@@ -121,9 +162,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
             release_upstream(upstream)
 
 
-async def answer_whole(
-    upstream: aiohttp.ClientResponse, info: Any, slot_name: str
-) -> web.Response:
+async def answer_whole(upstream: aiohttp.ClientResponse, info: Any, slot_name: str) -> web.Response:
     """A non-streaming answer: read under the per-read timeout, copied through as it came."""
     try:
         data = await upstream.read()
@@ -131,6 +170,8 @@ async def answer_whole(
         raise UpstreamUnavailable(
             f"slot {slot_name!r} failed while sending its answer: {type(exc).__name__}"
         ) from None
+    if not data and upstream.status == 200:
+        raise UpstreamInvalid(f"slot {slot_name!r} answered 200 with an empty body")
     if upstream.content_type == "application/json" and b'"usage"' in data:
         try:
             parsed = orjson.loads(data)
