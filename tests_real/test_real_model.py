@@ -1,0 +1,175 @@
+"""End to end on a real model server: llama-cpp-python's OpenAI server running SmolLM2-135M as a
+slot `command` of a real `hal0d serve`, driven with the openai and anthropic SDKs.
+
+Run by `make test-real`, which builds the server into a cached virtualenv and extracts the model;
+it passes their paths in HAL0D_REAL_PYTHON and HAL0D_REAL_MODEL. Not part of `make test`: the build
+takes about 15 minutes on two cores.
+
+What this server does differently from the stub, and what hal0d does about it:
+- it ignores `stream_options.include_usage` when streaming: the Anthropic translator then counts
+  output tokens from the streamed deltas, and the metrics tap counts them for the history row;
+- it has no POST /tokenize: input_tokens comes from its /extras/tokenize/count instead;
+- it takes seconds to load the model: the slot is `starting` meanwhile and requests queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import anthropic
+import openai
+import pytest
+import tomli_w
+
+REAL_PYTHON = os.environ.get("HAL0D_REAL_PYTHON", "")
+REAL_MODEL = os.environ.get("HAL0D_REAL_MODEL", "")
+MODEL = "smollm2"
+STARTUP_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def get_json(url: str) -> dict:
+    async def fetch() -> dict:
+        async with aiohttp.ClientSession() as session, session.get(url) as resp:
+            return await resp.json()
+
+    return asyncio.run(fetch())
+
+
+def slot_state(base: str) -> dict:
+    return get_json(f"{base}/api/slots")["slots"][0]
+
+
+@pytest.fixture(scope="module")
+def hal0d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if not (Path(REAL_PYTHON).exists() and Path(REAL_MODEL).exists()):
+        pytest.fail("HAL0D_REAL_PYTHON and HAL0D_REAL_MODEL must point at the server and the model:"
+                    " run this through `make test-real`")
+    folder = tmp_path_factory.mktemp("real")
+    port, upstream_port = free_port(), free_port()
+    command = [REAL_PYTHON, "-m", "llama_cpp.server", "--model", REAL_MODEL,
+               "--model_alias", MODEL, "--host", "127.0.0.1", "--port", str(upstream_port),
+               "--n_ctx", "2048", "--verbose", "False"]
+    config = folder / "hal0d.toml"
+    config.write_text(tomli_w.dumps({
+        "server": {"port": port},
+        "metrics": {"database": str(folder / "history.sqlite3")},
+        "slots": [{"name": "real", "upstream": f"http://127.0.0.1:{upstream_port}",
+                   "models": [MODEL], "max_concurrent": 1, "command": command}],
+    }))
+    log = (folder / "hal0d.log").open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hal0d", "serve", "--config", str(config)],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            assert process.poll() is None, (folder / "hal0d.log").read_text()
+            try:
+                if slot_state(base)["state"] == "ready":
+                    break
+            except (aiohttp.ClientError, OSError):
+                pass
+            assert time.monotonic() < deadline, (folder / "hal0d.log").read_text()[-3000:]
+            time.sleep(0.5)
+        yield base
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+def test_openai_sdk_non_streaming_answer_has_content_and_usage(hal0d: str) -> None:
+    client = openai.OpenAI(base_url=f"{hal0d}/v1", api_key="unused")
+    answer = client.chat.completions.create(
+        model=MODEL, max_tokens=24, messages=[{"role": "user", "content": "Say hello."}]
+    )
+    assert answer.choices[0].message.content
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    assert answer.usage is not None and answer.usage.completion_tokens > 0
+
+
+def test_openai_sdk_stream_is_relayed_to_the_end(hal0d: str) -> None:
+    client = openai.OpenAI(base_url=f"{hal0d}/v1", api_key="unused")
+    stream = client.chat.completions.create(
+        model=MODEL, max_tokens=24, stream=True,
+        messages=[{"role": "user", "content": "Say hello."}],
+    )
+    text, finish = "", None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    assert text.strip()
+    assert finish in ("stop", "length")
+
+
+def test_anthropic_sdk_non_streaming_message_is_well_formed(hal0d: str) -> None:
+    client = anthropic.Anthropic(base_url=f"{hal0d}/llm", api_key="unused")
+    message = client.messages.create(
+        model=MODEL, max_tokens=24, messages=[{"role": "user", "content": "Say hello."}]
+    )
+    assert message.content and message.content[-1].type == "text"
+    assert message.content[-1].text.strip()
+    assert message.stop_reason in ("end_turn", "max_tokens")
+    assert message.usage.input_tokens > 0 and message.usage.output_tokens > 0
+
+
+def test_anthropic_sdk_stream_accumulates_a_message_with_usage(hal0d: str) -> None:
+    client = anthropic.Anthropic(base_url=f"{hal0d}/llm", api_key="unused")
+    with client.messages.stream(
+        model=MODEL, max_tokens=24, messages=[{"role": "user", "content": "Say hello."}]
+    ) as stream:
+        message = stream.get_final_message()
+    assert message.content[-1].type == "text" and message.content[-1].text.strip()
+    assert message.stop_reason in ("end_turn", "max_tokens")
+    # The server sends no usage when streaming: input from its tokenizer, output counted.
+    assert message.usage.input_tokens > 0 and message.usage.output_tokens > 0
+
+
+def test_anthropic_count_tokens_uses_the_servers_tokenizer(hal0d: str) -> None:
+    client = anthropic.Anthropic(base_url=f"{hal0d}/llm", api_key="unused")
+    counted = client.messages.count_tokens(
+        model=MODEL, messages=[{"role": "user", "content": "one two three four five six"}]
+    )
+    assert counted.input_tokens > 0
+
+
+def test_a_disconnect_mid_stream_frees_the_slot(hal0d: str) -> None:
+    async def drop_mid_stream() -> None:
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(
+                f"{hal0d}/v1/chat/completions",
+                json={"model": MODEL, "stream": True, "max_tokens": 400,
+                      "messages": [{"role": "user", "content": "Tell a long story."}]},
+            )
+            await resp.content.readline()
+            await resp.content.readline()
+            resp.close()
+
+    asyncio.run(drop_mid_stream())
+    deadline = time.monotonic() + 5
+    while slot_state(hal0d)["in_flight"] != 0:
+        assert time.monotonic() < deadline, slot_state(hal0d)
+        time.sleep(0.1)
+    # The slot serves the next request: the generation for nobody was stopped.
+    test_openai_sdk_non_streaming_answer_has_content_and_usage(hal0d)
