@@ -7,8 +7,10 @@ Timeouts. aiohttp's client default is total=300 s, which silently kills long str
 has no total. `connect_timeout_s` bounds the TCP connect, `pool_timeout_s` the wait for a free
 connection, `direct_read_timeout_s` the wait for response headers and, on a non-streaming
 request, every body read. When the stall guard owns a stream's body the per-read timeout is off
-for that request and the header wait is bounded by a deadline around the open instead.
-aiohttp has no request-write timeout of its own, so `write_timeout_s` is added to that deadline.
+for that request, and the header wait gets its own deadline instead: a HeaderDeadline, moved by
+aiohttp's tracing signals to `write_timeout_s` after the connection is had (aiohttp has no
+request-write timeout of its own) and to `direct_read_timeout_s` after the request's last byte
+was sent.
 """
 
 from __future__ import annotations
@@ -29,15 +31,26 @@ from hal0d.errors import UpstreamUnavailable
 HOP_BY_HOP = frozenset(
     h.lower()
     for h in (
-        hdrs.CONNECTION, hdrs.KEEP_ALIVE, hdrs.PROXY_AUTHENTICATE, hdrs.PROXY_AUTHORIZATION,
-        hdrs.TE, hdrs.TRAILER, hdrs.TRANSFER_ENCODING, hdrs.UPGRADE, "proxy-connection",
-        hdrs.HOST, hdrs.CONTENT_LENGTH,
+        hdrs.CONNECTION,
+        hdrs.KEEP_ALIVE,
+        hdrs.PROXY_AUTHENTICATE,
+        hdrs.PROXY_AUTHORIZATION,
+        hdrs.TE,
+        hdrs.TRAILER,
+        hdrs.TRANSFER_ENCODING,
+        hdrs.UPGRADE,
+        "proxy-connection",
+        hdrs.HOST,
+        hdrs.CONTENT_LENGTH,
     )
 )
 # Never sent upstream: the client's credentials (the slot's own key is injected instead), and
 # Accept-Encoding so the upstream answers uncompressed bytes we can relay and inspect.
 DROP_REQUEST = HOP_BY_HOP | {
-    hdrs.AUTHORIZATION.lower(), "x-api-key", hdrs.ACCEPT_ENCODING.lower(), hdrs.COOKIE.lower(),
+    hdrs.AUTHORIZATION.lower(),
+    "x-api-key",
+    hdrs.ACCEPT_ENCODING.lower(),
+    hdrs.COOKIE.lower(),
 }
 # Not copied back: aiohttp writes its own framing, date and server headers.
 DROP_RESPONSE = HOP_BY_HOP | {hdrs.CONTENT_ENCODING.lower(), hdrs.DATE.lower(), hdrs.SERVER.lower()}
@@ -68,8 +81,51 @@ def response_headers(upstream: CIMultiDictProxy[str]) -> CIMultiDict[str]:
     return out
 
 
+class HeaderDeadline:
+    """The deadline of one request's open, moved on as the request gets further."""
+
+    def __init__(self, timeouts: DispatcherConfig) -> None:
+        self.timeouts = timeouts
+        self._loop = asyncio.get_running_loop()
+        # Until a connection is had: pool wait and connect (aiohttp bounds those itself too).
+        self.timeout = asyncio.timeout(
+            timeouts.pool_timeout_s
+            + timeouts.connect_timeout_s
+            + timeouts.write_timeout_s
+            + timeouts.direct_read_timeout_s
+        )
+
+    def connected(self) -> None:
+        self.timeout.reschedule(
+            self._loop.time() + self.timeouts.write_timeout_s + self.timeouts.direct_read_timeout_s
+        )
+
+    def sent(self) -> None:
+        self.timeout.reschedule(self._loop.time() + self.timeouts.direct_read_timeout_s)
+
+
+async def _on_connected(_: Any, context: Any, __: Any) -> None:
+    if isinstance(context.trace_request_ctx, HeaderDeadline):
+        context.trace_request_ctx.connected()
+
+
+async def _on_sent(_: Any, context: Any, __: Any) -> None:
+    if isinstance(context.trace_request_ctx, HeaderDeadline):
+        context.trace_request_ctx.sent()
+
+
+def header_tracing() -> aiohttp.TraceConfig:
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_create_end.append(_on_connected)
+    trace.on_connection_reuseconn.append(_on_connected)
+    trace.on_request_headers_sent.append(_on_sent)
+    trace.on_request_chunk_sent.append(_on_sent)
+    return trace
+
+
 def make_session(timeouts: DispatcherConfig) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(
+        trace_configs=[header_tracing()],
         timeout=aiohttp.ClientTimeout(
             total=None,
             connect=timeouts.pool_timeout_s + timeouts.connect_timeout_s,
@@ -107,12 +163,9 @@ async def open_upstream(
     `guarded`: the stall guard owns the body, so the per-read timeout is off for this request.
     """
     read_timeout = None if guarded else timeouts.direct_read_timeout_s
-    header_deadline = (
-        timeouts.pool_timeout_s + timeouts.connect_timeout_s + timeouts.write_timeout_s
-        + timeouts.direct_read_timeout_s
-    )
+    deadline = HeaderDeadline(timeouts)
     try:
-        async with asyncio.timeout(header_deadline):
+        async with deadline.timeout:
             return await session.request(
                 method,
                 slot.upstream + path,
@@ -126,6 +179,7 @@ async def open_upstream(
                     sock_read=read_timeout,
                 ),
                 allow_redirects=False,
+                trace_request_ctx=deadline,
             )
     except (TimeoutError, aiohttp.ServerTimeoutError):
         reason = "timed out waiting for the upstream's response headers"

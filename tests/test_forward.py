@@ -234,3 +234,22 @@ async def test_healthz_answers_while_serving(stub, start_hal0d, http):
     async with http.get(hal0d.make_url("/healthz")) as resp:
         assert resp.status == 200
         assert (await resp.json())["status"] == "ok"
+
+
+async def test_header_wait_of_a_guarded_stream_is_bounded_by_direct_read_timeout_alone(
+    upstream_app, start_hal0d, http
+):
+    async def slow_headers(request: web.Request) -> web.Response:
+        await asyncio.sleep(5)
+        return web.Response(text="late")
+
+    url = await upstream_app({"POST /v1/chat/completions": slow_headers})
+    # Default pool, connect and write timeouts (5 + 5 + 10 s) must not stretch the header wait.
+    hal0d = await start_hal0d(url, dispatcher={"direct_read_timeout_s": 0.5})
+    started = time.monotonic()
+    async with http.post(hal0d.make_url("/v1/chat/completions"), json=chat_body()) as resp:
+        body = await resp.json()
+    elapsed = time.monotonic() - started
+    assert resp.status == 502
+    assert "response headers" in body["error"]["message"]
+    assert 0.5 <= elapsed < 1.5
