@@ -13,7 +13,7 @@ data line fed in thousands of reads costs linear time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["Decoder", "Event", "encode"]
 
@@ -33,6 +33,8 @@ class Event:
     event: str | None
     data: str
     id: str | None = None
+    # A field was not UTF-8 and was decoded with replacement characters: the event is corrupt.
+    invalid_utf8: bool = field(default=False, compare=False)
 
 
 class Decoder:
@@ -43,9 +45,9 @@ class Decoder:
         "_cr_pending",
         "_data",
         "_event",
+        "_invalid_utf8",
         "_last_id",
         "_tail",
-        "invalid_utf8",
     )
 
     def __init__(self) -> None:
@@ -56,9 +58,7 @@ class Decoder:
         self._data: list[str] = []
         self._event: str | None = None
         self._last_id: str | None = None
-        # A value that was not UTF-8 is decoded with replacement characters and remembered here,
-        # so a caller that must not pass corrupt text on can tell.
-        self.invalid_utf8 = False
+        self._invalid_utf8 = False
 
     def feed(self, data: bytes) -> list[Event]:
         if not data:
@@ -87,7 +87,15 @@ class Decoder:
             for line in lines:
                 if not line:
                     if self._data:
-                        events.append(Event(self._event, "\n".join(self._data), self._last_id))
+                        events.append(
+                            Event(
+                                self._event,
+                                "\n".join(self._data),
+                                self._last_id,
+                                self._invalid_utf8,
+                            )
+                        )
+                        self._invalid_utf8 = False
                         self._data = []
                     self._event = None
                     continue
@@ -105,7 +113,7 @@ class Decoder:
                     try:
                         value = line[start:].decode()
                     except UnicodeDecodeError:
-                        self.invalid_utf8 = True
+                        self._invalid_utf8 = True
                         value = line[start:].decode("utf-8", "replace")
                 if name == b"data":
                     self._data.append(value)

@@ -157,8 +157,10 @@ def test_utf8_split_at_every_byte(text: str) -> None:
         assert feed_all([stream[:cut], stream[cut:]]) == [Event("tëst", text)], cut
 
 
-def test_invalid_utf8_is_replaced_not_fatal() -> None:
-    assert feed_all([b"data: a\xffb\n\n"]) == [Event(None, "a\ufffdb")]
+def test_invalid_utf8_is_replaced_and_marked_on_its_own_event_only() -> None:
+    events = feed_all([b"data: ok\n\ndata: a\xffb\n\ndata: fine\n\n"])
+    assert [e.data for e in events] == ["ok", "a\ufffdb", "fine"]
+    assert [e.invalid_utf8 for e in events] == [False, True, False]
 
 
 def test_two_mib_data_line() -> None:

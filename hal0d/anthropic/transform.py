@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import orjson
 
-from hal0d.anthropic.stream import MalformedChunk, Translator, encode_events
+from hal0d.anthropic.stream import Event, MalformedChunk, Translator, encode_events
 from hal0d.relay import TransformFailed
 from hal0d.sse import Decoder
 from hal0d.stallguard import StallTrip
@@ -21,19 +21,21 @@ class AnthropicTransform:
         self.translator = translator
         self.decoder = Decoder()
 
-    def _failed(self, error_code: str, message: str) -> TransformFailed:
-        return TransformFailed(error_code, encode_events(self.translator.fail(message)))
+    def _failed(self, done: list[Event], error_code: str, message: str) -> TransformFailed:
+        """What the good events of this read became, then the error frame: nothing is lost."""
+        return TransformFailed(error_code, encode_events(done + self.translator.fail(message)))
 
     def feed(self, chunk: bytes) -> bytes:
         translator = self.translator
-        events = []
-        decoded = self.decoder.feed(chunk)
-        if self.decoder.invalid_utf8 and not translator.done:
-            raise self._failed("upstream_malformed", "upstream sent text that is not UTF-8")
-        for event in decoded:
+        events: list[Event] = []
+        for event in self.decoder.feed(chunk):
             if translator.done:
                 break  # message_stop was sent: trailing usage chunks and [DONE] change nothing
             data = event.data
+            if event.invalid_utf8:
+                raise self._failed(
+                    events, "upstream_malformed", "upstream sent text that is not UTF-8"
+                )
             if data == "[DONE]":
                 events += translator.finish()
                 continue
@@ -41,11 +43,11 @@ class AnthropicTransform:
                 events += translator.feed(orjson.loads(data))
             except orjson.JSONDecodeError:
                 raise self._failed(
-                    "upstream_malformed", "upstream sent a chunk that is not JSON"
+                    events, "upstream_malformed", "upstream sent a chunk that is not JSON"
                 ) from None
             except MalformedChunk as exc:
                 raise self._failed(
-                    "upstream_malformed", f"upstream sent a malformed chunk: {exc}"
+                    events, "upstream_malformed", f"upstream sent a malformed chunk: {exc}"
                 ) from None
         return encode_events(events) if events else b""
 

@@ -1,0 +1,200 @@
+"""The seed's three Verify commands (shared/seeds/000_9b86dfc919cf5512.txt), run literally with
+bash and curl against a real `hal0d serve` started from a copy of etc/hal0d.toml.
+
+Only the ports and the stub's log path are rewritten, so the test can run beside `make run` and
+beside itself; everything else, the stub command included, is the demo configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+SEED = REPO.parent / "shared" / "seeds" / "000_9b86dfc919cf5512.txt"
+READY_WITHIN_S = 20.0
+
+
+@dataclass
+class Daemon:
+    port: int
+    stub_log: Path
+    output: Path
+
+    def command(self, text: str) -> str:
+        """A Verify command as the seed writes it, pointed at this daemon and its stub log."""
+        return text.replace("localhost:8080", f"localhost:{self.port}").replace(
+            "/tmp/stub-reasoning.log", str(self.stub_log)
+        )
+
+    def run(self, text: str, timeout: float = 20.0) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["bash", "-c", self.command(text)], capture_output=True,
+                              text=True, timeout=timeout)
+
+    def stub_lines(self) -> list[str]:
+        return self.stub_log.read_text().splitlines() if self.stub_log.exists() else []
+
+    def diagnostics(self) -> str:
+        log = self.output.read_text()[-3000:] if self.output.exists() else ""
+        return f"hal0d output:\n{log}\nstub log:\n" + "\n".join(self.stub_lines())
+
+
+def rewrite_demo_config(port: int, stub_port: int, stub_log: Path) -> str:
+    text = (REPO / "etc" / "hal0d.toml").read_text()
+    replacements = [
+        ("port = 8080", f"port = {port}"),
+        ('upstream = "http://127.0.0.1:8091"', f'upstream = "http://127.0.0.1:{stub_port}"'),
+        ('"--port", "8091"', f'"--port", "{stub_port}"'),
+        ('"/tmp/stub-reasoning.log"', json.dumps(str(stub_log))),
+    ]
+    for old, new in replacements:
+        assert text.count(old) == 1, f"etc/hal0d.toml no longer has exactly one {old!r}"
+        text = text.replace(old, new)
+    return text
+
+
+def slots_ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/slots", timeout=1) as resp:
+            slots = json.loads(resp.read())["slots"]
+    except (OSError, urllib.error.URLError, ValueError):
+        return False
+    return bool(slots) and all(slot["state"] == "ready" for slot in slots)
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        # hal0d and the stub it launched share the session we gave hal0d.
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    for tool in ("bash", "curl", "grep", "timeout", "head"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} is not installed; the seed's Verify commands are shell pipelines")
+    tmp = tmp_path_factory.mktemp("seed")
+    port, stub_port = free_port(), free_port()
+    while stub_port == port:
+        stub_port = free_port()
+    daemon = Daemon(port, tmp / "stub-reasoning.log", tmp / "hal0d.out")
+    config = tmp / "hal0d.toml"
+    config.write_text(rewrite_demo_config(port, stub_port, daemon.stub_log))
+    script = Path(sys.executable).parent / "hal0d"
+    argv = [str(script)] if script.exists() else [sys.executable, "-m", "hal0d"]
+    with daemon.output.open("wb") as output:
+        process = subprocess.Popen(
+            [*argv, "serve", "--config", str(config)], stdout=output,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=tmp,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + READY_WITHIN_S
+        while not slots_ready(port):
+            assert process.poll() is None, f"hal0d exited early\n{daemon.diagnostics()}"
+            assert time.monotonic() < deadline, f"slot not ready\n{daemon.diagnostics()}"
+            time.sleep(0.1)
+        yield daemon
+    finally:
+        stop(process)
+
+
+# Copied verbatim from the seed; test_the_commands_here_are_the_seeds_own checks the copy.
+VERIFY_1 = """curl -N -s localhost:8080/llm/v1/messages -H 'content-type: application/json' \\
+  -d '{"model":"reasoning","max_tokens":64,"stream":true,"messages":[{"role":"user","content":"hi"}]}' \\
+  | grep '^event:'"""  # noqa: E501
+
+VERIFY_2 = """curl -N -s localhost:8080/llm/v1/messages -H 'content-type: application/json' \\
+  -d '{"model":"reasoning","max_tokens":64,"stream":true,"messages":[{"role":"user","content":"hi"}]}' \\
+  | grep -n -E 'content_block_stop|"index":1' | head -3"""  # noqa: E501
+
+VERIFY_3 = """timeout 1 curl -N -s localhost:8080/llm/v1/messages -H 'content-type: application/json' \\
+  -d '{"model":"reasoning","max_tokens":512,"stream":true,"messages":[{"role":"user","content":"long"}]}' >/dev/null"""  # noqa: E501
+
+VERIFY_3_COUNT = "grep -c 'cancelled' /tmp/stub-reasoning.log"
+
+
+def test_the_commands_here_are_the_seeds_own() -> None:
+    if not SEED.is_file():
+        pytest.skip(f"the seed is not beside the repository at {SEED}")
+    seed = SEED.read_text()
+    verify = seed[seed.index("\nVerify\n"):]
+    for command in (VERIFY_1, VERIFY_2, VERIFY_3, VERIFY_3_COUNT):
+        assert command in verify, command
+
+
+def test_verify_1_event_lines_come_in_the_seed_order(daemon: Daemon) -> None:
+    result = daemon.run(VERIFY_1)
+    assert result.returncode == 0, (result.stderr, daemon.diagnostics())
+    lines = result.stdout.splitlines()
+    assert all(line.startswith("event: ") for line in lines), lines
+    names = [line[len("event: "):] for line in lines]
+    folded: list[str] = []
+    for name in names:
+        if not (name == "content_block_delta" and folded[-1] == "content_block_delta..."):
+            folded.append("content_block_delta..." if name == "content_block_delta" else name)
+    assert folded == [
+        "message_start",
+        "content_block_start", "content_block_delta...", "content_block_stop",
+        "content_block_start", "content_block_delta...", "content_block_stop",
+        "message_delta", "message_stop",
+    ], names
+
+
+def test_verify_2_index0_block_stop_precedes_the_first_line_mentioning_index1(
+    daemon: Daemon,
+) -> None:
+    result = daemon.run(VERIFY_2)
+    lines = result.stdout.splitlines()
+    assert len(lines) == 3, (result.stdout, result.stderr, daemon.diagnostics())
+    numbered = [(int(line.split(":", 1)[0]), line.split(":", 1)[1]) for line in lines]
+    assert [n for n, _ in numbered] == sorted(n for n, _ in numbered)
+    stop_0 = [n for n, text in numbered
+              if "content_block_stop" in text and '"index":1' not in text]
+    first_1 = [n for n, text in numbered if '"index":1' in text]
+    assert stop_0 and first_1, lines
+    assert stop_0[0] < first_1[0], lines
+    # the index-0 stop is the first thing grep finds: event line, then its data line
+    assert numbered[0][1] == "event: content_block_stop", lines
+    assert numbered[1][1] == 'data: {"type":"content_block_stop","index":0}', lines
+    assert numbered[2][1].startswith('data: {"type":"content_block_start","index":1,'), lines
+
+
+def test_verify_3_client_gone_after_1s_makes_the_stub_log_one_cancelled_within_a_second(
+    daemon: Daemon,
+) -> None:
+    started = time.monotonic()
+    result = daemon.run(VERIFY_3)
+    gone = time.monotonic()
+    assert result.returncode == 124, (result, daemon.diagnostics())  # timeout cut curl off
+    assert 0.9 <= gone - started < 3.0, gone - started
+    count = ""
+    while True:
+        count = daemon.run(VERIFY_3_COUNT).stdout.strip()
+        if count == "1" or time.monotonic() - gone > 1.0:
+            break
+        time.sleep(0.05)
+    assert count == "1", daemon.diagnostics()
+    assert time.monotonic() - gone <= 1.2
+    long_request = [line for line in daemon.stub_lines() if "endpoint=chat" in line][-2:]
+    assert long_request[0].split()[1] == "start" and long_request[1].split()[1] == "cancelled"
