@@ -5,7 +5,11 @@ applied) and answers `count`; llama-server serves POST /tokenize with `content` 
 `tokens`; llama-cpp-python serves POST /extras/tokenize/count with `input`. One /tokenize body
 carries both shapes (each server ignores the other's fields), llama-cpp-python's path is the
 fallback, and when nothing answers a chars/4 estimate stands in: agents track their context from
-input_tokens, and 0 would break them.
+input_tokens, and 0 would break them. Which way works is remembered per slot, so an upstream
+without a tokenizer (a remote provider) costs two failed look-ups once, not on every request.
+
+Counting happens before the generation is requested, never beside it: llama-cpp-python's server
+interrupts a running completion when another request arrives.
 """
 
 from __future__ import annotations
@@ -15,12 +19,16 @@ from typing import Any
 
 import aiohttp
 import orjson
+from aiohttp import web
 
 from hal0d.config import SlotConfig
 from hal0d.logs import get_logger
 
 log = get_logger()
 TOKENIZE_TIMEOUT_S = 2.0
+TOKENIZE = "/tokenize"
+EXTRAS = "/extras/tokenize/count"
+SOURCE = {TOKENIZE: "tokenize", EXTRAS: "extras"}
 
 
 def estimate(text: str) -> int:
@@ -39,40 +47,57 @@ def _count_of(answer: Any) -> int | None:
     return None
 
 
-async def _ask(session: aiohttp.ClientSession, slot: SlotConfig, path: str,
-               body: dict[str, Any]) -> int | None:
-    headers = {"Content-Type": "application/json"}
-    token = slot.bearer_token()
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    async with session.post(slot.upstream + path, data=orjson.dumps(body),
-                            headers=headers) as resp:
-        if resp.status != 200:
-            return None
+class TokenCounter:
+    def __init__(self, session: aiohttp.ClientSession) -> None:
+        self.session = session
+        # slot name -> the path that answered, or None when none did
+        self._ways: dict[tuple[str, str], str | None] = {}
+
+    async def _ask(self, slot: SlotConfig, path: str, body: dict[str, Any]) -> int | None:
+        headers = {"Content-Type": "application/json"}
+        token = slot.bearer_token()
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        async with self.session.post(
+            slot.upstream + path, data=orjson.dumps(body), headers=headers
+        ) as resp:
+            if resp.status != 200:
+                return None
+            try:
+                return _count_of(orjson.loads(await resp.read()))
+            except orjson.JSONDecodeError:
+                return None
+
+    async def count(
+        self, slot: SlotConfig, openai_request: dict[str, Any], text: str
+    ) -> tuple[int, str]:
+        """(token count, where it came from: tokenize, extras or estimate)."""
+        bodies: dict[str, dict[str, Any]] = {
+            TOKENIZE: {
+                "model": openai_request.get("model"),
+                "messages": openai_request.get("messages"),
+                "content": text,
+                "add_special": True,
+            },
+            EXTRAS: {"input": text},
+        }
+        key = (slot.name, slot.upstream)
+        known = self._ways.get(key, "unknown")
+        ways = [TOKENIZE, EXTRAS] if known == "unknown" else [known] if known else []
         try:
-            return _count_of(orjson.loads(await resp.read()))
-        except orjson.JSONDecodeError:
-            return None
+            async with asyncio.timeout(TOKENIZE_TIMEOUT_S):
+                for path in ways:
+                    count = await self._ask(slot, path, bodies[path])
+                    if count is not None:
+                        self._ways[key] = path
+                        return count, SOURCE[path]
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            log.debug("tokens.count_failed", slot=slot.name, error=f"{type(exc).__name__}: {exc}")
+            return estimate(text), "estimate"  # a passing failure: try the tokenizer next time
+        if known == "unknown":
+            self._ways[key] = None
+            log.info("tokens.no_tokenizer", slot=slot.name, fallback="estimate (chars / 4)")
+        return estimate(text), "estimate"
 
 
-async def count_prompt_tokens(
-    session: aiohttp.ClientSession, slot: SlotConfig, openai_request: dict[str, Any], text: str
-) -> tuple[int, str]:
-    """(token count, where it came from: tokenize | extras | estimate)."""
-    tokenize_body = {
-        "model": openai_request.get("model"),
-        "messages": openai_request.get("messages"),
-        "content": text,
-        "add_special": True,
-    }
-    try:
-        async with asyncio.timeout(TOKENIZE_TIMEOUT_S):
-            count = await _ask(session, slot, "/tokenize", tokenize_body)
-            if count is not None:
-                return count, "tokenize"
-            count = await _ask(session, slot, "/extras/tokenize/count", {"input": text})
-            if count is not None:
-                return count, "extras"
-    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-        log.debug("tokens.count_failed", slot=slot.name, error=f"{type(exc).__name__}: {exc}")
-    return estimate(text), "estimate"
+TOKEN_COUNTER = web.AppKey("token_counter", TokenCounter)

@@ -26,6 +26,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from hal0d.appkeys import RUNTIME, SESSION
 from hal0d.config import DispatcherConfig, SlotConfig
 from hal0d.errors import UpstreamUnavailable
+from hal0d.tokens import TOKEN_COUNTER, TokenCounter
 
 # RFC 9110 7.6.1 hop-by-hop headers, plus the ones aiohttp recomputes for each side.
 HOP_BY_HOP = frozenset(
@@ -142,6 +143,7 @@ def make_session(timeouts: DispatcherConfig) -> aiohttp.ClientSession:
 async def session_context(app: web.Application) -> AsyncIterator[None]:
     """cleanup_ctx: the one shared ClientSession for every upstream call."""
     app[SESSION] = make_session(app[RUNTIME].current.config.dispatcher)
+    app[TOKEN_COUNTER] = TokenCounter(app[SESSION])
     yield
     await app[SESSION].close()
 

@@ -7,7 +7,6 @@ a real HTTP status with Anthropic's error body; after it, one `event: error` fra
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import aiohttp
@@ -26,7 +25,7 @@ from hal0d.metrics.live import StreamTap
 from hal0d.relay import relay
 from hal0d.requestinfo import INFO
 from hal0d.stallguard import StallGuard, guard_active
-from hal0d.tokens import count_prompt_tokens
+from hal0d.tokens import TOKEN_COUNTER
 from hal0d.upstream import open_upstream, request_headers
 
 SSE_HEADERS = {
@@ -51,6 +50,8 @@ async def upstream_error(upstream: aiohttp.ClientResponse, slot: str) -> Upstrea
             message = error["message"]
         elif isinstance(error, str):
             message = error
+    # Some servers put their Python traceback in the message; the client gets the message only.
+    message = message.split('\n  File "', 1)[0].strip()
     message = message[:UPSTREAM_MESSAGE_LIMIT] or f"upstream answered {upstream.status}"
     return UpstreamStatus(upstream.status, f"slot {slot!r}: {message}")
 
@@ -70,60 +71,55 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
     async with request.app[SLOTS][route.slot.name].lease() as lease:
         info.queue_ms = lease.queue_ms
-        counting = (
-            asyncio.create_task(
-                count_prompt_tokens(session, route.slot, payload, prompt_text(payload))
+        input_tokens = None
+        if req.stream:
+            input_tokens, _ = await request.app[TOKEN_COUNTER].count(
+                route.slot, payload, prompt_text(payload)
             )
-            if req.stream
-            else None
+        headers = request_headers(request.headers, route.slot)
+        headers[hdrs.CONTENT_TYPE] = "application/json"
+        upstream = await open_upstream(
+            session,
+            route.slot,
+            timeouts,
+            method=hdrs.METH_POST,
+            path="/v1/chat/completions",
+            headers=headers,
+            body=orjson.dumps(payload),
+            guarded=req.stream and guard_active(timeouts),
         )
         try:
-            upstream = await open_upstream(
-                session,
-                route.slot,
-                timeouts,
-                method=hdrs.METH_POST,
-                path="/v1/chat/completions",
-                headers=request_headers(request.headers, route.slot),
-                body=orjson.dumps(payload),
-                guarded=req.stream and guard_active(timeouts),
-            )
-            try:
-                info.upstream_status(upstream.status)
-                if upstream.status >= 400:
-                    raise await upstream_error(upstream, route.slot.name)
-                if counting is None:
-                    return await answer_whole(upstream, req.model, req.stop_sequences, info)
-                if upstream.content_type != "text/event-stream":
-                    raise UpstreamInvalid(
-                        f"slot {route.slot.name!r} answered a streaming request with "
-                        f"content-type {upstream.content_type!r}, not text/event-stream"
-                    )
-                input_tokens, _ = await counting
-                translator = Translator(
-                    req.model, input_tokens=input_tokens, stop_sequences=req.stop_sequences
+            info.upstream_status(upstream.status)
+            if upstream.status >= 400:
+                raise await upstream_error(upstream, route.slot.name)
+            if not req.stream:
+                return await answer_whole(upstream, req.model, req.stop_sequences, info)
+            if upstream.content_type != "text/event-stream":
+                raise UpstreamInvalid(
+                    f"slot {route.slot.name!r} answered a streaming request with "
+                    f"content-type {upstream.content_type!r}, not text/event-stream"
                 )
-                response = web.StreamResponse(status=200, headers=SSE_HEADERS)
-                await response.prepare(request)
-                tap = StreamTap(info.started)
-                guard = StallGuard(timeouts, route.slot.name)
-                request.app[STREAMS].add(guard)
-                outcome = None
-                try:
-                    outcome = await relay(
-                        upstream, response, AnthropicTransform(translator), guard, tap
-                    )
-                finally:
-                    request.app[STREAMS].discard(guard)
-                    info.apply_stream(outcome, tap)
-                if info.prompt_tokens is None:
-                    info.prompt_tokens = translator.input_tokens
-                return response
+            translator = Translator(
+                req.model, input_tokens=input_tokens, stop_sequences=req.stop_sequences
+            )
+            response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+            await response.prepare(request)
+            tap = StreamTap(info.started)
+            guard = StallGuard(timeouts, route.slot.name)
+            request.app[STREAMS].add(guard)
+            outcome = None
+            try:
+                outcome = await relay(
+                    upstream, response, AnthropicTransform(translator), guard, tap
+                )
             finally:
-                release_upstream(upstream)
+                request.app[STREAMS].discard(guard)
+                info.apply_stream(outcome, tap)
+            if info.prompt_tokens is None:
+                info.prompt_tokens = translator.input_tokens
+            return response
         finally:
-            if counting is not None:
-                counting.cancel()
+            release_upstream(upstream)
 
 
 async def answer_whole(
@@ -158,8 +154,8 @@ async def count_tokens(request: web.Request) -> web.Response:
     route = runtime.router.resolve(req.model)
     info.model, info.served_model, info.slot = req.model, route.served_model, route.slot.name
     payload = to_openai(req, served_model=route.served_model)
-    count, source = await count_prompt_tokens(
-        request.app[SESSION], route.slot, payload, prompt_text(payload)
+    count, source = await request.app[TOKEN_COUNTER].count(
+        route.slot, payload, prompt_text(payload)
     )
     info.prompt_tokens = count
     return web.Response(

@@ -11,8 +11,10 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import hdrs, web
+from multidict import CIMultiDict
 
 from hal0d.appkeys import RUNTIME, SESSION, SLOTS, STREAMS
+from hal0d.config import SlotConfig
 from hal0d.errors import InvalidRequest, UpstreamInvalid, UpstreamUnavailable
 from hal0d.handlers.body import multipart_field, parse_json_object, read_body
 from hal0d.metrics.live import StreamTap
@@ -99,6 +101,15 @@ def requested_model(request: web.Request, endpoint: str, body: bytes) -> tuple[s
     return model, stream, body
 
 
+def upstream_headers(request: web.Request, endpoint: str, slot: SlotConfig) -> CIMultiDict[str]:
+    headers = request_headers(request.headers, slot)
+    if endpoint != "audio/transcriptions":
+        # The body was parsed as JSON; say so even when the client did not (`curl -d` sends
+        # a form content-type, which strict upstreams such as llama-cpp-python refuse).
+        headers[hdrs.CONTENT_TYPE] = "application/json"
+    return headers
+
+
 def with_model(body: bytes, served_model: str) -> bytes:
     payload: dict[str, Any] = orjson.loads(body)
     payload["model"] = served_model
@@ -129,7 +140,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
             method=hdrs.METH_POST,
             path=f"/v1/{endpoint}",
             params=request.query,
-            headers=request_headers(request.headers, route.slot),
+            headers=upstream_headers(request, endpoint, route.slot),
             body=body,
             guarded=streaming and guard_active(timeouts),
         )
