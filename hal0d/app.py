@@ -69,7 +69,10 @@ async def request_lifecycle(
     """Names the request, renders every error in the surface's envelope, logs request.done."""
     given = request.headers.get(REQUEST_ID_HEADER, "")
     request_id = given if _REQUEST_ID.match(given) else uuid.uuid4().hex[:16]
-    info = RequestInfo(request_id=request_id, endpoint=request.path)
+    # A path no route matched is recorded under one name: client-chosen paths must not become
+    # new Prometheus label values without bound.
+    matched = request.match_info.route.resource is not None
+    info = RequestInfo(request_id=request_id, endpoint=request.path if matched else "unmatched")
     request[INFO] = info
     structlog.contextvars.bind_contextvars(request_id=request_id)
     try:

@@ -39,7 +39,7 @@ async def slot_metrics(request: web.Request) -> web.Response:
 
 async def requests(request: web.Request) -> web.Response:
     raw = request.query.get("limit", "100")
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_HISTORY_ROWS:
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_HISTORY_ROWS:
         raise InvalidRequest(
             f"limit must be an integer from 1 to {MAX_HISTORY_ROWS}", field="limit"
         )

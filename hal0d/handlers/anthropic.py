@@ -60,12 +60,12 @@ async def messages(request: web.Request) -> web.StreamResponse:
     info = request[INFO]
     runtime = request.app[RUNTIME].current
     req = parse_messages_request(parse_json_object(await read_body(request)))
+    info.model, info.stream = req.model, req.stream
     route = runtime.router.resolve(req.model)
     payload = to_openai(
         req, served_model=route.served_model, max_output_tokens=route.slot.max_output_tokens
     )
-    info.model, info.served_model = req.model, route.served_model
-    info.slot, info.stream = route.slot.name, req.stream
+    info.served_model, info.slot = route.served_model, route.slot.name
     timeouts = runtime.config.dispatcher
     session = request.app[SESSION]
 

@@ -122,12 +122,12 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
     runtime = request.app[RUNTIME].current
     body = await read_body(request)
     model, stream, body = requested_model(request, endpoint, body)
+    streaming = stream or endpoint in ALWAYS_STREAMING
+    info.model, info.stream = model, streaming
     route = runtime.router.resolve(model)
     if route.served_model != model and endpoint != "audio/transcriptions":
         body = with_model(body, route.served_model)
-    streaming = stream or endpoint in ALWAYS_STREAMING
-    info.model, info.served_model = model, route.served_model
-    info.slot, info.stream = route.slot.name, streaming
+    info.served_model, info.slot = route.served_model, route.slot.name
     timeouts = runtime.config.dispatcher
     slot = request.app[SLOTS][route.slot.name]
 

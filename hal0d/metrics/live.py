@@ -142,7 +142,7 @@ class SlotMetrics:
             value = usage.get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.flm[key] = float(value)
-        if "decoding_speed_tps" in self.flm:
+        if "decoding_speed_tps" in usage and "decoding_speed_tps" in self.flm:
             self.tokens_per_s = self.flm["decoding_speed_tps"]
 
     def snapshot(self) -> dict[str, Any]:
