@@ -1,17 +1,21 @@
 """The one logging pipeline: structlog events, one line each, for people, journald or shippers.
 
 Event names are `noun.verb` (`request.done`, `slot.state_changed`). Under journald (JOURNAL_STREAM
-set) each line starts with its `<N>` syslog priority and carries no timestamp of its own, so
-`journalctl -p warning` filters and nothing is printed twice. Standard-library loggers (aiohttp's)
-run through the same processors. Secrets are redacted before any renderer sees them.
+names our stdout) each line starts with its `<N>` syslog priority and carries no timestamp of its
+own, so `journalctl -p warning` filters and nothing is printed twice. Standard-library loggers
+(aiohttp's) run through the same processors. Secrets are redacted as the last step before a
+renderer, after tracebacks are formatted: by key (`authorization`, `api_key`...), by shape
+(`Bearer ...`, `sk-...`, `x-api-key: ...` inside any text) and by value (the slots' own keys,
+registered with `hide`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Iterable, MutableMapping
 from typing import Any, TextIO
 
 import orjson
@@ -19,21 +23,68 @@ import structlog
 
 # Keys whose values are credentials wherever they appear in an event.
 SECRET_KEYS = frozenset(
-    {"authorization", "api_key", "x-api-key", "x_api_key", "api_keys", "password", "token"}
+    {"authorization", "api_key", "x-api-key", "x_api_key", "api_keys", "password", "token",
+     "proxy-authorization", "cookie"}
 )
 REDACTED = "[redacted]"
 _PRIORITY = {"critical": 2, "error": 3, "exception": 3, "warning": 4, "warn": 4, "info": 6,
              "debug": 7, "notset": 7}
+# Credentials by their shape, inside free text (a message, a traceback, a repr of headers).
+_SECRET_SHAPES = (
+    (re.compile(r"(?i)\b(bearer)(\s+)[A-Za-z0-9._~+/=-]{4,}"), rf"\1\2{REDACTED}"),
+    (re.compile(r"\b(Basic)(\s+)[A-Za-z0-9+/=]{8,}"), rf"\1\2{REDACTED}"),
+    (
+        re.compile(
+            r"(?i)\b((?:x-)?api[-_]?key|(?:proxy-)?authorization|password|secret|token)"
+            r"""(['"]?\s*[:=]\s*['"]?)(?!\[redacted\])(?!bearer\b|basic\b)[^\s'",;&}]+"""
+        ),
+        rf"\1\2{REDACTED}",
+    ),
+    (re.compile(r"\bsk-[A-Za-z0-9_-]{8,}"), REDACTED),
+)
+# Exact secret values hal0d itself knows (the slots' upstream keys), see hide().
+_hidden: set[str] = set()
+_MIN_HIDDEN_LEN = 6  # shorter values would redact ordinary words
+
+
+def hide(values: Iterable[str]) -> None:
+    """Never log these exact strings (the upstream keys of the configured slots)."""
+    _hidden.update(value for value in values if len(value) >= _MIN_HIDDEN_LEN)
+
+
+def scrub(text: str) -> str:
+    for value in _hidden:
+        if value in text:
+            text = text.replace(value, REDACTED)
+    for pattern, replacement in _SECRET_SHAPES:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def _scrub_value(value: Any, depth: int = 0) -> Any:
+    if isinstance(value, str):
+        return scrub(value)
+    if depth > 2:
+        return value
+    if isinstance(value, dict):
+        return {
+            k: REDACTED if isinstance(k, str) and k.lower() in SECRET_KEYS
+            else _scrub_value(v, depth + 1)
+            for k, v in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return type(value)(_scrub_value(v, depth + 1) for v in value)
+    return value
 
 
 def redact_secrets(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    for key in event.keys() & SECRET_KEYS:
-        event[key] = REDACTED
-    headers = event.get("headers")
-    if isinstance(headers, dict):
-        event["headers"] = {
-            k: REDACTED if k.lower() in SECRET_KEYS else v for k, v in headers.items()
-        }
+    for key, value in list(event.items()):
+        if key.startswith("_"):
+            continue  # structlog's own bookkeeping (_record, _from_structlog)
+        if key.lower() in SECRET_KEYS:
+            event[key] = REDACTED
+        else:
+            event[key] = _scrub_value(value)
     return event
 
 
@@ -98,11 +149,11 @@ def configure(level: str = "info", fmt: str = "auto", stream: TextIO | None = No
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.stdlib.add_log_level,
-        redact_secrets,
     ]
     if not journald:
         shared.append(structlog.processors.TimeStamper(fmt="iso", utc=True))
-    shared.append(structlog.processors.format_exc_info)
+    # Last before the renderer: a formatted traceback is text that may quote a header.
+    shared += [structlog.processors.format_exc_info, redact_secrets]
     numeric = getattr(logging, level.upper(), logging.INFO)
     structlog.configure(
         processors=[*shared, renderer],
@@ -115,7 +166,9 @@ def configure(level: str = "info", fmt: str = "auto", stream: TextIO | None = No
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             processor=renderer,
-            foreign_pre_chain=[structlog.stdlib.ExtraAdder(), *shared],
+            foreign_pre_chain=[
+                structlog.stdlib.add_logger_name, structlog.stdlib.ExtraAdder(), *shared
+            ],
         )
     )
     root = logging.getLogger()

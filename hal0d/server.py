@@ -1,29 +1,106 @@
-"""The server's life: listen, tell systemd, keep the watchdog fed, reload, drain, stop."""
+"""The server's life: listen, tell systemd, keep the watchdog fed, reload, drain, stop.
+
+Start: the cleanup contexts open the upstream session and the history, launch the slot processes
+and probe every other slot; then hal0d listens and sends READY=1 with a STATUS line.
+
+Stop (SIGTERM, SIGINT), in this order:
+
+1. STOPPING=1. The listening socket closes at once; idle keep-alive connections are closed and
+   busy ones close after their current response, so no new request gets in.
+2. In-flight requests get `[server].shutdown_grace_s` to finish on their own.
+3. Then every stream still open is ended with its surface's terminal frame
+   (`StallGuard.end_now("shutdown")`: the stall-guard frame on OpenAI SSE, `event: error` on the
+   Anthropic surface). A stream that starts after that (its request was waiting for headers) is
+   ended the same way, and requests still queued for a slot get a 503: the slots go offline.
+4. TERMINAL_FRAME_S later aiohttp cancels whatever still runs; the cleanup contexts stop the
+   slot processes, flush the request history and close the session. Exit code 0.
+
+aiohttp's own shutdown timeout cancels handlers without a word to their clients, so step 3 is
+ours and comes first: aiohttp's timeout is the grace plus TERMINAL_FRAME_S. A second signal skips
+what is left of the grace.
+
+Reload (SIGHUP): RELOADING=1, then the config file is read and validated again. Invalid: hal0d
+keeps running on the old one and logs `config.reload_failed` with every problem. Valid: slot
+changes are applied (Supervisor.reload), then app[RUNTIME] points at a new Runtime, which new
+requests use; in-flight ones keep the one they started with. READY=1 either way. The keys in
+RESTART_KEYS only take effect at start: they keep their running values and a warning says so.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import signal
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
+from hal0d import config as configuration
 from hal0d import logs, systemd
 from hal0d.app import make_app
-from hal0d.appkeys import SLOTS
+from hal0d.appkeys import RUNTIME, SLOTS, STREAMS, SUPERVISOR, Runtime
 from hal0d.config import Config
+from hal0d.stallguard import StallGuard
 
 log = logs.get_logger()
+
+# After the grace: how long the ended streams get to write their terminal frames.
+TERMINAL_FRAME_S = 2.0
+# How often, once the grace is over, newly started streams are looked for and ended.
+END_POLL_S = 0.05
+STATUS_EVERY_S = 5.0
+# A reload waits this long for the leases on a replaced slot process when the stall guard's
+# total bound is off (0), before stopping that process anyway.
+DRAIN_UNBOUNDED_S = 900.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+# (section, key) read once at start; a reload keeps their running values.
+RESTART_KEYS: tuple[tuple[str, str], ...] = (
+    ("server", "host"),
+    ("server", "port"),
+    ("server", "max_body_bytes"),  # the application's client_max_size
+    ("server", "shutdown_grace_s"),  # aiohttp's shutdown timeout is fixed with its runner
+    ("metrics", "database"),  # the history writer opens its file once
+    ("metrics", "retention_days"),
+    ("metrics", "ttft_samples"),
+)
 
 
 def serve(config: Config, config_path: Path) -> int:
     logs.configure(config.logging.level, config.logging.format)
+    logs.hide(known_secrets(config))
     return asyncio.run(run(config, config_path))
 
 
-def status_line(app: web.Application, config: Config) -> str:
-    states = ", ".join(f"{s.name}={s.state}" for s in app[SLOTS])
-    return f"listening on {config.server.host}:{config.server.port}; slots: {states or 'none'}"
+async def run(config: Config, config_path: Path) -> int:
+    return await Daemon(config, config_path).run()
+
+
+def known_secrets(config: Config) -> list[str]:
+    """The client keys hal0d accepts and the slots' upstream keys: no log line may show them,
+    whatever carries them there."""
+    upstream = [token for slot in config.slots if (token := slot.bearer_token())]
+    return [*config.server.accepted_keys, *upstream]
+
+
+def restart_needed(running: Config, loaded: Config) -> list[str]:
+    return [
+        f"{section}.{key}"
+        for section, key in RESTART_KEYS
+        if getattr(getattr(running, section), key) != getattr(getattr(loaded, section), key)
+    ]
+
+
+def keep_restart_keys(running: Config, loaded: Config) -> Config:
+    """`loaded` with the running values of RESTART_KEYS, so the Runtime tells the truth."""
+    for section, key in RESTART_KEYS:
+        table: Any = dataclasses.replace(
+            getattr(loaded, section), **{key: getattr(getattr(running, section), key)}
+        )
+        loaded = dataclasses.replace(loaded, **{section: table})
+    return loaded
 
 
 async def watchdog(interval: float) -> None:
@@ -33,40 +110,200 @@ async def watchdog(interval: float) -> None:
         await asyncio.sleep(interval)
 
 
-async def run(config: Config, config_path: Path) -> int:
-    app = make_app(config)
-    runner = web.AppRunner(
-        app,
-        handler_cancellation=True,
-        access_log=None,
-        shutdown_timeout=config.server.shutdown_grace_s,
-    )
-    await runner.setup()
-    site = web.TCPSite(runner, config.server.host, config.server.port, reuse_address=True)
-    try:
-        await site.start()
-    except OSError as exc:
-        log.error("server.bind_failed", host=config.server.host, port=config.server.port,
-                  error=exc.strerror or str(exc))
-        await runner.cleanup()
-        return 1
-    log.info("server.started", host=config.server.host, port=config.server.port,
-             config=str(config_path))
-    systemd.notify("READY=1", "STATUS=" + status_line(app, config))
+class Daemon:
+    """One run of `hal0d serve`: the application, its runner and the signals that steer them."""
 
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    tasks = []
-    interval = systemd.watchdog_interval()
-    if interval:
-        tasks.append(asyncio.create_task(watchdog(interval)))
-    await stop.wait()
-    log.info("server.stopping")
-    systemd.notify("STOPPING=1", "STATUS=draining")
-    for task in tasks:
-        task.cancel()
-    await runner.cleanup()
-    log.info("server.stopped")
-    return 0
+    def __init__(self, config: Config, config_path: Path) -> None:
+        self.config_path = config_path
+        self.app = make_app(config)
+        self.grace_s = config.server.shutdown_grace_s
+        self.runner = web.AppRunner(
+            self.app,
+            handler_cancellation=True,
+            access_log=None,  # request.done is the access log
+            shutdown_timeout=self.grace_s + TERMINAL_FRAME_S,
+        )
+        self.address = f"{config.server.host}:{config.server.port}"
+        self.stop_signals = 0
+        self.stop_requested = asyncio.Event()
+        self.grace_cut_short = asyncio.Event()
+        self.reload_requested = asyncio.Event()
+        self.reloading = False
+
+    @property
+    def config(self) -> Config:
+        return self.app[RUNTIME].current.config
+
+    def status(self) -> str:
+        states = ", ".join(f"{slot.name}={slot.state}" for slot in self.app[SLOTS])
+        return f"listening on {self.address}; slots: {states or 'none'}"
+
+    def on_stop_signal(self, signum: int) -> None:
+        self.stop_signals += 1
+        name = signal.Signals(signum).name
+        if self.stop_signals == 1:
+            log.info("server.stop_requested", signal=name)
+            self.stop_requested.set()
+        else:
+            log.warning("server.grace_cut_short", signal=name)
+            self.grace_cut_short.set()
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        # Installed before anything slow: a SIGTERM or SIGHUP during the first probes must not
+        # kill the process with the default action.
+        for signum in STOP_SIGNALS:
+            loop.add_signal_handler(signum, self.on_stop_signal, signum)
+        loop.add_signal_handler(signal.SIGHUP, self.reload_requested.set)
+        try:
+            return await self.serve()
+        finally:
+            for signum in (*STOP_SIGNALS, signal.SIGHUP):
+                loop.remove_signal_handler(signum)
+
+    async def serve(self) -> int:
+        config = self.config
+        try:
+            await self.runner.setup()
+        except Exception as exc:
+            log.exception("server.start_failed", config=str(self.config_path),
+                          error=f"{type(exc).__name__}: {exc}")
+            await self.runner.cleanup()
+            return 1
+        if self.stop_requested.is_set():
+            await self.runner.cleanup()
+            return 0
+        site = web.TCPSite(self.runner, config.server.host, config.server.port,
+                           reuse_address=True)
+        try:
+            await site.start()
+        except OSError as exc:
+            log.error("server.bind_failed", host=config.server.host, port=config.server.port,
+                      error=exc.strerror or str(exc))
+            await self.runner.cleanup()
+            return 1
+        log.info("server.started", host=config.server.host, port=config.server.port,
+                 config=str(self.config_path), slots=len(config.slots))
+        systemd.ready(self.status())
+
+        reloads = asyncio.create_task(self.reloads())
+        tasks = [reloads, asyncio.create_task(self.keep_status())]
+        interval = systemd.watchdog_interval()
+        if interval:
+            tasks.append(asyncio.create_task(watchdog(interval)))
+        try:
+            await self.stop_requested.wait()
+            reloads.cancel()  # a stop wins over a reload in progress
+            await self.shutdown()
+        finally:
+            # The watchdog is fed through the whole drain: a long grace must not look like a hang.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return 0
+
+    async def shutdown(self) -> None:
+        streams = self.app[STREAMS]
+        log.info("server.stopping", grace_s=self.grace_s, streams=len(streams))
+        systemd.stopping(
+            f"stopping: {len(streams)} streams get up to {self.grace_s:g} s to finish"
+        )
+        ender = asyncio.create_task(self.end_streams_after_grace())
+        try:
+            # Stops the listener, closes idle connections, waits for busy ones (our grace plus
+            # TERMINAL_FRAME_S), then runs the cleanup contexts.
+            await self.runner.cleanup()
+        finally:
+            ender.cancel()
+            await asyncio.gather(ender, return_exceptions=True)
+        log.info("server.stopped")
+
+    async def end_streams_after_grace(self) -> None:
+        try:
+            async with asyncio.timeout(self.grace_s):
+                await self.grace_cut_short.wait()
+        except TimeoutError:
+            pass
+        streams = self.app[STREAMS]
+        if streams:
+            log.warning("server.grace_expired", grace_s=self.grace_s, streams=len(streams))
+        systemd.status(f"stopping: ending {len(streams)} streams")
+        for slot in self.app[SLOTS]:
+            slot.mark_offline()  # requests still queued for a slot get their 503 now
+        ended: set[StallGuard] = set()
+        # Until the runner is done: a request that had a lease but no upstream headers yet at
+        # the end of the grace starts its stream later, and is ended as soon as it does.
+        while True:
+            for guard in streams - ended:
+                # RuntimeError: the relay already left the guard and writes its last frame.
+                with contextlib.suppress(RuntimeError):
+                    guard.end_now("shutdown")
+                ended.add(guard)
+            await asyncio.sleep(END_POLL_S)
+
+    async def keep_status(self) -> None:
+        shown = self.status()
+        while True:
+            await asyncio.sleep(STATUS_EVERY_S)
+            now = self.status()
+            # Reload and stop write their own STATUS= lines meanwhile.
+            if now != shown and not self.reloading and not self.stop_requested.is_set():
+                systemd.status(now)
+                shown = now
+
+    async def reloads(self) -> None:
+        """One reload at a time; SIGHUPs that arrive during one are folded into the next."""
+        while True:
+            await self.reload_requested.wait()
+            self.reload_requested.clear()
+            self.reloading = True
+            try:
+                await self.reload()
+            finally:
+                self.reloading = False
+            systemd.ready(self.status())
+
+    async def reload(self) -> None:
+        systemd.reloading(f"reloading {self.config_path}")
+        log.info("config.reload_started", config=str(self.config_path))
+        try:
+            loaded = configuration.load(self.config_path)
+        except configuration.ConfigError as exc:
+            log.error("config.reload_failed", config=str(self.config_path),
+                      problems=exc.problems, keeping="the running configuration")
+            return
+        try:
+            await self.apply(loaded)
+        except Exception:
+            # A bug here must not take the daemon down: the old Runtime stays in place (the
+            # slot table may be partly changed; the log says where it failed).
+            log.exception("config.reload_failed", config=str(self.config_path),
+                          keeping="the running configuration")
+
+    async def apply(self, loaded: Config) -> None:
+        running = self.config
+        restart = restart_needed(running, loaded)
+        if restart:
+            log.warning("config.restart_needed", keys=restart,
+                        note="these keep their running values until hal0d is restarted")
+        effective = keep_restart_keys(running, loaded)
+        if effective.logging != running.logging:
+            logs.configure(effective.logging.level, effective.logging.format)
+        logs.hide(known_secrets(effective))
+        timeouts = running.dispatcher
+        drain_s = (
+            max(timeouts.stream_total_timeout_s, timeouts.direct_read_timeout_s)
+            if timeouts.stream_total_timeout_s > 0 else DRAIN_UNBOUNDED_S
+        )
+        changes = await self.app[SUPERVISOR].reload(effective.slots, drain_s=drain_s)
+        # No await between the slot table change and this swap: see Supervisor.reload.
+        self.app[RUNTIME].current = Runtime.build(effective)
+        log.info(
+            "config.reloaded",
+            config=str(self.config_path),
+            slots_added=changes["added"],
+            slots_removed=changes["removed"],
+            slots_changed=changes["changed"],
+            models=len(self.app[RUNTIME].current.router.served_models()),
+            aliases=len(effective.models),
+        )

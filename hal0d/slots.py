@@ -355,6 +355,25 @@ class SlotTable:
     def get(self, name: str) -> Slot | None:
         return self._slots.get(name)
 
+    def add(self, slot: Slot) -> None:
+        """A slot a reload added."""
+        if slot.name in self._slots:
+            raise ValueError(f"duplicate slot name {slot.name!r}")
+        self._slots[slot.name] = slot
+
+    def remove(self, name: str) -> Slot:
+        """A slot a reload removed; the caller takes it offline."""
+        return self._slots.pop(name)
+
+    def lease(self, name: str) -> _LeaseContext:
+        """A lease on the named slot; SlotLoading (503) when a reload has just removed it."""
+        slot = self._slots.get(name)
+        if slot is None:
+            raise SlotLoading(
+                f"slot {name!r} was removed by a configuration reload", retry_after=1.0
+            )
+        return slot.lease()
+
     def __getitem__(self, name: str) -> Slot:
         return self._slots[name]
 

@@ -14,8 +14,9 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -180,7 +181,9 @@ class Supervisor:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def probe_once(self, name: str) -> None:
-        slot = self.table[name]
+        slot = self.table.get(name)
+        if slot is None:
+            return  # removed by a reload while this probe round was starting
         if slot.state in (SlotState.STARTING, SlotState.OFFLINE) and name in self.processes:
             return  # the process's own startup wait owns these states
         reason = await probe(self.session, self.configs[name])
@@ -208,6 +211,90 @@ class Supervisor:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for slot in self.table:
             slot.mark_offline()
+
+    async def reload(
+        self, configs: tuple[SlotConfig, ...], *, drain_s: float = 900.0
+    ) -> dict[str, list[str]]:
+        """Apply a reloaded [[slots]] list; returns the slot names added, removed and changed.
+
+        New slots join the table and are probed (or launched) before this returns; everything
+        after those awaits runs in one step, and the caller swaps the Runtime right after, so no
+        request is ever routed to a slot missing from the table. Removed slots go offline (their
+        queued requests get a 503) and leave the table. A slot whose command or upstream changed
+        gets a new process, but the old one is stopped only once the leases it serves are
+        released (for at most `drain_s`), so in-flight streams finish on the old settings; the
+        slot is `starting` meanwhile, so new requests queue for the new process instead.
+        """
+        new = {c.name: c for c in configs}
+        added = [name for name in new if name not in self.configs]
+        removed = [name for name in self.configs if name not in new]
+        changed = [name for name in new if name in self.configs and new[name] != self.configs[name]]
+        # Whatever listener slots_context wired into the first slots, new slots get it too.
+        listener = next((slot.on_change for slot in self.table), log_state_change)
+
+        async def retire(slot: Slot, old: SlotProcess | None, successor: SlotProcess | None,
+                         probe_after: bool) -> None:
+            if old is not None:
+                try:
+                    if slot.in_flight:
+                        log.info("slot.draining", slot=slot.name, in_flight=slot.in_flight)
+                    async with asyncio.timeout(drain_s):
+                        # Polled: a slot has no event for "last lease released" in STARTING.
+                        while slot.in_flight:  # noqa: ASYNC110
+                            await asyncio.sleep(STARTUP_POLL_S)
+                except TimeoutError:
+                    log.warning("slot.drain_timeout", slot=slot.name, in_flight=slot.in_flight,
+                                drain_s=drain_s)
+                finally:
+                    # Also when cancelled by stop(): the old process is in no table any more.
+                    await old.stop()
+            if successor is not None:
+                await successor.run()
+            elif probe_after:
+                await self.probe_once(slot.name)
+
+        def spawn(coro: Coroutine[Any, Any, None]) -> None:
+            self._tasks[:] = [task for task in self._tasks if not task.done()]
+            self._tasks.append(asyncio.create_task(coro))
+
+        for name in added:
+            self.table.add(Slot(new[name], on_change=listener))
+            self.configs[name] = new[name]
+            if new[name].command:
+                launched = SlotProcess(self.table[name], new[name], self.session)
+                self.processes[name] = launched
+                spawn(launched.run())
+        await asyncio.gather(
+            *(self.probe_once(name) for name in added if name not in self.processes)
+        )
+
+        # From here to the return there is no await: the table and the caller's new Runtime
+        # change in the same step of the event loop.
+        for name in removed:
+            slot = self.table.remove(name)
+            del self.configs[name]
+            slot.mark_offline()
+            process = self.processes.pop(name, None)
+            if process is not None:
+                spawn(retire(slot, process, None, probe_after=False))
+        for name in changed:
+            before, after = self.configs[name], new[name]
+            slot = self.table[name]
+            slot.config = after  # limits and the admin view; leases already held keep counting
+            self.configs[name] = after
+            process = self.processes.get(name)
+            if (before.command, before.upstream) == (after.command, after.upstream):
+                if process is not None:
+                    process.config = after  # the probe's credentials
+                continue
+            successor = SlotProcess(slot, after, self.session) if after.command else None
+            if successor is not None:
+                self.processes[name] = successor
+                slot.mark_starting("reloaded: a new process for the changed command or upstream")
+            else:
+                self.processes.pop(name, None)
+            spawn(retire(slot, process, successor, probe_after=successor is None))
+        return {"added": added, "removed": removed, "changed": changed}
 
 
 async def slots_context(app: web.Application) -> AsyncIterator[None]:

@@ -69,7 +69,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     timeouts = runtime.config.dispatcher
     session = request.app[SESSION]
 
-    async with request.app[SLOTS][route.slot.name].lease() as lease:
+    async with request.app[SLOTS].lease(route.slot.name) as lease:
         info.queue_ms = lease.queue_ms
         input_tokens = None
         if req.stream:

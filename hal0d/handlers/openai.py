@@ -129,9 +129,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
         body = with_model(body, route.served_model)
     info.served_model, info.slot = route.served_model, route.slot.name
     timeouts = runtime.config.dispatcher
-    slot = request.app[SLOTS][route.slot.name]
-
-    async with slot.lease() as lease:
+    async with request.app[SLOTS].lease(route.slot.name) as lease:
         info.queue_ms = lease.queue_ms
         upstream = await open_upstream(
             request.app[SESSION],

@@ -1,0 +1,181 @@
+"""The logging pipeline as it renders: the journald `<N>` prefix, JSON lines, stdlib loggers, and
+no secret in any line, whatever carries it there."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+import aiohttp
+import orjson
+import pytest
+import structlog
+
+from hal0d import logs
+from hal0d.config import parse
+from tests.conftest import ServerFactory, Stub, chat_body
+
+CLIENT_KEY = "sk-secret-client-key-4f9Q2"
+SLOT_KEY = "upstream-slot-key-Hq81z"  # no recognisable shape: only hide() can catch it
+ISO_TIME = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}")
+
+Configure = Callable[..., Path]
+
+
+@pytest.fixture
+def configure_logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Configure]:
+    """logs.configure() into a real file; the global logging state is restored afterwards."""
+    saved = structlog.get_config()
+    root = logging.getLogger()
+    saved_root = (root.handlers[:], root.level)
+    access = logging.getLogger("aiohttp.access")
+    saved_access = access.disabled
+    saved_hidden = set(logs._hidden)
+    streams: list[TextIO] = []
+
+    def configure(fmt: str = "auto", level: str = "info", journal: str | None = None) -> Path:
+        path = tmp_path / f"log-{len(streams)}.txt"
+        stream = path.open("w", buffering=1)
+        streams.append(stream)
+        if journal == "this file":
+            stat = os.fstat(stream.fileno())
+            monkeypatch.setenv("JOURNAL_STREAM", f"{stat.st_dev}:{stat.st_ino}")
+        elif journal is not None:
+            monkeypatch.setenv("JOURNAL_STREAM", journal)
+        else:
+            monkeypatch.delenv("JOURNAL_STREAM", raising=False)
+        logs.configure(level=level, fmt=fmt, stream=stream)
+        return path
+
+    yield configure
+    structlog.configure(**saved)
+    root.handlers[:] = saved_root[0]
+    root.setLevel(saved_root[1])
+    access.disabled = saved_access
+    logs._hidden.clear()
+    logs._hidden.update(saved_hidden)
+    for stream in streams:
+        stream.close()
+
+
+def test_under_journald_lines_carry_the_syslog_priority_and_no_timestamp(
+    configure_logs: Configure,
+) -> None:
+    path = configure_logs(journal="this file")
+    log = logs.get_logger()
+    log.info("request.done", request_id="r1", slot="llm", model="chat")
+    log.warning("slot.state_changed", slot="llm", old="ready", new="error")
+    log.error("server.bind_failed", port=8080)
+    logging.getLogger("aiohttp.server").warning("Error handling request")
+    lines = path.read_text().splitlines()
+
+    # journald stamps each line itself; `journalctl -p warning` reads the prefix.
+    assert lines == [
+        "<6>request.done request_id=r1 slot=llm model=chat",
+        "<4>slot.state_changed slot=llm old=ready new=error",
+        "<3>server.bind_failed port=8080",
+        "<4>Error handling request logger=aiohttp.server",
+    ]
+    assert not any(ISO_TIME.search(line) for line in lines)
+
+
+def test_a_journal_stream_that_is_not_our_stdout_is_not_journald(
+    configure_logs: Configure,
+) -> None:
+    # A child of a service inherits JOURNAL_STREAM while its stdout may go elsewhere.
+    path = configure_logs(journal="1:2")
+    logs.get_logger().info("server.started", port=8080)
+    line = path.read_text().strip()
+    assert not line.startswith("<")
+    assert ISO_TIME.match(line) and "[info] server.started port=8080" in line
+
+
+def test_json_format_gives_one_parseable_object_per_line_stdlib_included(
+    configure_logs: Configure,
+) -> None:
+    path = configure_logs(fmt="json", journal="this file")  # an explicit format wins
+    log = logs.get_logger()
+    log.info("request.done", request_id="r1", status=200, ok=True, ttft_ms=12.5)
+    logging.getLogger("aiohttp.access").info("must not appear: request.done replaces it")
+    logging.getLogger("aiohttp.server").error("Error handling request")
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        log.exception("request.failed", path="/v1/chat/completions")
+    events = [orjson.loads(line) for line in path.read_text().splitlines()]
+
+    assert [e["event"] for e in events] == [
+        "request.done", "Error handling request", "request.failed",
+    ]
+    assert events[0] | {"timestamp": None} == {
+        "event": "request.done", "level": "info", "request_id": "r1", "status": 200,
+        "ok": True, "ttft_ms": 12.5, "timestamp": None,
+    }
+    assert ISO_TIME.match(events[0]["timestamp"])
+    assert events[1]["level"] == "error" and events[1]["logger"] == "aiohttp.server"
+    assert "ValueError: boom" in events[2]["exception"]
+
+
+def test_no_secret_survives_any_way_into_a_line(configure_logs: Configure) -> None:
+    path = configure_logs(fmt="logfmt", level="debug")
+    logs.hide([SLOT_KEY])
+    log = logs.get_logger()
+    log.info("upstream.request", headers={"Authorization": f"Bearer {CLIENT_KEY}",
+                                          "X-Api-Key": CLIENT_KEY, "Accept": "*/*"})
+    log.info("config.loaded", api_key=SLOT_KEY, authorization=f"Bearer {CLIENT_KEY}")
+    log.warning("dispatch.upstream_broken", error=f"401 for key {SLOT_KEY}")
+    logging.getLogger("aiohttp.client").debug("sending x-api-key: %s", CLIENT_KEY)
+    logging.getLogger("aiohttp.server").warning("bad header 'Authorization: Bearer %s'",
+                                                CLIENT_KEY)
+    try:
+        raise RuntimeError(f"upstream said: invalid api_key={CLIENT_KEY}")
+    except RuntimeError:
+        log.exception("request.failed")
+    text = path.read_text()
+
+    assert len(text.splitlines()) == 6
+    assert CLIENT_KEY not in text and SLOT_KEY not in text
+    assert "sk-secret" not in text
+    assert text.count(logs.REDACTED) >= 8
+    assert "Accept=" in text or "'Accept': '*/*'" in text  # the rest is kept
+
+
+async def test_a_request_carrying_api_keys_never_shows_them_in_the_log(
+    configure_logs: Configure, stub: Stub, start_hal0d: ServerFactory,
+    http: aiohttp.ClientSession, tmp_path: Path,
+) -> None:
+    """A real hal0d with client keys and a slot key: streamed, whole, refused and unroutable
+    requests, each with `Authorization: Bearer` and `x-api-key`, at debug level."""
+    path = configure_logs(fmt="json", level="debug", journal="this file")
+    config = parse({
+        "server": {"api_keys": [CLIENT_KEY]},
+        "slots": [{"name": "llm", "upstream": stub.url, "api_key": SLOT_KEY,
+                   "models": ["reasoning", "chat", "broken"]}],
+        "metrics": {"database": str(tmp_path / "history.sqlite3")},
+    }, base_dir=tmp_path)
+    logs.hide([CLIENT_KEY, SLOT_KEY])  # what `hal0d serve` registers at start
+    hal0d = await start_hal0d(stub.url, config=config)
+    sent: list[tuple[dict[str, Any], dict[str, str]]] = [
+        (chat_body("reasoning"), {"Authorization": f"Bearer {CLIENT_KEY}"}),
+        (chat_body("chat", stream=False), {"x-api-key": CLIENT_KEY}),
+        (chat_body("broken"), {"Authorization": f"Bearer {CLIENT_KEY}", "x-api-key": CLIENT_KEY}),
+        (chat_body("no-such-model"), {"x-api-key": CLIENT_KEY}),
+        (chat_body("chat"), {"Authorization": f"Bearer {CLIENT_KEY}-wrong"}),
+        ({"model": 5}, {"x-api-key": f"{CLIENT_KEY}x"}),
+    ]
+    for body, headers in sent:
+        async with http.post(hal0d.make_url("/v1/chat/completions"), json=body,
+                             headers=headers) as response:
+            await response.read()
+    text = path.read_text()
+    events = [orjson.loads(line) for line in text.splitlines()]
+
+    done = [event for event in events if event["event"] == "request.done"]
+    assert len(done) == len(sent)  # the requests were logged, and nothing of their keys
+    assert {event["status"] for event in done} >= {200, 401, 404}
+    assert CLIENT_KEY not in text and "sk-secret" not in text
+    assert SLOT_KEY not in text

@@ -1,0 +1,432 @@
+"""`hal0d serve` as a real process: graceful shutdown on SIGTERM, reload on SIGHUP.
+
+hal0d runs as a subprocess in front of the stub upstream (served by the test's own event loop)
+and is steered with real signals, the way systemd steers it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sqlite3
+import sys
+import textwrap
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import closing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from tests.conftest import Stub, StubFactory, chat_body, free_port
+
+GRACE_S = 1.5
+TOKEN_DELAY_S = 0.02  # the stub's pace: 50 tokens a second per stream
+SHORT_MAX_TOKENS = 30  # about 0.6 s of tokens: in flight at SIGTERM, done well within the grace
+LONG_MAX_TOKENS = 1_000_000  # with the message "long": far beyond the grace
+EXIT_SLACK_S = 3.0
+
+
+def config_text(stub: str, port: int, tmp_path: Path, *, grace_s: float = GRACE_S,
+                slot: str = "", extra: str = "") -> str:
+    """hal0d's config; `slot` replaces the one slot in front of the test's stub."""
+    slot = textwrap.dedent(slot) or textwrap.dedent(f"""
+        [[slots]]
+        name = "llm"
+        upstream = "{stub}"
+        models = ["reasoning", "chat"]
+        max_concurrent = 64
+    """)
+    return textwrap.dedent(f"""
+        [server]
+        host = "127.0.0.1"
+        port = {port}
+        shutdown_grace_s = {grace_s}
+    """) + slot + textwrap.dedent(f"""
+        [metrics]
+        database = "{tmp_path / 'history.sqlite3'}"
+
+        [logging]
+        format = "json"
+    """) + textwrap.dedent(extra)
+
+
+@dataclass
+class Hal0d:
+    """One `hal0d serve` process, its config file and its log (JSON lines)."""
+
+    process: asyncio.subprocess.Process
+    port: int
+    config: Path
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def events(self) -> list[dict[str, Any]]:
+        events = []
+        for line in self.log.read_text().splitlines():
+            with contextlib.suppress(orjson.JSONDecodeError):
+                events.append(orjson.loads(line))
+        return events
+
+    def named(self, name: str) -> list[dict[str, Any]]:
+        return [event for event in self.events() if event.get("event") == name]
+
+    async def wait_for_event(self, name: str, timeout: float = 5.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if found := self.named(name):
+                return found[-1]
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"no {name} in hal0d's log:\n{self.log.read_text()}")
+
+    def send(self, signum: signal.Signals) -> None:
+        self.process.send_signal(signum)
+
+
+Hal0dFactory = Callable[..., Awaitable[Hal0d]]
+
+
+@pytest.fixture
+async def stub(start_stub: StubFactory) -> Stub:
+    return await start_stub(delay=TOKEN_DELAY_S)
+
+
+@pytest.fixture
+async def start_hal0d(tmp_path: Path) -> AsyncIterator[Hal0dFactory]:
+    started: list[Hal0d] = []
+
+    async def start(stub: Stub, **options: Any) -> Hal0d:
+        port = free_port()
+        config = tmp_path / "hal0d.toml"
+        config.write_text(config_text(stub.url, port, tmp_path, **options))
+        log = tmp_path / "hal0d.log"
+        with log.open("wb") as out:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "hal0d", "serve", "--config", str(config),
+                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
+            )
+        hal0d = Hal0d(process, port, config, log)
+        started.append(hal0d)
+        await hal0d.wait_for_event("server.started", timeout=10)
+        return hal0d
+
+    yield start
+    for hal0d in started:
+        if hal0d.process.returncode is None:
+            hal0d.process.kill()
+            await hal0d.process.wait()
+
+
+@dataclass
+class Stream:
+    """What a client saw of one streamed answer."""
+
+    name: str
+    data: list[bytes] = field(default_factory=list)  # the `data:` payloads, in order
+    raw: bytes = b""
+    first_chunk: asyncio.Event = field(default_factory=asyncio.Event)
+    ended_at: float = 0.0
+    error: str | None = None
+
+    def parse(self) -> None:
+        for block in self.raw.replace(b"\r\n", b"\n").split(b"\n\n"):
+            for line in block.split(b"\n"):
+                if line.startswith(b"data:"):
+                    self.data.append(line[5:].strip())
+
+    @property
+    def done(self) -> bool:
+        return bool(self.data) and self.data[-1] == b"[DONE]"
+
+    def chunks(self) -> list[dict[str, Any]]:
+        return [orjson.loads(item) for item in self.data if item != b"[DONE]"]
+
+    def stall(self) -> dict[str, Any] | None:
+        chunks = self.chunks()
+        return chunks[-1].get("x_hal0_stall") if chunks else None
+
+    def finished_normally(self) -> bool:
+        """The upstream's own ending: a finish_reason, then [DONE], no stall-guard frame."""
+        chunks = self.chunks()
+        return (self.done and self.stall() is None and bool(chunks)
+                and chunks[-1]["choices"][0]["finish_reason"] is not None)
+
+
+async def open_stream(http: aiohttp.ClientSession, url: str, stream: Stream,
+                      body: dict[str, Any]) -> None:
+    try:
+        async with http.post(f"{url}/v1/chat/completions", json=body) as response:
+            assert response.status == 200, await response.text()
+            async for data in response.content.iter_any():
+                stream.raw += data
+                stream.first_chunk.set()
+    except aiohttp.ClientError as exc:
+        stream.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        stream.ended_at = time.monotonic()
+        stream.first_chunk.set()
+        stream.parse()
+
+
+async def chat(http: aiohttp.ClientSession, url: str, model: str) -> tuple[int, dict[str, Any]]:
+    async with http.post(f"{url}/v1/chat/completions",
+                         json=chat_body(model, stream=False)) as response:
+        return response.status, await response.json()
+
+
+async def served_models(http: aiohttp.ClientSession, url: str) -> list[str]:
+    async with http.get(f"{url}/v1/models") as response:
+        return [item["id"] for item in (await response.json())["data"]]
+
+
+async def test_sigterm_drains_short_streams_and_ends_long_ones_with_a_terminal_frame(
+    stub: Stub, start_hal0d: Hal0dFactory, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """20 open streams at SIGTERM: the 10 short ones finish on their own within the grace, the
+    10 long ones get the stall-guard frame with reason shutdown and [DONE]; none ends without
+    one of the two; new connections are refused at once; exit code 0 soon after the grace."""
+    hal0d = await start_hal0d(stub)
+    short = [Stream(f"short-{i}") for i in range(10)]
+    long = [Stream(f"long-{i}") for i in range(10)]
+    tasks = [
+        *(asyncio.create_task(open_stream(http, hal0d.url, s, chat_body(
+            "reasoning", max_tokens=SHORT_MAX_TOKENS))) for s in short),
+        *(asyncio.create_task(open_stream(http, hal0d.url, s, chat_body(
+            "reasoning", content="long", max_tokens=LONG_MAX_TOKENS))) for s in long),
+    ]
+    async with asyncio.timeout(10):
+        for stream in (*short, *long):
+            await stream.first_chunk.wait()
+    assert all(not task.done() for task in tasks), "every stream must be open at SIGTERM"
+
+    hal0d.send(signal.SIGTERM)
+    sent = time.monotonic()
+    await asyncio.sleep(0.3)
+    with pytest.raises(aiohttp.ClientConnectorError):
+        async with http.get(f"{hal0d.url}/healthz"):
+            pass
+    async with asyncio.timeout(GRACE_S + EXIT_SLACK_S):
+        code = await hal0d.process.wait()
+    exited = time.monotonic() - sent
+    await asyncio.gather(*tasks)
+
+    assert code == 0, hal0d.log.read_text()
+    assert exited < GRACE_S + EXIT_SLACK_S
+    for stream in short:
+        assert stream.error is None, stream.error
+        assert stream.finished_normally(), (stream.name, stream.data[-3:])
+        assert stream.ended_at > sent  # it was in flight at SIGTERM and drained, not cut
+    for stream in long:
+        assert stream.error is None, stream.error
+        assert stream.done, (stream.name, stream.data[-3:])
+        stall = stream.stall()
+        assert stall is not None and stall["reason"] == "shutdown", (stream.name, stall)
+        assert stream.ended_at - sent >= GRACE_S - 0.1  # they got the whole grace
+    # No stream ended without either ending (the assertions above cover all 20).
+    events = hal0d.events()
+    names = [event["event"] for event in events]
+    assert names.index("server.stopping") < names.index("server.grace_expired")
+    assert names[-1] == "server.stopped"
+    expired = hal0d.named("server.grace_expired")[0]
+    assert expired["streams"] == len(long)
+    done = [e for e in hal0d.named("request.done") if e["path"] == "/v1/chat/completions"]
+    assert sorted(e["error_code"] or "ok" for e in done) == (
+        ["ok"] * len(short) + ["stream_stall_shutdown"] * len(long)
+    )
+    # The request history is flushed on the way out: a row for each of the 20 streams.
+    with closing(sqlite3.connect(tmp_path / "history.sqlite3")) as db:
+        rows = db.execute(
+            "SELECT error_code, COUNT(*) FROM requests WHERE endpoint = '/v1/chat/completions'"
+            " GROUP BY error_code ORDER BY error_code"
+        ).fetchall()
+    assert rows == [(None, len(short)), ("stream_stall_shutdown", len(long))]
+
+
+async def test_sigterm_ends_an_anthropic_stream_with_an_error_event(
+    stub: Stub, start_hal0d: Hal0dFactory, http: aiohttp.ClientSession
+) -> None:
+    """The Anthropic surface's terminal frame: one `event: error` naming the shutdown, and no
+    message_stop that would make the cut answer look complete."""
+    hal0d = await start_hal0d(stub, grace_s=0.5)
+    body = {"model": "reasoning", "max_tokens": LONG_MAX_TOKENS, "stream": True,
+            "messages": [{"role": "user", "content": "long"}]}
+    raw = b""
+    async with http.post(f"{hal0d.url}/v1/messages", json=body) as response:
+        assert response.status == 200
+        async for data in response.content.iter_any():
+            if not raw:
+                hal0d.send(signal.SIGTERM)
+            raw += data
+    assert await hal0d.process.wait() == 0
+    frames = [frame for frame in raw.replace(b"\r\n", b"\n").split(b"\n\n") if frame.strip()]
+    last = dict(line.split(b": ", 1) for line in frames[-1].split(b"\n"))
+    assert last[b"event"] == b"error"
+    error = orjson.loads(last[b"data"])["error"]
+    assert "shutting down" in error["message"] and '"reason":"shutdown"' in error["message"]
+    assert b"message_stop" not in raw
+
+
+async def test_a_second_sigterm_ends_the_streams_at_once(
+    stub: Stub, start_hal0d: Hal0dFactory, http: aiohttp.ClientSession
+) -> None:
+    hal0d = await start_hal0d(stub, grace_s=30)
+    stream = Stream("long")
+    task = asyncio.create_task(open_stream(http, hal0d.url, stream, chat_body(
+        "reasoning", content="long", max_tokens=LONG_MAX_TOKENS)))
+    await stream.first_chunk.wait()
+    hal0d.send(signal.SIGTERM)
+    await hal0d.wait_for_event("server.stopping")
+    hal0d.send(signal.SIGINT)
+    async with asyncio.timeout(EXIT_SLACK_S):
+        assert await hal0d.process.wait() == 0
+    await task
+    stall = stream.stall()
+    assert stream.done and stall is not None and stall["reason"] == "shutdown"
+    assert hal0d.named("server.grace_cut_short")
+
+
+async def test_sighup_with_a_broken_config_keeps_serving_on_the_old_one(
+    stub: Stub, start_hal0d: Hal0dFactory, http: aiohttp.ClientSession
+) -> None:
+    hal0d = await start_hal0d(stub)
+    before = await served_models(http, hal0d.url)
+    good = hal0d.config.read_text()
+    hal0d.config.write_text(good.replace('models = ["reasoning", "chat"]',
+                                         'models = ["reasoning", "chat", "new"]\nbogus = 1')
+                            .replace("shutdown_grace_s = 1.5", 'shutdown_grace_s = "soon"'))
+    hal0d.send(signal.SIGHUP)
+    failed = await hal0d.wait_for_event("config.reload_failed")
+
+    assert failed["level"] == "error"
+    assert any("slots[0].bogus: unknown key" in problem for problem in failed["problems"])
+    assert any("server.shutdown_grace_s" in problem for problem in failed["problems"])
+    assert not hal0d.named("config.reloaded")
+    assert await served_models(http, hal0d.url) == before
+    status, answer = await chat(http, hal0d.url, "chat")
+    assert status == 200, answer
+    status, _ = await chat(http, hal0d.url, "new")
+    assert status == 404  # still the old routing table
+
+    # Not even a file that is not TOML any more takes it down.
+    hal0d.config.write_text("[server\n")
+    hal0d.send(signal.SIGHUP)
+    async with asyncio.timeout(5):
+        while len(hal0d.named("config.reload_failed")) < 2:
+            await asyncio.sleep(0.05)
+    assert "invalid TOML" in hal0d.named("config.reload_failed")[-1]["problems"][0]
+    assert (await chat(http, hal0d.url, "chat"))[0] == 200
+    assert hal0d.process.returncode is None
+
+
+async def test_sighup_applies_a_changed_config_to_new_requests_only(
+    stub: Stub, start_hal0d: Hal0dFactory, http: aiohttp.ClientSession
+) -> None:
+    """A valid reload: a new alias and a new slot serve at once; a tighter stall-guard bound
+    applies to a stream started after the reload, not to the one already running."""
+    hal0d = await start_hal0d(stub)
+    running = Stream("started before the reload")
+    task = asyncio.create_task(open_stream(http, hal0d.url, running, chat_body(
+        "reasoning", max_tokens=60)))  # about 1.2 s
+    await running.first_chunk.wait()
+
+    port = hal0d.port + 1  # changing the port needs a restart: it must be refused, loudly
+    hal0d.config.write_text(
+        hal0d.config.read_text().replace(f"port = {hal0d.port}", f"port = {port}")
+        + textwrap.dedent(f"""
+            [dispatcher]
+            stream_total_timeout_s = 0.4
+
+            [[slots]]
+            name = "second"
+            upstream = "{stub.url}"
+            models = ["think-only"]
+
+            [models]
+            "gpt-*" = "chat"
+        """)
+    )
+    hal0d.send(signal.SIGHUP)
+    reloaded = await hal0d.wait_for_event("config.reloaded")
+    assert reloaded["slots_added"] == ["second"]
+    restart = hal0d.named("config.restart_needed")
+    assert restart and restart[0]["keys"] == ["server.port"] and restart[0]["level"] == "warning"
+
+    assert "think-only" in await served_models(http, hal0d.url)
+    status, answer = await chat(http, hal0d.url, "gpt-4o")  # the new alias
+    assert status == 200 and answer["model"] == "chat", answer
+    status, answer = await chat(http, hal0d.url, "think-only")  # the new slot
+    assert status == 200, answer
+
+    after = Stream("started after the reload")
+    await open_stream(http, hal0d.url, after, chat_body(
+        "reasoning", content="long", max_tokens=LONG_MAX_TOKENS))
+    stall = after.stall()
+    assert stall is not None and stall["reason"] == "total", after.data[-2:]
+    assert stall["stream_total_timeout_s"] == 0.4
+
+    await task
+    assert running.finished_normally(), running.data[-2:]  # the old Runtime's 900 s bound
+    # The port change was not applied: hal0d still listens where it did.
+    async with http.get(f"{hal0d.url}/healthz") as response:
+        assert response.status == 200
+
+
+async def test_a_reloaded_slot_command_replaces_its_process_once_its_streams_are_done(
+    stub: Stub, start_hal0d: Hal0dFactory, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """Supervisor.reload: the old process keeps serving the stream it has (the slot waits in
+    `starting`), then it is stopped and the new command serves the next request."""
+    port = free_port()
+    command = ["hal0d", "stub", "--port", str(port), "--delay", str(TOKEN_DELAY_S)]
+    slot = f"""
+        [[slots]]
+        name = "proc"
+        upstream = "http://127.0.0.1:{port}"
+        models = ["reasoning", "chat"]
+        command = {orjson.dumps(command).decode()}
+    """
+    hal0d = await start_hal0d(stub, slot=slot)
+
+    async def slot_state() -> str:
+        async with http.get(f"{hal0d.url}/api/slots") as response:
+            return str((await response.json())["slots"][0]["state"])
+
+    async with asyncio.timeout(15):
+        while await slot_state() != "ready":
+            await asyncio.sleep(0.05)
+    running = Stream("on the old process")
+    task = asyncio.create_task(open_stream(http, hal0d.url, running, chat_body(
+        "reasoning", max_tokens=60)))  # about 1.2 s
+    await running.first_chunk.wait()
+
+    new_log = tmp_path / "new-process.log"
+    hal0d.config.write_text(hal0d.config.read_text().replace(
+        orjson.dumps(command).decode(),
+        orjson.dumps([*command, "--log", str(new_log)]).decode(),
+    ))
+    hal0d.send(signal.SIGHUP)
+    reloaded = await hal0d.wait_for_event("config.reloaded")
+    assert reloaded["slots_changed"] == ["proc"]
+    assert await slot_state() == "starting"  # new requests wait for the new process
+    assert hal0d.named("slot.draining")[0]["in_flight"] == 1
+
+    await task
+    assert running.finished_normally(), running.data[-2:]
+    async with asyncio.timeout(15):
+        while await slot_state() != "ready":
+            await asyncio.sleep(0.05)
+    status, answer = await chat(http, hal0d.url, "chat")
+    assert status == 200, answer
+    assert "start rid=" in new_log.read_text()  # served by the reloaded command
+    names = [event["event"] for event in hal0d.events()]
+    streamed = next(i for i, event in enumerate(hal0d.events())
+                    if event["event"] == "request.done" and event.get("stream"))
+    assert names.index("slot.process_stopped") > streamed
