@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -18,6 +19,7 @@ from hal0d.app import make_app
 from hal0d.config import Config, DispatcherConfig, MetricsConfig, SlotConfig
 from hal0d.stub import make_stub_app
 
+ROLE_CHUNK = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}\n\n'
 STUB_MODELS = ("reasoning", "chat", "think-only", "tool", "stall", "chatty", "broken")
 
 
@@ -149,3 +151,13 @@ async def read_http_chunks(response: aiohttp.ClientResponse) -> list[bytes]:
     if current:
         chunks.append(current)
     return chunks
+
+
+def content_chunk(text: str) -> bytes:
+    return (
+        b"data: "
+        + orjson.dumps(
+            {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+        )
+        + b"\n\n"
+    )

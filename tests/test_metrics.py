@@ -23,22 +23,12 @@ from prometheus_client.samples import Sample
 
 from hal0d.appkeys import RUNTIME
 from hal0d.config import Config, MetricsConfig, SlotConfig
-from tests.conftest import STUB_MODELS, chat_body, free_port
+from tests.conftest import ROLE_CHUNK, STUB_MODELS, chat_body, content_chunk, free_port
 
 CHAT = "/v1/chat/completions"
-ROLE_CHUNK = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}\n\n'
 FINISH_CHUNK = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
 DONE = b"data: [DONE]\n\n"
 
-
-def content_chunk(text: str) -> bytes:
-    return (
-        b"data: "
-        + orjson.dumps(
-            {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
-        )
-        + b"\n\n"
-    )
 
 
 def sse_upstream(*steps: bytes | float) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:

@@ -10,25 +10,14 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
-import orjson
 from aiohttp import hdrs, web
 from aiohttp.test_utils import TestServer
 
 from hal0d.config import SlotConfig
-from tests.conftest import STUB_MODELS, chat_body, free_port
+from tests.conftest import ROLE_CHUNK, STUB_MODELS, chat_body, content_chunk, free_port
 
 CHAT = "/v1/chat/completions"
-ROLE_CHUNK = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}\n\n'
 
-
-def content_chunk(text: str) -> bytes:
-    return (
-        b"data: "
-        + orjson.dumps(
-            {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
-        )
-        + b"\n\n"
-    )
 
 
 async def slot_view(
