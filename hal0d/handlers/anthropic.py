@@ -7,8 +7,6 @@ a real HTTP status with Anthropic's error body; after it, one `event: error` fra
 
 from __future__ import annotations
 
-from typing import Any
-
 import aiohttp
 import orjson
 from aiohttp import hdrs, web
@@ -17,14 +15,12 @@ from hal0d.anthropic.request import parse_messages_request, prompt_text, to_open
 from hal0d.anthropic.response import to_anthropic
 from hal0d.anthropic.stream import Translator
 from hal0d.anthropic.transform import AnthropicTransform
-from hal0d.appkeys import RUNTIME, SESSION, SLOTS, STREAMS
+from hal0d.appkeys import RUNTIME, SESSION, SLOTS
 from hal0d.errors import UpstreamInvalid, UpstreamStatus, UpstreamUnavailable
 from hal0d.handlers.body import parse_json_object, read_body
-from hal0d.handlers.openai import release_upstream
-from hal0d.metrics.live import StreamTap
-from hal0d.relay import relay
-from hal0d.requestinfo import INFO
-from hal0d.stallguard import StallGuard, guard_active
+from hal0d.handlers.streaming import release_upstream, stream_through
+from hal0d.requestinfo import INFO, RequestInfo
+from hal0d.stallguard import guard_active
 from hal0d.tokens import TOKEN_COUNTER
 from hal0d.upstream import open_upstream, request_headers
 
@@ -104,17 +100,14 @@ async def messages(request: web.Request) -> web.StreamResponse:
             )
             response = web.StreamResponse(status=200, headers=SSE_HEADERS)
             await response.prepare(request)
-            tap = StreamTap(info.started)
-            guard = StallGuard(timeouts, route.slot.name)
-            request.app[STREAMS].add(guard)
-            outcome = None
-            try:
-                outcome = await relay(
-                    upstream, response, AnthropicTransform(translator), guard, tap
-                )
-            finally:
-                request.app[STREAMS].discard(guard)
-                info.apply_stream(outcome, tap)
+            await stream_through(
+                request,
+                upstream,
+                response,
+                AnthropicTransform(translator),
+                timeouts=timeouts,
+                slot_name=route.slot.name,
+            )
             if info.prompt_tokens is None:
                 info.prompt_tokens = translator.input_tokens
             return response
@@ -123,7 +116,10 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 
 async def answer_whole(
-    upstream: aiohttp.ClientResponse, model: str, stop_sequences: tuple[str, ...], info: Any
+    upstream: aiohttp.ClientResponse,
+    model: str,
+    stop_sequences: tuple[str, ...],
+    info: RequestInfo,
 ) -> web.Response:
     try:
         parsed = orjson.loads(await upstream.read())

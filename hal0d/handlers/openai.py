@@ -13,14 +13,14 @@ import orjson
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
-from hal0d.appkeys import RUNTIME, SESSION, SLOTS, STREAMS
+from hal0d.appkeys import RUNTIME, SESSION, SLOTS
 from hal0d.config import SlotConfig
 from hal0d.errors import InvalidRequest, UpstreamInvalid, UpstreamUnavailable
 from hal0d.handlers.body import multipart_field, parse_json_object, read_body
-from hal0d.metrics.live import StreamTap
-from hal0d.relay import Passthrough, relay
-from hal0d.requestinfo import INFO
-from hal0d.stallguard import StallGuard, guard_active
+from hal0d.handlers.streaming import release_upstream, stream_through
+from hal0d.relay import Passthrough
+from hal0d.requestinfo import INFO, RequestInfo
+from hal0d.stallguard import guard_active
 from hal0d.upstream import open_upstream, request_headers, response_headers
 
 ENDPOINTS = (
@@ -34,15 +34,6 @@ ENDPOINTS = (
 )
 # Endpoints whose answer is a byte stream even without `"stream": true`.
 ALWAYS_STREAMING = frozenset({"audio/speech"})
-
-
-def release_upstream(upstream: aiohttp.ClientResponse) -> None:
-    """Keep the connection for reuse when its body was read to the end; otherwise close it,
-    which is what tells the upstream to stop generating."""
-    if upstream.content.at_eof():
-        upstream.release()
-    else:
-        upstream.close()
 
 
 MAX_TOKENS_LIMIT = 1_000_000
@@ -150,7 +141,6 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
                 status=upstream.status, headers=response_headers(upstream.headers)
             )
             await response.prepare(request)
-            tap = StreamTap(info.started)
             sse = upstream.content_type == "text/event-stream"
             transform = Passthrough(
                 sse=sse,
@@ -158,20 +148,17 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
                 model=model,
                 expect_done=sse and upstream.status == 200,
             )
-            guard = StallGuard(timeouts, route.slot.name)
-            request.app[STREAMS].add(guard)
-            outcome = None
-            try:
-                outcome = await relay(upstream, response, transform, guard, tap)
-            finally:
-                request.app[STREAMS].discard(guard)
-                info.apply_stream(outcome, tap)
+            await stream_through(
+                request, upstream, response, transform, timeouts=timeouts, slot_name=route.slot.name
+            )
             return response
         finally:
             release_upstream(upstream)
 
 
-async def answer_whole(upstream: aiohttp.ClientResponse, info: Any, slot_name: str) -> web.Response:
+async def answer_whole(
+    upstream: aiohttp.ClientResponse, info: RequestInfo, slot_name: str
+) -> web.Response:
     """A non-streaming answer: read under the per-read timeout, copied through as it came."""
     try:
         data = await upstream.read()

@@ -1,0 +1,45 @@
+"""What both surfaces do around the relay: a stall guard registered for shutdown, a metrics tap,
+and the outcome written into the request's info on every exit, cancellation included."""
+
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+
+from hal0d.appkeys import STREAMS
+from hal0d.config import DispatcherConfig
+from hal0d.metrics.live import StreamTap
+from hal0d.relay import Transform, relay
+from hal0d.requestinfo import INFO
+from hal0d.stallguard import StallGuard
+
+
+async def stream_through(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    response: web.StreamResponse,
+    transform: Transform,
+    *,
+    timeouts: DispatcherConfig,
+    slot_name: str,
+) -> None:
+    info = request[INFO]
+    tap = StreamTap(info.started)
+    guard = StallGuard(timeouts, slot_name)
+    streams = request.app[STREAMS]
+    streams.add(guard)
+    outcome = None
+    try:
+        outcome = await relay(upstream, response, transform, guard, tap)
+    finally:
+        streams.discard(guard)
+        info.apply_stream(outcome, tap)  # outcome None: cancelled, the client went away
+
+
+def release_upstream(upstream: aiohttp.ClientResponse) -> None:
+    """Keep the connection for reuse when its body was read to the end; otherwise close it,
+    which is what tells the upstream to stop generating."""
+    if upstream.content.at_eof():
+        upstream.release()
+    else:
+        upstream.close()
