@@ -100,24 +100,33 @@ async def request_lifecycle(
         return error_response(Hal0Error("internal error in hal0d; see its log"), request.path)
     finally:
         structlog.contextvars.unbind_contextvars("request_id")
-        if is_dispatch_path(request.path) and (recorder := request.app.get(RECORDER)):
-            recorder.record(info)
-        if request.path != "/healthz":
-            log.info(
-                "request.done",
-                request_id=request_id,
-                method=request.method,
-                path=request.path,
-                slot=info.slot,
-                model=info.model,
-                stream=info.stream,
-                status=info.status,
-                ok=info.ok,
-                error_code=info.error_code,
-                queue_ms=None if info.queue_ms is None else round(info.queue_ms, 2),
-                ttft_ms=None if info.ttft_ms is None else round(info.ttft_ms, 2),
-                duration_ms=round(info.total_ms, 2),
-            )
+        info.end()
+        # The log line and the metrics wait for the next turn of the loop, so a non-streamed
+        # answer goes out first: they are ~70 us the client need not wait for.
+        asyncio.get_running_loop().call_soon(
+            request_finished, request.app, info, request.method, request.path
+        )
+
+
+def request_finished(app: web.Application, info: RequestInfo, method: str, path: str) -> None:
+    if is_dispatch_path(path) and (recorder := app.get(RECORDER)):
+        recorder.record(info)
+    if path != "/healthz":
+        log.info(
+            "request.done",
+            request_id=info.request_id,
+            method=method,
+            path=path,
+            slot=info.slot,
+            model=info.model,
+            stream=info.stream,
+            status=info.status,
+            ok=info.ok,
+            error_code=info.error_code,
+            queue_ms=None if info.queue_ms is None else round(info.queue_ms, 2),
+            ttft_ms=None if info.ttft_ms is None else round(info.ttft_ms, 2),
+            duration_ms=round(info.total_ms, 2),
+        )
 
 
 async def add_request_id(request: web.Request, response: web.StreamResponse) -> None:

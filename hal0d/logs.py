@@ -42,6 +42,9 @@ _SECRET_SHAPES = (
     ),
     (re.compile(r"\bsk-[A-Za-z0-9_-]{8,}"), REDACTED),
 )
+# One cheap scan that every shape above needs to match; most log text has none of these words,
+# and request.done runs this over every string field of every request.
+_SECRET_HINT = re.compile(r"(?i)bearer|basic|api[-_]?key|authorization|password|secret|token|sk-")
 # Exact secret values hal0d itself knows (the slots' upstream keys), see hide().
 _hidden: set[str] = set()
 _MIN_HIDDEN_LEN = 6  # shorter values would redact ordinary words
@@ -56,8 +59,9 @@ def scrub(text: str) -> str:
     for value in _hidden:
         if value in text:
             text = text.replace(value, REDACTED)
-    for pattern, replacement in _SECRET_SHAPES:
-        text = pattern.sub(replacement, text)
+    if _SECRET_HINT.search(text):
+        for pattern, replacement in _SECRET_SHAPES:
+            text = pattern.sub(replacement, text)
     return text
 
 

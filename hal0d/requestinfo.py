@@ -32,6 +32,7 @@ class RequestInfo:
     completion_tokens: int | None = None
     tokens_per_s: float | None = None
     usage: dict[str, Any] | None = None
+    ended: float | None = None
 
     def fail(self, error_code: str) -> None:
         self.ok = False
@@ -63,9 +64,13 @@ class RequestInfo:
             self.completion_tokens = tap.completion_tokens()
         self.tokens_per_s = tap.decode_tokens_per_s()
 
+    def end(self) -> None:
+        if self.ended is None:
+            self.ended = time.monotonic()
+
     @property
     def total_ms(self) -> float:
-        return (time.monotonic() - self.started) * 1000
+        return ((self.ended or time.monotonic()) - self.started) * 1000
 
 
 INFO = web.RequestKey("hal0d_info", RequestInfo)

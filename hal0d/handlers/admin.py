@@ -43,7 +43,9 @@ async def requests(request: web.Request) -> web.Response:
         raise InvalidRequest(
             f"limit must be an integer from 1 to {MAX_HISTORY_ROWS}", field="limit"
         )
-    rows = await request.app[RECORDER].history.recent(int(raw))
+    history = request.app[RECORDER].history
+    await history.flush()  # the rows of requests that already ended, not only of the last batch
+    rows = await history.recent(int(raw))
     return json({"requests": rows})
 
 

@@ -92,11 +92,16 @@ class HistoryWriter:
         batch_size: int = 256,
         max_pending: int = 10_000,
         prune_interval_s: float = 3600.0,
+        linger_s: float = 0.25,
     ) -> None:
         self.path = Path(path)
         self.retention_days = retention_days
         self.batch_size = max(1, batch_size)
         self.prune_interval_s = prune_interval_s
+        # After a row arrives the writer lingers this long for more: one transaction (and one
+        # thread hop) per request would cost each request ~170 us of CPU; batched, ~7 us a row.
+        self.linger_s = linger_s
+        self._wake = asyncio.Event()  # a full batch, a flush or a close ends the linger early
         self.dropped = 0  # rows refused because the queue was full or the writer closed
         self.failed = 0  # rows lost to a failed write (disk full, I/O error)
         self.written = 0
@@ -134,6 +139,8 @@ class HistoryWriter:
                 log.warning("history.dropping", pending=self._queue.qsize(), path=str(self.path))
             return
         self._submitted += 1
+        if self._queue.qsize() >= self.batch_size:
+            self._wake.set()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -150,6 +157,7 @@ class HistoryWriter:
         if self._task is None:
             raise RuntimeError("HistoryWriter not started")
         target = self._submitted
+        self._wake.set()
         async with self._progress:
             await self._progress.wait_for(lambda: self._done >= target)
 
@@ -184,6 +192,11 @@ class HistoryWriter:
                     first = await self._queue.get()
             except TimeoutError:
                 continue
+            if self.linger_s > 0 and not self._wake.is_set():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.linger_s):
+                        await self._wake.wait()
+            self._wake.clear()
             batch = [first]
             while len(batch) < self.batch_size:
                 try:
