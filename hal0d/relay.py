@@ -53,6 +53,9 @@ def error_event(message: str, code: str) -> bytes:
     return b"\n\ndata: " + orjson.dumps(error) + b"\n\n"
 
 
+TAIL_BYTES = 256
+
+
 class Passthrough:
     """OpenAI surface: bytes out exactly as they came in; frames only for hal0d's own endings.
 
@@ -60,7 +63,7 @@ class Passthrough:
     was cut short by the upstream, and the client is told so instead of being left to guess.
     """
 
-    __slots__ = ("_before_last", "_last", "expect_done", "legacy_completion", "model", "sse")
+    __slots__ = ("_tail", "expect_done", "legacy_completion", "model", "sse")
 
     def __init__(
         self, *, sse: bool, legacy_completion: bool, model: str | None, expect_done: bool
@@ -69,17 +72,17 @@ class Passthrough:
         self.legacy_completion = legacy_completion
         self.model = model
         self.expect_done = expect_done
-        self._before_last = b""
-        self._last = b""
+        self._tail = b""
 
     def feed(self, chunk: bytes) -> bytes:
-        self._before_last, self._last = self._last, chunk
+        # The stream's last TAIL_BYTES bytes, however the reads cut them; copies stay that small.
+        self._tail = (self._tail + chunk[-TAIL_BYTES:])[-TAIL_BYTES:]
         return chunk
 
     def end(self) -> bytes:
         if not self.expect_done:
             return b""
-        tail = (self._before_last + self._last)[-32:].rstrip()
+        tail = self._tail.rstrip()
         if tail.endswith(b"data: [DONE]") or tail.endswith(b"data:[DONE]"):
             return b""
         message = "the upstream ended the stream without data: [DONE]; the answer may be cut"

@@ -208,14 +208,8 @@ async def test_disconnect_storm_cancels_every_dropped_generation_and_leaks_nothi
     await asyncio.sleep(0.3)
     rows = storm_rows(tmp_path / "history.sqlite3")
     assert kept <= set(rows)
-    # A client that leaves in the instant its upstream answers hits the hal0d bug shown by
-    # test_a_client_leaving_as_the_upstream_answers_is_a_client_disconnect_not_a_500 (an
-    # unguarded prepare(): row "internal", a request.failed traceback). It is timing-dependent
-    # here, so it is counted and printed rather than failed on; that test fails on it.
-    prepare_bug = sorted(i for i, row in rows.items()
-                         if i in dropped and (row["ok"], row["error_code"]) == (0, "internal"))
     wrong = [(i, row["ok"], row["error_code"]) for i, row in rows.items()
-             if i not in prepare_bug and (row["ok"], row["error_code"]) != (
+             if (row["ok"], row["error_code"]) != (
                  (1, None) if i in kept else (0, "client_disconnect"))]
     assert not wrong, wrong[:10]
     dropped_rows = {i: row for i, row in rows.items() if i in dropped}
@@ -247,18 +241,10 @@ async def test_disconnect_storm_cancels_every_dropped_generation_and_leaks_nothi
         f"the headers, {mid_stream_drops} mid-stream), {reached} of them had reached the "
         f"upstream and {outcome['cancelled']} generations were cancelled, {len(kept)} completed; "
         f"slots idle, tasks {len(baseline_tasks)} -> {tasks_after}, "
-        f"fds {baseline_fds} -> {fds_after}; failures: 0 (dropped clients that hit the known "
-        f"prepare() bug: {len(prepare_bug)})"
+        f"fds {baseline_fds} -> {fds_after}; failures: 0"
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hal0d bug: hal0d/handlers/openai.py dispatch and hal0d/handlers/anthropic.py "
-    "messages call `await response.prepare(request)` without catching ConnectionResetError; a "
-    "client that leaves as the upstream's headers arrive becomes request.failed (a traceback), "
-    "a 500 written onto a dead socket, and a history row with error_code 'internal'",
-)
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/llm/v1/messages"])
 async def test_a_client_leaving_as_the_upstream_answers_is_a_client_disconnect_not_a_500(
     path, upstream_app, start_hal0d, tmp_path

@@ -19,7 +19,6 @@ from typing import Any
 
 import aiohttp
 import orjson
-import pytest
 from aiohttp import hdrs, web
 from aiohttp.test_utils import TestServer
 from hypothesis import HealthCheck, given, settings
@@ -469,12 +468,6 @@ def test_fuzzed_upstream_streams_pass_the_relay_verbatim_and_a_cut_one_is_never_
     assert sum(verdicts.values()) >= EXAMPLES and verdicts["complete"] and verdicts["cut"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hal0d bug: hal0d/relay.py Passthrough.end only looks at the last 32 bytes of the "
-    "last two reads; a complete stream whose `data: [DONE]` and final blank line come in 3 "
-    "reads gets an upstream_incomplete error event and an ok = 0 row",
-)
 async def test_a_complete_stream_whose_done_line_arrives_in_three_reads_is_complete(
     upstream_app, start_hal0d, http, tmp_path
 ):

@@ -106,7 +106,6 @@ class Expect:
 
     ending: str
     error_code: str | None
-    bug: str | None = None
 
 
 @dataclass(frozen=True)
@@ -152,12 +151,7 @@ CASES: dict[str, Case] = {
         sse(ROLE, HELLO, DONE), ROLE + HELLO + DONE,
         # The passthrough only looks for [DONE]; it came.
         Expect("verbatim", None),
-        Expect("error", "upstream_incomplete",
-               bug="the client gets an error event but the history row says ok = 1: "
-                   "hal0d/anthropic/transform.py AnthropicTransform.feed passes the events of "
-                   "translator.finish() on [DONE] as ordinary output; when finish() fails the "
-                   "stream (no finish_reason seen) no TransformFailed is raised, so the relay's "
-                   "outcome stays ok"),
+        Expect("error", "upstream_incomplete"),
     ),
     "connection reset in the middle of an event": Case(
         sse(ROLE, HELLO, HALF_EVENT, end="abort"), ROLE + HELLO + HALF_EVENT,
@@ -169,17 +163,15 @@ CASES: dict[str, Case] = {
     ),
     "a JSON answer to a stream request (wrong content-type)": Case(
         whole(orjson.dumps(WHOLE_ANSWER)), orjson.dumps(WHOLE_ANSWER),
-        Expect("refused", "upstream_invalid",
-               bug="hal0d/handlers/openai.py dispatch relays a 200 application/json answer to "
-                   "a stream request verbatim (Passthrough(sse=False) never checks), row ok = 1"),
+        # Status and content-type are the upstream's (the seed's rule), so the answer is relayed
+        # as it came; that it is not the stream that was asked for shows in the row.
+        Expect("verbatim", "upstream_invalid"),
         Expect("envelope", "upstream_invalid"),
     ),
     "a text/plain answer to a stream request (wrong content-type)": Case(
         sse(ROLE, HELLO, FINISH, DONE, content_type="text/plain"),
         ROLE + HELLO + FINISH + DONE,
-        Expect("refused", "upstream_invalid",
-               bug="hal0d/handlers/openai.py dispatch relays a 200 text/plain answer to a "
-                   "stream request verbatim, row ok = 1"),
+        Expect("verbatim", "upstream_invalid"),
         Expect("envelope", "upstream_invalid"),
     ),
     "a 200 with an empty event stream": Case(
@@ -188,9 +180,7 @@ CASES: dict[str, Case] = {
     ),
     "a 200 with an empty body and no content-type": Case(
         whole(b"", None), b"",
-        Expect("refused", "upstream_invalid",
-               bug="hal0d/handlers/openai.py dispatch relays an empty 200 to a stream request "
-                   "as an empty 200 (only answer_whole checks for an empty body), row ok = 1"),
+        Expect("refused", "upstream_invalid"),
         Expect("envelope", "upstream_invalid"),
     ),
     "headers, then nothing": Case(
@@ -374,13 +364,8 @@ async def run_case(http: aiohttp.ClientSession, hal0d: TestServer, db: Path, nam
     return [f"{name} on {surface}: {problem}" for problem in problems]
 
 
-def entries(*, bugs: bool) -> list[tuple[str, str]]:
-    return [
-        (name, surface)
-        for name, case in CASES.items()
-        for surface, expect in ((PASSTHROUGH, case.passthrough), (ANTHROPIC, case.anthropic))
-        if (expect.bug is not None) == bugs
-    ]
+def entries() -> list[tuple[str, str]]:
+    return [(name, surface) for name in CASES for surface in (PASSTHROUGH, ANTHROPIC)]
 
 
 async def test_every_hostile_upstream_ends_cleanly_with_an_exact_history_row_on_both_surfaces(
@@ -388,31 +373,11 @@ async def test_every_hostile_upstream_ends_cleanly_with_an_exact_history_row_on_
 ):
     hal0d = await hostile_hal0d(upstream_app, start_hal0d)
     failures: list[str] = []
-    tried = entries(bugs=False)
+    tried = entries()
     for name, surface in tried:
         failures += await run_case(http, hal0d, tmp_path / "history.sqlite3", name, surface)
     print(f"hostile upstreams: {len(tried)} cases tried ({len(CASES)} upstream behaviours x "
-          f"2 surfaces, {len(entries(bugs=True))} more as xfail bugs), failures: {len(failures)}")
-    assert not failures, "\n".join(failures)
-
-
-@pytest.mark.parametrize(
-    "name, surface",
-    [
-        pytest.param(name, surface, id=f"{name} on {surface}", marks=pytest.mark.xfail(
-            strict=True,
-            reason="hal0d bug: " + str((CASES[name].passthrough if surface == PASSTHROUGH
-                                        else CASES[name].anthropic).bug)))
-        for name, surface in entries(bugs=True)
-    ],
-)
-async def test_hostile_upstream_known_bug_ends_with_an_error_and_an_ok_0_row(
-    name, surface, *, upstream_app, start_hal0d, http, tmp_path
-):
-    hal0d = await hostile_hal0d(upstream_app, start_hal0d)
-    failures = await run_case(http, hal0d, tmp_path / "history.sqlite3", name, surface)
-    print(f"hostile upstream (known bug) {name} on {surface}: failures: {len(failures)}",
-          *failures, sep="\n  ")
+          f"2 surfaces), failures: {len(failures)}")
     assert not failures, "\n".join(failures)
 
 

@@ -37,7 +37,7 @@ class AnthropicTransform:
                     events, "upstream_malformed", "upstream sent text that is not UTF-8"
                 )
             if data == "[DONE]":
-                events += translator.finish()
+                events += self._finish(events)
                 continue
             try:
                 events += translator.feed(orjson.loads(data))
@@ -51,15 +51,18 @@ class AnthropicTransform:
                 ) from None
         return encode_events(events) if events else b""
 
+    def _finish(self, done: list[Event] | None = None) -> list[Event]:
+        """The upstream says it is done; without a finish_reason that is a failed stream."""
+        events = self.translator.finish()
+        if self.translator.stop_reason is None:
+            raise TransformFailed("upstream_incomplete", encode_events((done or []) + events))
+        return events
+
     def end(self) -> bytes:
         self.decoder.close()
-        translator = self.translator
-        if translator.done:
+        if self.translator.done:
             return b""
-        events = translator.finish()
-        if translator.done and translator.stop_reason is None:
-            raise TransformFailed("upstream_incomplete", encode_events(events))
-        return encode_events(events)
+        return encode_events(self._finish())
 
     def stalled(self, trip: StallTrip) -> bytes:
         if self.translator.done:

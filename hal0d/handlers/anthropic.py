@@ -99,7 +99,6 @@ async def messages(request: web.Request) -> web.StreamResponse:
                 req.model, input_tokens=input_tokens, stop_sequences=req.stop_sequences
             )
             response = web.StreamResponse(status=200, headers=SSE_HEADERS)
-            await response.prepare(request)
             await stream_through(
                 request,
                 upstream,

@@ -6,6 +6,7 @@ client response starts (so a dead upstream is a clean 502), then relay the body 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
@@ -34,6 +35,16 @@ ENDPOINTS = (
 )
 # Endpoints whose answer is a byte stream even without `"stream": true`.
 ALWAYS_STREAMING = frozenset({"audio/speech"})
+# Endpoints whose stream is SSE.
+SSE_ENDPOINTS = frozenset({"chat/completions", "completions"})
+
+
+def not_streamed(endpoint: str, upstream: aiohttp.ClientResponse) -> bool:
+    return (
+        endpoint in SSE_ENDPOINTS
+        and upstream.status == 200
+        and upstream.content_type != "text/event-stream"
+    )
 
 
 MAX_TOKENS_LIMIT = 1_000_000
@@ -137,10 +148,16 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
             info.upstream_status(upstream.status)
             if not streaming:
                 return await answer_whole(upstream, info, route.slot.name)
+            if not_streamed(endpoint, upstream):
+                # Asked for a stream, answered with something else: relayed as it came (status
+                # and content-type are the upstream's), but recorded as the failure it is.
+                async with asyncio.timeout(timeouts.direct_read_timeout_s):
+                    whole = await answer_whole(upstream, info, route.slot.name)
+                info.fail("upstream_invalid")
+                return whole
             response = web.StreamResponse(
                 status=upstream.status, headers=response_headers(upstream.headers)
             )
-            await response.prepare(request)
             sse = upstream.content_type == "text/event-stream"
             transform = Passthrough(
                 sse=sse,

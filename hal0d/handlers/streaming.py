@@ -24,6 +24,12 @@ async def stream_through(
     slot_name: str,
 ) -> None:
     info = request[INFO]
+    try:
+        await response.prepare(request)
+    except ConnectionResetError:
+        # The client left as the upstream answered; aiohttp's finish quietly ignores the rest.
+        info.fail("client_disconnect")
+        return
     tap = StreamTap(info.started)
     guard = StallGuard(timeouts, slot_name)
     streams = request.app[STREAMS]
