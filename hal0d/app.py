@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-import uuid
+import secrets
 from collections.abc import Awaitable, Callable
 
 import orjson
@@ -68,7 +68,7 @@ async def request_lifecycle(
 ) -> web.StreamResponse:
     """Names the request, renders every error in the surface's envelope, logs request.done."""
     given = request.headers.get(REQUEST_ID_HEADER, "")
-    request_id = given if _REQUEST_ID.match(given) else uuid.uuid4().hex[:16]
+    request_id = given if _REQUEST_ID.match(given) else secrets.token_hex(8)
     # A path no route matched is recorded under one name: client-chosen paths must not become
     # new Prometheus label values without bound.
     matched = request.match_info.route.resource is not None

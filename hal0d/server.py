@@ -35,6 +35,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import uvloop
 from aiohttp import web
 
 from hal0d import config as configuration
@@ -71,7 +72,10 @@ RESTART_KEYS: tuple[tuple[str, str], ...] = (
 def serve(config: Config, config_path: Path) -> int:
     logs.configure(config.logging.level, config.logging.format)
     logs.hide(known_secrets(config))
-    return asyncio.run(run(config, config_path))
+    # uvloop: about a tenth less CPU per request and per relayed chunk than asyncio's own loop
+    # (make bench), the same semantics; the served tests run the daemon this way too.
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(run(config, config_path))
 
 
 async def run(config: Config, config_path: Path) -> int:

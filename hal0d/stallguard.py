@@ -5,9 +5,11 @@ client on a socket that never closes. The guard owns the body of a stream instea
 `stream_total_timeout_s` bounds the whole relay (wall clock), `stream_idle_timeout_s` the gap
 between two upstream chunks; 0 disables a bound. Both clocks start once response headers arrived.
 
-The watchdog is one `asyncio.timeout` around the relay loop, rescheduled by the loop itself (no
-polling, no thread): before each upstream read to min(total, now + idle), and back to the total
-deadline while the chunk is written, so a slow client is never blamed on the upstream.
+The watchdog is one `asyncio.timeout` around the relay loop (no polling loop, no thread). It
+expires at the total bound; the idle bound is one timer that fires at most once per idle period,
+looks at when the read now awaited began, and either re-arms or makes the timeout expire at once.
+Per chunk the relay only notes the time, and the clock stops while a chunk is written to the
+client, so a slow client is never blamed on the upstream.
 
 Every synthetic frame carries the `x_hal0_stall` marker: the metrics tap recognises it, so it is
 never counted as a token or a TTFT sample (see metrics.live.StreamTap.STALL_MARKER).
@@ -101,13 +103,19 @@ class StallGuard:
         self.idle_s = timeouts.stream_idle_timeout_s
         self._loop = asyncio.get_running_loop()
         self.started = self._loop.time()
-        self._total_deadline = self.started + self.total_s if self.total_s > 0 else None
-        self._armed_for_idle = False
+        total_deadline = self.started + self.total_s if self.total_s > 0 else None
+        # The one asyncio.timeout: it expires at the total bound, or at once when the idle
+        # check or end_now() decide the stream is over.
+        self._timeout = asyncio.timeout_at(total_deadline)
         self._forced_reason: str | None = None
-        self._timeout = asyncio.timeout_at(self._total_deadline)
+        # When the read now awaited began; None while a chunk is being written to the client.
+        self._waiting_since: float | None = None
+        self._idle_check: asyncio.TimerHandle | None = None
 
     async def __aenter__(self) -> Self:
         await self._timeout.__aenter__()
+        if self.idle_s > 0:
+            self._idle_check = self._loop.call_at(self.started + self.idle_s, self._check_idle)
         return self
 
     async def __aexit__(
@@ -116,32 +124,39 @@ class StallGuard:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        if self._idle_check is not None:
+            self._idle_check.cancel()
         await self._timeout.__aexit__(exc_type, exc, traceback)
 
+    # Called for every chunk, so they only note the time: no timer is moved per chunk.
     def awaiting_upstream(self) -> None:
-        if self.idle_s > 0:
-            idle_deadline = self._loop.time() + self.idle_s
-            if self._total_deadline is None or idle_deadline < self._total_deadline:
-                self._armed_for_idle = True
-                self._timeout.reschedule(idle_deadline)
-                return
-            self._armed_for_idle = False
-            self._timeout.reschedule(self._total_deadline)
+        self._waiting_since = self._loop.time()
 
     def upstream_answered(self) -> None:
-        if self._armed_for_idle:
-            self._armed_for_idle = False
-            self._timeout.reschedule(self._total_deadline)
+        self._waiting_since = None
+
+    def _check_idle(self) -> None:
+        """Runs at most once per idle period: trips, or re-arms for the current read."""
+        now = self._loop.time()
+        since = self._waiting_since
+        # A timer may fire up to the loop's clock resolution early: allow a millisecond.
+        if since is not None and now - since >= self.idle_s - 0.001:
+            self.end_now("idle")
+            return
+        self._idle_check = self._loop.call_at(
+            (now if since is None else since) + self.idle_s, self._check_idle
+        )
 
     def end_now(self, reason: str) -> None:
-        """Trip at once with `reason` (a shutdown past its grace): the same exit, the same frame."""
+        """Trip at once with `reason` (idle, a shutdown past its grace): the same exit, the
+        same frame."""
         self._forced_reason = reason
         self._timeout.reschedule(self._loop.time())
 
     def trip(self, reason: str | None = None) -> StallTrip:
-        """What tripped: `reason` when given (read), a forced end, or the deadline that fired."""
+        """What tripped: `reason` when given (read), a forced end, or the total bound."""
         if reason is None:
-            reason = self._forced_reason or ("idle" if self._armed_for_idle else "total")
+            reason = self._forced_reason or "total"
         return StallTrip(
             reason=reason,
             elapsed_s=self._loop.time() - self.started,

@@ -59,14 +59,17 @@ def _usage_of(chunk: bytes) -> dict[str, Any] | None:
 class StreamTap:
     """Observes one stream's raw upstream bytes without altering them."""
 
-    __slots__ = ("_usage_chunk", "first_token_at", "last_chunk_at", "started", "tokens")
+    __slots__ = ("_before_last", "_last", "first_token_at", "last_chunk_at", "started", "tokens")
 
     def __init__(self, started: float | None = None) -> None:
         self.started = time.monotonic() if started is None else started
         self.first_token_at: float | None = None
         self.last_chunk_at: float | None = None
         self.tokens = 0
-        self._usage_chunk: bytes | None = None
+        # The last two reads: a usage chunk comes last, just before [DONE] (on vLLM with
+        # continuous usage, on every chunk, the last one being final); read once, at the end.
+        self._before_last = b""
+        self._last = b""
 
     def on_chunk(self, chunk: bytes) -> None:
         now = time.monotonic()
@@ -77,8 +80,7 @@ class StreamTap:
         # Approximate: one delta per generated token, as llama-server and vLLM stream them.
         self.tokens += chunk.count(b'"delta"')
         self.last_chunk_at = now
-        if b'"usage"' in chunk:
-            self._usage_chunk = chunk  # parsed once, at the end, off the per-chunk path
+        self._before_last, self._last = self._last, chunk
 
     @property
     def ttft_ms(self) -> float | None:
@@ -87,7 +89,7 @@ class StreamTap:
         return (self.first_token_at - self.started) * 1000
 
     def usage(self) -> dict[str, Any] | None:
-        return _usage_of(self._usage_chunk) if self._usage_chunk is not None else None
+        return _usage_of(self._last) or _usage_of(self._before_last)
 
     def completion_tokens(self) -> int | None:
         usage = self.usage()
