@@ -40,7 +40,8 @@ def check(request: web.Request, server: ServerConfig) -> None:
     key = presented_key(request)
     if key is None:
         raise Unauthorized("an API key is required: Authorization: Bearer KEY or x-api-key: KEY")
-    given = key.encode()
+    # aiohttp decodes header bytes with surrogateescape; encode them back the same way.
+    given = key.encode("utf-8", "surrogateescape")
     accepted = False
     for candidate in server.accepted_keys:
         accepted |= hmac.compare_digest(given, candidate.encode())

@@ -54,10 +54,12 @@ class RequestInfo:
         if isinstance(completion, int):
             self.completion_tokens = completion
 
-    def apply_stream(self, outcome: Outcome | None, tap: StreamTap) -> None:
+    def apply_stream(self, outcome: Outcome | None, tap: StreamTap | None) -> None:
         """What the relay saw; `outcome` is None when the relay was cancelled (client gone)."""
         if outcome is not None and not outcome.ok and outcome.error_code:
             self.fail(outcome.error_code)
+        if tap is None:
+            return
         self.ttft_ms = tap.ttft_ms
         self.apply_usage(tap.usage())
         if self.completion_tokens is None:

@@ -9,6 +9,7 @@ the server listens at once and requests for a starting slot queue until it is re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -33,6 +34,8 @@ PROBE_TIMEOUT_S = 5.0
 STARTUP_POLL_S = 0.2
 STARTUP_TIMEOUT_S = 600.0  # a big model can take minutes to load
 STOP_GRACE_S = 10.0
+OUTPUT_BLOCK = 65536
+MAX_LOGGED_LINE = 16384  # a longer line is logged cut, with the count of what was left out
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
 HEALTHY_RUN_S = 60.0  # a process that ran this long restarts from the first backoff step again
@@ -144,11 +147,26 @@ class SlotProcess:
         self.slot.mark_error(f"not answering after {STARTUP_TIMEOUT_S:g} s")
 
     async def _log_output(self, process: asyncio.subprocess.Process) -> None:
+        """Every line of the process's output, logged. Read in blocks and split here: readline()
+        gives up on a line over 64 KiB (vLLM logs whole prompts), and a pipe nobody reads any
+        more blocks the process on its next write."""
         assert process.stdout is not None
-        while line := await process.stdout.readline():
-            text = line.decode("utf-8", "replace").rstrip()
-            if text:
-                log.info("slot.process_output", slot=self.slot.name, line=text)
+        pending = b""
+        while block := await process.stdout.read(OUTPUT_BLOCK):
+            *lines, pending = (pending + block).split(b"\n")
+            if len(pending) > MAX_LOGGED_LINE:
+                lines.append(pending)
+                pending = b""
+            for line in lines:
+                self._log_line(line)
+        self._log_line(pending)
+
+    def _log_line(self, line: bytes) -> None:
+        text = line[:MAX_LOGGED_LINE].decode("utf-8", "replace").rstrip()
+        if len(line) > MAX_LOGGED_LINE:
+            text += f" [... {len(line) - MAX_LOGGED_LINE} more bytes]"
+        if text:
+            log.info("slot.process_output", slot=self.slot.name, line=text)
 
     async def stop(self) -> None:
         self._stopping = True
@@ -160,7 +178,8 @@ class SlotProcess:
             async with asyncio.timeout(STOP_GRACE_S):
                 await process.wait()
         except TimeoutError:
-            os.killpg(process.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
             await process.wait()
         except ProcessLookupError:
             pass
@@ -186,6 +205,10 @@ class Supervisor:
             return  # removed by a reload while this probe round was starting
         if slot.state in (SlotState.STARTING, SlotState.OFFLINE) and name in self.processes:
             return  # the process's own startup wait owns these states
+        if slot.in_flight:
+            # Requests in flight already show the upstream alive (the stall guard watches them),
+            # and llama-cpp-python's server interrupts a running completion for any request.
+            return
         reason = await probe(self.session, self.configs[name])
         if reason is None:
             slot.mark_ready()

@@ -29,6 +29,13 @@ TOKENIZE_TIMEOUT_S = 2.0
 TOKENIZE = "/tokenize"
 EXTRAS = "/extras/tokenize/count"
 SOURCE = {TOKENIZE: "tokenize", EXTRAS: "extras"}
+# Statuses that say "this server has no such endpoint"; any other failure may pass (a model still
+# loading answers 503), so it is not remembered.
+ABSENT_STATUSES = frozenset({400, 404, 405, 422})
+
+
+class TryLater(Exception):
+    pass
 
 
 def estimate(text: str) -> int:
@@ -61,8 +68,10 @@ class TokenCounter:
         async with self.session.post(
             slot.upstream + path, data=orjson.dumps(body), headers=headers
         ) as resp:
-            if resp.status != 200:
+            if resp.status in ABSENT_STATUSES:
                 return None
+            if resp.status != 200:
+                raise TryLater(f"{path} answered {resp.status}")
             try:
                 return _count_of(orjson.loads(await resp.read()))
             except orjson.JSONDecodeError:
@@ -91,7 +100,7 @@ class TokenCounter:
                     if count is not None:
                         self._ways[key] = path
                         return count, SOURCE[path]
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        except (TimeoutError, TryLater, aiohttp.ClientError, OSError) as exc:
             log.debug("tokens.count_failed", slot=slot.name, error=f"{type(exc).__name__}: {exc}")
             return estimate(text), "estimate"  # a passing failure: try the tokenizer next time
         if known == "unknown":

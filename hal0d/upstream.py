@@ -192,3 +192,15 @@ async def open_upstream(
     except (OSError, ValueError) as exc:
         reason = f"{type(exc).__name__}: {exc}"
     raise UpstreamUnavailable(f"slot {slot.name!r} at {slot.upstream} is unavailable: {reason}")
+
+
+async def read_whole(upstream: aiohttp.ClientResponse, slot: str, timeout_s: float) -> bytes:
+    """A whole (non-streamed) body within `timeout_s`. A reset, a stall or a broken framing is
+    UpstreamUnavailable, a clean 502: nothing was sent to the client yet."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await upstream.read()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise UpstreamUnavailable(
+            f"slot {slot!r} failed while sending its answer: {type(exc).__name__}"
+        ) from None

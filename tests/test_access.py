@@ -4,6 +4,8 @@ no log line)."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import io
 import logging
 import re
@@ -32,7 +34,7 @@ from hal0d.config import (
     parse,
 )
 from hal0d.handlers import openai
-from tests.conftest import STUB_MODELS, chat_body
+from tests.conftest import STUB_MODELS, chat_body, make_config
 
 KEY = "hal0-client-key-7Qx9wL"
 OTHER_KEY = "hal0-second-key-Pz4"
@@ -390,3 +392,25 @@ async def test_server_unprotected_is_warned_for_a_non_loopback_host_without_keys
         assert found[0]["log_level"] == "warning" and found[0]["host"] == host
     else:
         assert found == [], events
+
+
+async def test_a_key_with_bytes_that_are_not_utf8_is_refused_with_401_not_a_500(
+    start_hal0d, stub, tmp_path
+):
+    config = make_config(stub.url, tmp_path=tmp_path)
+    config = dataclasses.replace(
+        config, server=ServerConfig(api_keys=("sk-good",), accepted_keys=frozenset({"sk-good"}))
+    )
+    hal0d = await start_hal0d(stub.url, config=config)
+    reader, writer = await asyncio.open_connection(hal0d.host, hal0d.port)
+    for header in (b"Authorization: Bearer \xff\xfe", b"x-api-key: caf\xc3"):
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + header + b"\r\n\r\n")
+        await writer.drain()
+        status = await reader.readline()
+        assert status.startswith(b"HTTP/1.1 401"), status
+        length = 0
+        while (line := await reader.readline()) != b"\r\n":
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        assert b"authentication_error" in await reader.readexactly(length)
+    writer.close()

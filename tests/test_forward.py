@@ -253,3 +253,40 @@ async def test_header_wait_of_a_guarded_stream_is_bounded_by_direct_read_timeout
     assert resp.status == 502
     assert "response headers" in body["error"]["message"]
     assert 0.5 <= elapsed < 1.5
+
+
+async def test_an_upstream_that_stalls_inside_an_answer_it_did_not_stream_is_a_clean_502(
+    upstream_app, start_hal0d, http
+):
+    """Stream requests answered with a whole body (or an error status) that then stalls or
+    breaks: the body read is bounded and mapped, never a hang or a 500."""
+
+    async def stalled_body(request: web.Request) -> web.StreamResponse:
+        status = 500 if (await request.json())["model"] == "broken" else 200
+        response = web.StreamResponse(
+            status=status, headers={hdrs.CONTENT_TYPE: "application/json",
+                                    hdrs.CONTENT_LENGTH: "100"}
+        )
+        await response.prepare(request)
+        await response.write(b'{"error":')  # 9 of the 100 bytes promised, then nothing
+        await asyncio.sleep(30)
+        return response
+
+    url = await upstream_app({"POST /v1/chat/completions": stalled_body})
+    hal0d = await start_hal0d(url, dispatcher={"direct_read_timeout_s": 0.5})
+    cases = (
+        ("/v1/chat/completions", chat_body()),
+        ("/llm/v1/messages", {"model": "broken", "max_tokens": 8, "stream": True,
+                              "messages": [{"role": "user", "content": "hi"}]}),
+        ("/llm/v1/messages", {"model": "broken", "max_tokens": 8,
+                              "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    for path, body in cases:
+        started = time.monotonic()
+        async with http.post(hal0d.make_url(path), json=body) as resp:
+            answer = await resp.text()
+        assert resp.status == 502, (path, answer)
+        assert "Traceback" not in answer
+        assert time.monotonic() - started < 2.0
+    async with http.get(hal0d.make_url("/api/slots")) as resp:
+        assert (await resp.json())["slots"][0]["in_flight"] == 0

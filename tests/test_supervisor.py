@@ -221,3 +221,25 @@ async def test_slot_processes_are_stopped_when_hal0d_shuts_down(start_hal0d, tmp
         pass
     else:
         raise AssertionError(f"stub process {process.pid} still exists")
+
+
+async def test_a_process_printing_a_line_over_64_kib_keeps_running_and_is_logged_cut(
+    start_hal0d, http
+):
+    # 70,000 characters on one line, then 400 KB more: were the pipe left unread after the long
+    # line, the process would block on a full pipe and never reach its exit.
+    noisy = (sys.executable, "-c",
+             "import sys; print('x' * 70000, flush=True); "
+             "[print('y' * 1000, flush=True) for _ in range(400)]; sys.exit(7)")
+    with capture_logs() as logs:
+        await start_hal0d(f"http://127.0.0.1:{free_port()}", slot={"command": noisy})
+        deadline = time.monotonic() + 10.0
+        while not [e for e in logs if e["event"] == "slot.process_exited"]:
+            assert time.monotonic() < deadline, "the process never got past its output"
+            await asyncio.sleep(0.05)
+    exited = next(e for e in logs if e["event"] == "slot.process_exited")
+    assert exited["code"] == 7
+    lines = [e["line"] for e in logs if e["event"] == "slot.process_output"]
+    assert lines[0].startswith("x" * 100) and "more bytes]" in lines[0]
+    assert len(lines[0]) < 20_000
+    assert sum(1 for line in lines if line == "y" * 1000) == 400

@@ -16,13 +16,14 @@ from hal0d.anthropic.response import to_anthropic
 from hal0d.anthropic.stream import Translator
 from hal0d.anthropic.transform import AnthropicTransform
 from hal0d.appkeys import RUNTIME, SESSION, SLOTS
-from hal0d.errors import UpstreamInvalid, UpstreamStatus, UpstreamUnavailable
+from hal0d.config import DispatcherConfig
+from hal0d.errors import UpstreamInvalid, UpstreamStatus
 from hal0d.handlers.body import parse_json_object, read_body
 from hal0d.handlers.streaming import release_upstream, stream_through
 from hal0d.requestinfo import INFO, RequestInfo
 from hal0d.stallguard import guard_active
 from hal0d.tokens import TOKEN_COUNTER
-from hal0d.upstream import open_upstream, request_headers
+from hal0d.upstream import open_upstream, read_whole, request_headers
 
 SSE_HEADERS = {
     hdrs.CONTENT_TYPE: "text/event-stream; charset=utf-8",
@@ -32,9 +33,11 @@ SSE_HEADERS = {
 UPSTREAM_MESSAGE_LIMIT = 2000
 
 
-async def upstream_error(upstream: aiohttp.ClientResponse, slot: str) -> UpstreamStatus:
+async def upstream_error(
+    upstream: aiohttp.ClientResponse, slot: str, timeout_s: float
+) -> UpstreamStatus:
     """The upstream's error status and message, kept, for Anthropic's error envelope."""
-    raw = await upstream.read()
+    raw = await read_whole(upstream, slot, timeout_s)
     message = raw.decode("utf-8", "replace").strip()
     try:
         parsed = orjson.loads(raw)
@@ -87,9 +90,11 @@ async def messages(request: web.Request) -> web.StreamResponse:
         try:
             info.upstream_status(upstream.status)
             if upstream.status >= 400:
-                raise await upstream_error(upstream, route.slot.name)
+                raise await upstream_error(
+                    upstream, route.slot.name, timeouts.direct_read_timeout_s
+                )
             if not req.stream:
-                return await answer_whole(upstream, req.model, req.stop_sequences, info)
+                return await answer_whole(upstream, req.model, req.stop_sequences, info, timeouts)
             if upstream.content_type != "text/event-stream":
                 raise UpstreamInvalid(
                     f"slot {route.slot.name!r} answered a streaming request with "
@@ -119,13 +124,11 @@ async def answer_whole(
     model: str,
     stop_sequences: tuple[str, ...],
     info: RequestInfo,
+    timeouts: DispatcherConfig,
 ) -> web.Response:
+    raw = await read_whole(upstream, str(info.slot), timeouts.direct_read_timeout_s)
     try:
-        parsed = orjson.loads(await upstream.read())
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise UpstreamUnavailable(
-            f"slot {info.slot!r} failed while sending its answer: {type(exc).__name__}"
-        ) from None
+        parsed = orjson.loads(raw)
     except orjson.JSONDecodeError:
         raise UpstreamInvalid(f"slot {info.slot!r} answered with invalid JSON") from None
     message = to_anthropic(parsed, model=model, stop_sequences=stop_sequences)
@@ -149,9 +152,13 @@ async def count_tokens(request: web.Request) -> web.Response:
     route = runtime.router.resolve(req.model)
     info.model, info.served_model, info.slot = req.model, route.served_model, route.slot.name
     payload = to_openai(req, served_model=route.served_model)
-    count, source = await request.app[TOKEN_COUNTER].count(
-        route.slot, payload, prompt_text(payload)
-    )
+    # Under a lease like any request: llama-cpp-python's server interrupts a running
+    # completion when another request reaches it.
+    async with request.app[SLOTS].lease(route.slot.name) as lease:
+        info.queue_ms = lease.queue_ms
+        count, source = await request.app[TOKEN_COUNTER].count(
+            route.slot, payload, prompt_text(payload)
+        )
     info.prompt_tokens = count
     return web.Response(
         body=orjson.dumps({"input_tokens": count}),

@@ -6,7 +6,6 @@ client response starts (so a dead upstream is a clean 502), then relay the body 
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import aiohttp
@@ -15,14 +14,14 @@ from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
 from hal0d.appkeys import RUNTIME, SESSION, SLOTS
-from hal0d.config import SlotConfig
-from hal0d.errors import InvalidRequest, UpstreamInvalid, UpstreamUnavailable
+from hal0d.config import DispatcherConfig, SlotConfig
+from hal0d.errors import InvalidRequest, UpstreamInvalid
 from hal0d.handlers.body import multipart_field, parse_json_object, read_body
 from hal0d.handlers.streaming import release_upstream, stream_through
 from hal0d.relay import Passthrough
 from hal0d.requestinfo import INFO, RequestInfo
 from hal0d.stallguard import guard_active
-from hal0d.upstream import open_upstream, request_headers, response_headers
+from hal0d.upstream import open_upstream, read_whole, request_headers, response_headers
 
 ENDPOINTS = (
     "chat/completions",
@@ -85,10 +84,12 @@ def check_fields(endpoint: str, payload: dict[str, Any]) -> None:
             )
 
 
-def requested_model(request: web.Request, endpoint: str, body: bytes) -> tuple[str, bool, bytes]:
+async def requested_model(
+    request: web.Request, endpoint: str, body: bytes
+) -> tuple[str, bool, bytes]:
     """The model name, whether the client asked for a stream, and the body to parse further."""
     if endpoint == "audio/transcriptions":
-        model = multipart_field(request, body, "model")
+        model = await multipart_field(request, body, "model")
         if not model:
             raise InvalidRequest("multipart field 'model' is required", field="model")
         return model, False, body
@@ -123,7 +124,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
     info = request[INFO]
     runtime = request.app[RUNTIME].current
     body = await read_body(request)
-    model, stream, body = requested_model(request, endpoint, body)
+    model, stream, body = await requested_model(request, endpoint, body)
     streaming = stream or endpoint in ALWAYS_STREAMING
     info.model, info.stream = model, streaming
     route = runtime.router.resolve(model)
@@ -147,12 +148,11 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
         try:
             info.upstream_status(upstream.status)
             if not streaming:
-                return await answer_whole(upstream, info, route.slot.name)
+                return await answer_whole(upstream, info, route.slot.name, timeouts)
             if not_streamed(endpoint, upstream):
                 # Asked for a stream, answered with something else: relayed as it came (status
                 # and content-type are the upstream's), but recorded as the failure it is.
-                async with asyncio.timeout(timeouts.direct_read_timeout_s):
-                    whole = await answer_whole(upstream, info, route.slot.name)
+                whole = await answer_whole(upstream, info, route.slot.name, timeouts)
                 info.fail("upstream_invalid")
                 return whole
             response = web.StreamResponse(
@@ -174,15 +174,13 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
 
 
 async def answer_whole(
-    upstream: aiohttp.ClientResponse, info: RequestInfo, slot_name: str
+    upstream: aiohttp.ClientResponse,
+    info: RequestInfo,
+    slot_name: str,
+    timeouts: DispatcherConfig,
 ) -> web.Response:
-    """A non-streaming answer: read under the per-read timeout, copied through as it came."""
-    try:
-        data = await upstream.read()
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise UpstreamUnavailable(
-            f"slot {slot_name!r} failed while sending its answer: {type(exc).__name__}"
-        ) from None
+    """A non-streaming answer, copied through as it came."""
+    data = await read_whole(upstream, slot_name, timeouts.direct_read_timeout_s)
     if not data and upstream.status == 200:
         raise UpstreamInvalid(f"slot {slot_name!r} answered 200 with an empty body")
     if upstream.content_type == "application/json" and b'"usage"' in data:

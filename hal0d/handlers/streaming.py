@@ -30,7 +30,8 @@ async def stream_through(
         # The client left as the upstream answered; aiohttp's finish quietly ignores the rest.
         info.fail("client_disconnect")
         return
-    tap = StreamTap(info.started)
+    # Tokens are only in event streams; an audio body would be searched for them to no end.
+    tap = StreamTap(info.started) if upstream.content_type == "text/event-stream" else None
     guard = StallGuard(timeouts, slot_name)
     streams = request.app[STREAMS]
     streams.add(guard)

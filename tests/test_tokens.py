@@ -1,0 +1,62 @@
+"""Prompt token counting through the upstream's tokenizer, over real sockets."""
+
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+
+from hal0d.config import SlotConfig
+from hal0d.tokens import TokenCounter, estimate
+
+PAYLOAD = {"model": "m", "messages": [{"role": "user", "content": "one two three"}]}
+
+
+async def test_a_passing_failure_is_not_remembered_as_no_tokenizer(upstream_app):
+    answers = [web.json_response({"error": "Loading model"}, status=503),
+               web.json_response({"tokens": [1, 2, 3, 4, 5]})]
+    calls = []
+
+    async def tokenize(request: web.Request) -> web.Response:
+        calls.append(await request.json())
+        return answers[min(len(calls), len(answers)) - 1]
+
+    url = await upstream_app({"POST /tokenize": tokenize})
+    slot = SlotConfig(name="llm", upstream=url, models=("m",))
+    async with aiohttp.ClientSession() as session:
+        counter = TokenCounter(session)
+        first = await counter.count(slot, PAYLOAD, "one two three")
+        second = await counter.count(slot, PAYLOAD, "one two three")
+    assert first == (estimate("one two three"), "estimate")
+    assert second == (5, "tokenize")
+    assert len(calls) == 2
+
+
+async def test_an_upstream_without_a_tokenizer_is_asked_once(upstream_app):
+    asked = []
+
+    async def absent(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        return web.json_response({"detail": "Not Found"}, status=404)
+
+    url = await upstream_app({"POST /{tail:.*}": absent})
+    slot = SlotConfig(name="llm", upstream=url, models=("m",))
+    async with aiohttp.ClientSession() as session:
+        counter = TokenCounter(session)
+        results = [await counter.count(slot, PAYLOAD, "a" * 40) for _ in range(3)]
+    assert results == [(10, "estimate")] * 3
+    assert asked == ["/tokenize", "/extras/tokenize/count"]
+
+
+async def test_the_combined_body_reaches_vllm_and_llama_server_shapes(upstream_app):
+    seen = {}
+
+    async def tokenize(request: web.Request) -> web.Response:
+        seen.update(await request.json())
+        return web.json_response({"count": 12, "tokens": [0] * 12, "max_model_len": 4096})
+
+    url = await upstream_app({"POST /tokenize": tokenize})
+    slot = SlotConfig(name="llm", upstream=url, models=("m",))
+    async with aiohttp.ClientSession() as session:
+        assert await TokenCounter(session).count(slot, PAYLOAD, "one two three") == (
+            12, "tokenize")
+    assert seen["messages"] == PAYLOAD["messages"] and seen["content"] == "one two three"
