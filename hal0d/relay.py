@@ -20,7 +20,7 @@ from aiohttp import web
 
 from hal0d.logs import get_logger
 from hal0d.metrics.live import StreamTap
-from hal0d.stallguard import StallGuard, StallTrip, sse_frame
+from hal0d.stallguard import StallGuard, StallTrip, StallTripped, sse_frame
 
 log = get_logger()
 
@@ -128,26 +128,26 @@ async def relay(
     feed = transform.feed
     outcome = Outcome()
     tail = b""
+    guard.start()
     try:
         try:
-            async with guard:
-                while True:
-                    guard.awaiting_upstream()
-                    chunk = await read()
-                    if not chunk:
-                        break
-                    guard.upstream_answered()
-                    if tap is not None:
-                        tap.on_chunk(chunk)
-                    out = feed(chunk)
-                    if out:
-                        await _write(response, out)
+            while True:
+                guard.awaiting_upstream()
+                chunk = await read()
+                if not chunk:
+                    break
+                guard.upstream_answered()
+                if tap is not None:
+                    tap.on_chunk(chunk)
+                out = feed(chunk)
+                if out:
+                    await _write(response, out)
             tail = transform.end()
+        except StallTripped as exc:
+            outcome.stall = guard.trip(exc.reason)
         except aiohttp.ServerTimeoutError:
             # Only possible with both guard bounds 0: the transport's per-read backstop.
             outcome.stall = guard.trip("read")
-        except TimeoutError:
-            outcome.stall = guard.trip()
         except TransformFailed as exc:
             upstream.close()
             outcome.ok, outcome.error_code, tail = False, exc.error_code, exc.frame
@@ -168,6 +168,8 @@ async def relay(
             )
             outcome.ok, outcome.error_code = False, f"stream_stall_{trip.reason}"
             tail = transform.stalled(trip)
+        # The last writes are watched too: a client that takes nothing is cut, not waited for.
+        guard.upstream_answered()
         if tail:
             await _write(response, tail)
         try:
@@ -176,5 +178,8 @@ async def relay(
             raise _ClientGone from None
     except _ClientGone:
         upstream.close()
-        outcome.ok, outcome.error_code = False, "client_disconnect"
+        outcome.ok = False
+        outcome.error_code = "client_stalled" if guard.reason == "client" else "client_disconnect"
+    finally:
+        guard.stop()
     return outcome

@@ -5,27 +5,40 @@ client on a socket that never closes. The guard owns the body of a stream instea
 `stream_total_timeout_s` bounds the whole relay (wall clock), `stream_idle_timeout_s` the gap
 between two upstream chunks; 0 disables a bound. Both clocks start once response headers arrived.
 
-The watchdog is one `asyncio.timeout` around the relay loop (no polling loop, no thread). It
-expires at the total bound; the idle bound is one timer that fires at most once per idle period,
-looks at when the read now awaited began, and either re-arms or makes the timeout expire at once.
-Per chunk the relay only notes the time, and the clock stops while a chunk is written to the
-client, so a slow client is never blamed on the upstream.
+The watchdog is two event-loop timers (no polling loop, no thread): one at the total deadline,
+and one that fires at most once per idle period, looks at when the read now awaited began, and
+either re-arms or trips. Per chunk the relay only notes the time, and the idle clock stops while
+a chunk is written to the client, so a slow client is never blamed on the upstream.
 
-Every synthetic frame carries the `x_hal0_stall` marker: the metrics tap recognises it, so it is
-never counted as a token or a TTFT sample (see metrics.live.StreamTap.STALL_MARKER).
+A trip fails the upstream read (StreamReader.set_exception) instead of cancelling the relay's
+task, as asyncio.timeout would: a cancellation that lands while a write waits for the client
+to drain leaves aiohttp's response writer holding a cancelled future, and the terminal frame and
+the request's record are lost with it. Failing the read is deterministic: the relay sees
+StallTripped at its next read, whatever it was doing when the bound ran out.
+
+A client that takes no bytes for `max(stream_idle_timeout_s, direct_read_timeout_s)` is cut too
+(its connection aborted, error_code client_stalled): otherwise a client that stops reading but
+keeps its socket open would hold a slot and an upstream generation for as long as it likes.
+
+The synthetic frame is written by the relay after the loop and never passes through the metrics
+tap, so it is never counted as a token or a TTFT sample; its `x_hal0_stall` marker also lets the
+tap skip it should a hal0d stand in front of another hal0d.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, Self
+from typing import Any, Protocol
 
 import orjson
 
 from hal0d.config import DispatcherConfig
+from hal0d.logs import get_logger
+
+log = get_logger()
 
 STALL_ID = "hal0-stall-guard"
 STALL_MARKER = b'"x_hal0_stall"'
@@ -94,69 +107,99 @@ def guard_active(timeouts: DispatcherConfig) -> bool:
     return timeouts.stream_total_timeout_s > 0 or timeouts.stream_idle_timeout_s > 0
 
 
-class StallGuard:
-    """The watchdog of one relayed stream. Use `async with guard:` around the relay loop."""
+class StallTripped(Exception):
+    """Raised by the upstream read of a stream the guard ended."""
 
-    def __init__(self, timeouts: DispatcherConfig, upstream: str) -> None:
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Reader(Protocol):
+    def set_exception(self, exc: BaseException) -> None: ...
+
+
+class StallGuard:
+    """The watchdog of one relayed stream: start() before the relay loop, stop() after it."""
+
+    def __init__(
+        self,
+        timeouts: DispatcherConfig,
+        upstream: str,
+        reader: Reader,
+        abort_client: Callable[[], None],
+    ) -> None:
         self.upstream = upstream
         self.total_s = timeouts.stream_total_timeout_s
         self.idle_s = timeouts.stream_idle_timeout_s
+        self.client_s = max(self.idle_s, timeouts.direct_read_timeout_s)
+        self._reader = reader
+        self._abort_client = abort_client
         self._loop = asyncio.get_running_loop()
         self.started = self._loop.time()
-        total_deadline = self.started + self.total_s if self.total_s > 0 else None
-        # The one asyncio.timeout: it expires at the total bound, or at once when the idle
-        # check or end_now() decide the stream is over.
-        self._timeout = asyncio.timeout_at(total_deadline)
-        self._forced_reason: str | None = None
-        # When the read now awaited began; None while a chunk is being written to the client.
-        self._waiting_since: float | None = None
-        self._idle_check: asyncio.TimerHandle | None = None
+        self.reason: str | None = None  # why the stream was ended, once it was
+        # When the read now awaited began; None while a chunk is written to the client.
+        self._reading_since: float | None = None
+        # When the write now awaited began; None while the upstream is awaited.
+        self._writing_since: float | None = None
+        self._total_timer: asyncio.TimerHandle | None = None
+        self._check_timer: asyncio.TimerHandle | None = None
 
-    async def __aenter__(self) -> Self:
-        await self._timeout.__aenter__()
-        if self.idle_s > 0:
-            self._idle_check = self._loop.call_at(self.started + self.idle_s, self._check_idle)
-        return self
+    def start(self) -> None:
+        if self.total_s > 0:
+            self._total_timer = self._loop.call_at(self.started + self.total_s, self._total)
+        self._check_timer = self._loop.call_at(
+            self.started + (self.idle_s or self.client_s), self._check
+        )
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        if self._idle_check is not None:
-            self._idle_check.cancel()
-        await self._timeout.__aexit__(exc_type, exc, traceback)
+    def stop(self) -> None:
+        for timer in (self._total_timer, self._check_timer):
+            if timer is not None:
+                timer.cancel()
 
     # Called for every chunk, so they only note the time: no timer is moved per chunk.
     def awaiting_upstream(self) -> None:
-        self._waiting_since = self._loop.time()
+        self._reading_since = self._loop.time()
+        self._writing_since = None
 
     def upstream_answered(self) -> None:
-        self._waiting_since = None
+        self._reading_since = None
+        self._writing_since = self._loop.time()
 
-    def _check_idle(self) -> None:
-        """Runs at most once per idle period: trips, or re-arms for the current read."""
+    def _total(self) -> None:
+        self.end_now("total")
+
+    def _check(self) -> None:
+        """Runs at most once per bound: trips, or re-arms for the read or write now awaited."""
         now = self._loop.time()
-        since = self._waiting_since
+        reading, writing = self._reading_since, self._writing_since
         # A timer may fire up to the loop's clock resolution early: allow a millisecond.
-        if since is not None and now - since >= self.idle_s - 0.001:
+        if reading is not None and self.idle_s > 0 and now - reading >= self.idle_s - 0.001:
             self.end_now("idle")
             return
-        self._idle_check = self._loop.call_at(
-            (now if since is None else since) + self.idle_s, self._check_idle
-        )
+        if writing is not None and now - writing >= self.client_s - 0.001:
+            self.reason = self.reason or "client"
+            log.warning(
+                "dispatch.client_stalled", upstream=self.upstream, waited_s=round(now - writing, 3)
+            )
+            self._abort_client()  # the blocked write fails, the handler is cancelled
+            return
+        if reading is not None and self.idle_s > 0:
+            due = reading + self.idle_s
+        elif writing is not None:
+            due = writing + self.client_s
+        else:
+            due = now + (self.idle_s or self.client_s)
+        self._check_timer = self._loop.call_at(due, self._check)
 
     def end_now(self, reason: str) -> None:
-        """Trip at once with `reason` (idle, a shutdown past its grace): the same exit, the
-        same frame."""
-        self._forced_reason = reason
-        self._timeout.reschedule(self._loop.time())
+        """End the stream with `reason` (total, idle, a shutdown past its grace): its next
+        upstream read raises StallTripped."""
+        if self.reason is None:
+            self.reason = reason
+            self._reader.set_exception(StallTripped(reason))
 
-    def trip(self, reason: str | None = None) -> StallTrip:
-        """What tripped: `reason` when given (read), a forced end, or the total bound."""
-        if reason is None:
-            reason = self._forced_reason or "total"
+    def trip(self, reason: str) -> StallTrip:
         return StallTrip(
             reason=reason,
             elapsed_s=self._loop.time() - self.started,

@@ -433,3 +433,64 @@ async def test_slot_is_released_after_a_trip(stub, start_hal0d, http):
     # The released slot serves the next request at once.
     got = await receive(http, hal0d.make_url("/v1/chat/completions"), chat_body("chat"))
     assert got.raw.endswith(b"data: [DONE]\n\n") and b"x_hal0_stall" not in got.raw
+
+
+async def open_raw_stream(hal0d: Any, model: str) -> tuple[asyncio.StreamReader,
+                                                          asyncio.StreamWriter]:
+    """A client that sends its request and then reads only when the test says so."""
+    reader, writer = await asyncio.open_connection(hal0d.host, hal0d.port)
+    body = orjson.dumps(chat_body(model, max_tokens=1_000_000))
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+                 + body)
+    await writer.drain()
+    return reader, writer
+
+
+async def history_row(http: aiohttp.ClientSession, hal0d: Any) -> dict[str, Any]:
+    async with http.get(hal0d.make_url("/api/requests?limit=1")) as resp:
+        rows = (await resp.json())["requests"]
+    return rows[0] if rows else {}
+
+
+async def test_a_client_that_stops_reading_is_cut_and_frees_its_slot(
+    start_stub, start_hal0d, http
+):
+    stub = await start_stub(delay=0)  # a flood: the client's socket buffers fill at once
+    hal0d = await start_hal0d(stub.url, dispatcher=guard(0, 0, direct_read_timeout_s=0.5))
+    _, writer = await open_raw_stream(hal0d, "chatty")
+    started = time.monotonic()
+    while True:  # never reading: hal0d's write blocks, and the client bound ends it
+        async with http.get(hal0d.make_url("/api/slots")) as resp:
+            slot = llm_slot(await resp.json())
+        if slot["in_flight"] == 0:
+            break
+        assert time.monotonic() - started < 3.0, slot
+        await asyncio.sleep(0.05)
+    assert time.monotonic() - started >= 0.5
+    row = await history_row(http, hal0d)
+    assert (row["ok"], row["error_code"]) == (False, "client_stalled")
+    await wait_for_stub_line(stub, "cancelled", 1.0)
+    writer.close()
+
+
+async def test_a_trip_while_the_client_is_slow_is_recorded_as_the_trip(
+    start_stub, start_hal0d, http
+):
+    """The total bound runs out while hal0d waits for a slow client to take a write: the
+    client still gets the stall frame and [DONE] once it reads, and the row names the trip."""
+    stub = await start_stub(delay=0)
+    hal0d = await start_hal0d(stub.url, dispatcher=guard(0.5, 0))
+    reader, writer = await open_raw_stream(hal0d, "chatty")
+    await asyncio.sleep(1.0)  # past the total bound, with hal0d blocked on the full socket
+    raw = b""
+    async with asyncio.timeout(5):
+        while not raw.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):  # chunked framing
+            chunk = await reader.read(1 << 20)
+            assert chunk, raw[-300:]
+            raw += chunk
+    assert b'"x_hal0_stall":{"reason":"total"' in raw
+    await asyncio.sleep(0.3)
+    row = await history_row(http, hal0d)
+    assert (row["ok"], row["error_code"]) == (False, "stream_stall_total")
+    writer.close()

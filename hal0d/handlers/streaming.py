@@ -3,6 +3,8 @@ and the outcome written into the request's info on every exit, cancellation incl
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import aiohttp
 from aiohttp import web
 
@@ -32,7 +34,9 @@ async def stream_through(
         return
     # Tokens are only in event streams; an audio body would be searched for them to no end.
     tap = StreamTap(info.started) if upstream.content_type == "text/event-stream" else None
-    guard = StallGuard(timeouts, slot_name)
+    guard = StallGuard(
+        timeouts, slot_name, reader=upstream.content, abort_client=abort_client(request)
+    )
     streams = request.app[STREAMS]
     streams.add(guard)
     outcome = None
@@ -40,7 +44,17 @@ async def stream_through(
         outcome = await relay(upstream, response, transform, guard, tap)
     finally:
         streams.discard(guard)
+        if guard.reason == "client":
+            info.fail("client_stalled")  # before the cancellation that follows the abort
         info.apply_stream(outcome, tap)  # outcome None: cancelled, the client went away
+
+
+def abort_client(request: web.Request) -> Callable[[], None]:
+    def abort() -> None:
+        if request.transport is not None:
+            request.transport.abort()
+
+    return abort
 
 
 def release_upstream(upstream: aiohttp.ClientResponse) -> None:
