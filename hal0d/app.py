@@ -12,12 +12,12 @@ import structlog
 from aiohttp import web
 
 from hal0d import access
-from hal0d.appkeys import RUNTIME, STREAMS, Runtime, RuntimeRef
+from hal0d.appkeys import RECORDER, RUNTIME, STREAMS, Runtime, RuntimeRef
 from hal0d.config import Config
 from hal0d.errors import Hal0Error, MethodNotAllowed, NoRoute
 from hal0d.handlers import admin, anthropic, openai
 from hal0d.logs import get_logger
-from hal0d.metrics.recorder import RECORDER, recorder_context
+from hal0d.metrics.recorder import recorder_context
 from hal0d.requestinfo import INFO, RequestInfo
 from hal0d.supervisor import slots_context
 from hal0d.upstream import session_context
@@ -31,9 +31,11 @@ def is_anthropic_path(path: str) -> bool:
     return path.startswith(("/llm/v1/messages", "/v1/messages"))
 
 
-def is_dispatch_path(path: str) -> bool:
-    """Requests for a model: the ones the history and the request metrics are about."""
-    return path.startswith(("/v1/", "/llm/"))
+def is_dispatch_request(method: str, path: str) -> bool:
+    """Requests for a model: the ones the history and the request metrics are about (not the
+    GET /v1/models a chat front end polls)."""
+    listing = method == "GET" and path.endswith("/models")
+    return path.startswith(("/v1/", "/llm/")) and not listing
 
 
 def error_response(exc: Hal0Error, path: str) -> web.Response:
@@ -109,7 +111,7 @@ async def request_lifecycle(
 
 
 def request_finished(app: web.Application, info: RequestInfo, method: str, path: str) -> None:
-    if is_dispatch_path(path) and (recorder := app.get(RECORDER)):
+    if is_dispatch_request(method, path) and (recorder := app.get(RECORDER)):
         recorder.record(info)
     if path != "/healthz":
         log.info(

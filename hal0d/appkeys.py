@@ -13,8 +13,10 @@ from hal0d.routing import Router
 from hal0d.slots import SlotTable
 
 if TYPE_CHECKING:
+    from hal0d.metrics.recorder import Recorder
     from hal0d.stallguard import StallGuard
     from hal0d.supervisor import Supervisor
+    from hal0d.tokens import TokenCounter
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,3 +46,5 @@ SLOTS = web.AppKey("slots", SlotTable)
 SUPERVISOR: web.AppKey[Supervisor] = web.AppKey("supervisor")
 # The stall guards of the streams being relayed now: a shutdown past its grace ends them.
 STREAMS: web.AppKey[set[StallGuard]] = web.AppKey("streams")
+RECORDER: web.AppKey[Recorder] = web.AppKey("recorder")
+TOKEN_COUNTER: web.AppKey[TokenCounter] = web.AppKey("token_counter")

@@ -239,6 +239,11 @@ class Slot:
         if self.in_flight == 0 and self.state is SlotState.SERVING:
             self.transition(SlotState.READY)
 
+    def reconfigure(self, config: SlotLimits) -> None:
+        """New limits from a reload; a larger max_concurrent admits waiters at once."""
+        self.config = config
+        self._pump()
+
     def _pump(self) -> None:
         while self._waiters and self._can_grant():
             fut = self._waiters.popleft()

@@ -303,7 +303,7 @@ class Supervisor:
         for name in changed:
             before, after = self.configs[name], new[name]
             slot = self.table[name]
-            slot.config = after  # limits and the admin view; leases already held keep counting
+            slot.reconfigure(after)  # limits and the admin view; leases already held keep counting
             self.configs[name] = after
             process = self.processes.get(name)
             if (before.command, before.upstream) == (after.command, after.upstream):

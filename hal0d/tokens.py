@@ -19,7 +19,6 @@ from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp import web
 
 from hal0d.config import SlotConfig
 from hal0d.logs import get_logger
@@ -108,5 +107,3 @@ class TokenCounter:
             log.info("tokens.no_tokenizer", slot=slot.name, fallback="estimate (chars / 4)")
         return estimate(text), "estimate"
 
-
-TOKEN_COUNTER = web.AppKey("token_counter", TokenCounter)

@@ -8,9 +8,10 @@ has no total. `connect_timeout_s` bounds the TCP connect, `pool_timeout_s` the w
 connection, `direct_read_timeout_s` the wait for response headers and, on a non-streaming
 request, every body read. When the stall guard owns a stream's body the per-read timeout is off
 for that request, and the header wait gets its own deadline instead: a HeaderDeadline, moved by
-aiohttp's tracing signals to `write_timeout_s` after the connection is had (aiohttp has no
-request-write timeout of its own) and to `direct_read_timeout_s` after the request's last byte
-was sent.
+aiohttp's tracing signals to `write_timeout_s + direct_read_timeout_s` once a connection is had
+and to `direct_read_timeout_s` as the request's headers and body go out. (aiohttp signals a body
+chunk as it starts writing it, so `write_timeout_s` bounds the request's write only loosely; LLM
+request bodies are small and go out in one write.)
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ import aiohttp
 from aiohttp import hdrs, web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from hal0d.appkeys import RUNTIME, SESSION
+from hal0d.appkeys import RUNTIME, SESSION, TOKEN_COUNTER
 from hal0d.config import DispatcherConfig, SlotConfig
 from hal0d.errors import UpstreamUnavailable
-from hal0d.tokens import TOKEN_COUNTER, TokenCounter
+from hal0d.tokens import TokenCounter
 
 # RFC 9110 7.6.1 hop-by-hop headers, plus the ones aiohttp recomputes for each side.
 HOP_BY_HOP = frozenset(
@@ -134,7 +135,8 @@ def make_session(timeouts: DispatcherConfig) -> aiohttp.ClientSession:
         ),
         connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
         auto_decompress=False,
-        # The relay reads with readany(); a huge SSE line must not hit a line-length limit.
+        # readany() hands the relay what arrived, up to this much: 64 KiB reads keep per-read
+        # latency low and memory per open stream small (1,000 streams: ~28 KB each).
         read_bufsize=2**16,
         trust_env=False,
     )

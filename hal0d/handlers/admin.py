@@ -6,9 +6,8 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from hal0d.appkeys import SLOTS
+from hal0d.appkeys import RECORDER, SLOTS
 from hal0d.errors import InvalidRequest
-from hal0d.metrics.recorder import RECORDER
 
 MAX_HISTORY_ROWS = 1000
 

@@ -15,14 +15,13 @@ from hal0d.anthropic.request import parse_messages_request, prompt_text, to_open
 from hal0d.anthropic.response import to_anthropic
 from hal0d.anthropic.stream import Translator
 from hal0d.anthropic.transform import AnthropicTransform
-from hal0d.appkeys import RUNTIME, SESSION, SLOTS
+from hal0d.appkeys import RUNTIME, SESSION, SLOTS, TOKEN_COUNTER
 from hal0d.config import DispatcherConfig
 from hal0d.errors import UpstreamInvalid, UpstreamStatus
 from hal0d.handlers.body import parse_json_object, read_body
 from hal0d.handlers.streaming import release_upstream, stream_through
 from hal0d.requestinfo import INFO, RequestInfo
 from hal0d.stallguard import guard_active
-from hal0d.tokens import TOKEN_COUNTER
 from hal0d.upstream import open_upstream, read_whole, request_headers
 
 SSE_HEADERS = {

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from hal0d.appkeys import RUNTIME, SLOTS, SUPERVISOR
+from hal0d.appkeys import RECORDER, RUNTIME, SLOTS, SUPERVISOR
 from hal0d.metrics.history import HistoryWriter, RequestRecord
 from hal0d.metrics.live import SlotMetrics
 from hal0d.metrics.prometheus import PromMetrics
@@ -74,9 +74,6 @@ class Recorder:
         )
         if info.usage:
             live.record_flm(info.usage)
-
-
-RECORDER = web.AppKey("recorder", Recorder)
 
 
 async def recorder_context(app: web.Application) -> AsyncIterator[None]:
