@@ -183,11 +183,17 @@ async def stream_chat(
     return response
 
 
-async def stream_tool_call(response: web.StreamResponse, gen: Generation, delay: float) -> None:
-    tools = gen.body.get("tools")
-    name = "lookup"
+def first_tool_name(body: dict[str, Any]) -> str:
+    tools = body.get("tools")
     if isinstance(tools, list) and tools and isinstance(tools[0], dict):
-        name = str(tools[0].get("function", {}).get("name", name))
+        function = tools[0].get("function")
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            return function["name"]
+    return "lookup"
+
+
+async def stream_tool_call(response: web.StreamResponse, gen: Generation, delay: float) -> None:
+    name = first_tool_name(gen.body)
     first = {"index": 0, "id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
              "function": {"name": name, "arguments": ""}}
     await response.write(
@@ -209,7 +215,10 @@ def complete_chat(gen: Generation) -> dict[str, Any]:
         message["content"] = None
         message["tool_calls"] = [{
             "id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-            "function": {"name": "lookup", "arguments": '{"query": "weather in Paris"}'},
+            "function": {
+                "name": first_tool_name(gen.body),
+                "arguments": '{"query": "weather in Paris"}',
+            },
         }]
         gen.completion_tokens = 3
         finish = "tool_calls"
