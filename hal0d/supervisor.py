@@ -131,10 +131,19 @@ class SlotProcess:
         output = asyncio.create_task(self._log_output(self.process))
         waiting = asyncio.create_task(self._await_ready())
         try:
+            if self._stopping:
+                # stop() ran while the process was being created, and found none to stop.
+                await self.stop()
             await self.process.wait()
         finally:
             waiting.cancel()
-            await output
+            if self.process.returncode is None:
+                # Cancelled (hal0d is going away) with the process still running: it must
+                # not outlive us, and its output will not end while it runs.
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                output.cancel()
+            await asyncio.gather(output, waiting, return_exceptions=True)
         return self.process.returncode
 
     async def _await_ready(self) -> None:
@@ -172,7 +181,7 @@ class SlotProcess:
         self._stopping = True
         process = self.process
         if process is None or process.returncode is not None:
-            return
+            return  # none yet: _run_once stops it as soon as it exists
         try:
             os.killpg(process.pid, signal.SIGTERM)
             async with asyncio.timeout(STOP_GRACE_S):
@@ -209,7 +218,12 @@ class Supervisor:
             # Requests in flight already show the upstream alive (the stall guard watches them),
             # and llama-cpp-python's server interrupts a running completion for any request.
             return
-        reason = await probe(self.session, self.configs[name])
+        config = self.configs[name]
+        reason = await probe(self.session, config)
+        if self.table.get(name) is not slot or self.configs.get(name) is not config:
+            return  # a reload replaced the slot meanwhile: this answer is about the old one
+        if slot.state is SlotState.STARTING and name in self.processes:
+            return  # a reload is bringing up a new process; its own startup wait decides
         if reason is None:
             slot.mark_ready()
         else:

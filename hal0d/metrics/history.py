@@ -169,8 +169,9 @@ class HistoryWriter:
         if self._task is not None:
             await self.flush()
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # gather, not `suppress(CancelledError)`: a cancellation aimed at our caller must
+            # still reach it.
+            await asyncio.gather(self._task, return_exceptions=True)
         if self._conn is not None:
             await self._run(self._close_conn)
         self._executor.shutdown(wait=True)
