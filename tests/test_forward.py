@@ -290,3 +290,24 @@ async def test_an_upstream_that_stalls_inside_an_answer_it_did_not_stream_is_a_c
         assert time.monotonic() - started < 2.0
     async with http.get(hal0d.make_url("/api/slots")) as resp:
         assert (await resp.json())["slots"][0]["in_flight"] == 0
+
+
+async def test_an_alias_reaches_a_transcription_upstream_as_the_served_name(
+    upstream_app, start_hal0d, http
+):
+    audio = bytes(range(256)) * 40  # binary, with bytes that look like CR and LF
+
+    async def upstream(request: web.Request) -> web.Response:
+        form = await request.post()
+        return web.json_response(
+            {"model": form["model"], "intact": form["file"].file.read() == audio}
+        )
+
+    url = await upstream_app({"POST /v1/audio/transcriptions": upstream})
+    hal0d = await start_hal0d(url, models=("whisper",), aliases={"whisper-*": "whisper"})
+    form = aiohttp.FormData()
+    form.add_field("model", "whisper-1")
+    form.add_field("file", audio, filename="a.wav", content_type="audio/wav")
+    async with http.post(hal0d.make_url("/v1/audio/transcriptions"), data=form) as resp:
+        assert resp.status == 200
+        assert await resp.json() == {"model": "whisper", "intact": True}

@@ -59,3 +59,20 @@ def _multipart_field(content_type: str, body: bytes, name: str) -> str | None:
             if isinstance(payload, bytes):
                 return payload.decode("utf-8", "replace").strip()
     return None
+
+
+def replace_multipart_field(body: bytes, name: str, old: str, new: str) -> bytes:
+    """`body` with the value of its text field `name` changed from `old` to `new`, every other
+    byte (the audio above all) left as it was. Unchanged when the field is not found as such."""
+    head = f'name="{name}"'.encode()
+    start = body.find(head)
+    if start < 0:
+        return body
+    value_at = body.find(b"\r\n\r\n", start)
+    if value_at < 0:
+        return body
+    value_at += 4
+    end = body.find(b"\r\n--", value_at)
+    if end < 0 or body[value_at:end].strip() != old.encode():
+        return body
+    return body[:value_at] + new.encode() + body[end:]

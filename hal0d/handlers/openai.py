@@ -16,7 +16,12 @@ from multidict import CIMultiDict
 from hal0d.appkeys import RUNTIME, SESSION, SLOTS
 from hal0d.config import DispatcherConfig, SlotConfig
 from hal0d.errors import InvalidRequest, UpstreamInvalid
-from hal0d.handlers.body import multipart_field, parse_json_object, read_body
+from hal0d.handlers.body import (
+    multipart_field,
+    parse_json_object,
+    read_body,
+    replace_multipart_field,
+)
 from hal0d.handlers.streaming import release_upstream, stream_through
 from hal0d.relay import Passthrough
 from hal0d.requestinfo import INFO, RequestInfo
@@ -128,8 +133,11 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
     streaming = stream or endpoint in ALWAYS_STREAMING
     info.model, info.stream = model, streaming
     route = runtime.router.resolve(model)
-    if route.served_model != model and endpoint != "audio/transcriptions":
-        body = with_model(body, route.served_model)
+    if route.served_model != model:
+        if endpoint == "audio/transcriptions":
+            body = replace_multipart_field(body, "model", model, route.served_model)
+        else:
+            body = with_model(body, route.served_model)
     info.served_model, info.slot = route.served_model, route.slot.name
     timeouts = runtime.config.dispatcher
     async with request.app[SLOTS].lease(route.slot.name) as lease:
