@@ -29,7 +29,6 @@ RESTART_KEYS only take effect at start: they keep their running values and a war
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import signal
 from pathlib import Path
@@ -239,9 +238,7 @@ class Daemon:
         # the end of the grace starts its stream later, and is ended as soon as it does.
         while True:
             for guard in streams - ended:
-                # RuntimeError: the relay already left the guard and writes its last frame.
-                with contextlib.suppress(RuntimeError):
-                    guard.end_now("shutdown")
+                guard.end_now("shutdown")
                 ended.add(guard)
             await asyncio.sleep(END_POLL_S)
 

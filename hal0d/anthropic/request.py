@@ -30,11 +30,10 @@ from typing import Any, NoReturn
 import orjson
 
 from hal0d.errors import InvalidRequest
+from hal0d.limits import MAX_MESSAGES, MAX_TOKENS_LIMIT
 
 __all__ = ["MessagesRequest", "parse_messages_request", "prompt_text", "to_openai"]
 
-MAX_TOKENS_LIMIT = 1_000_000
-MAX_MESSAGES = 100_000
 
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 

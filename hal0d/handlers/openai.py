@@ -23,6 +23,7 @@ from hal0d.handlers.body import (
     replace_multipart_field,
 )
 from hal0d.handlers.streaming import release_upstream, stream_through
+from hal0d.limits import MAX_MESSAGES, MAX_TOKENS_LIMIT
 from hal0d.relay import Passthrough
 from hal0d.requestinfo import INFO, RequestInfo
 from hal0d.stallguard import guard_active
@@ -51,8 +52,6 @@ def not_streamed(endpoint: str, upstream: aiohttp.ClientResponse) -> bool:
     )
 
 
-MAX_TOKENS_LIMIT = 1_000_000
-MAX_MESSAGES = 100_000
 
 
 def check_fields(endpoint: str, payload: dict[str, Any]) -> None:
