@@ -4,19 +4,26 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PREFIX ?= /usr/local
 DESTDIR ?=
-STAMP := $(VENV)/.installed
+# `make run` needs hal0d and its runtime dependencies only; the test, lint and bench targets add
+# the test and dev extras (the SDKs, hypothesis, mypy, ruff: ~50 packages) on top.
+RUN_STAMP := $(VENV)/.installed-run
+STAMP := $(VENV)/.installed-test
 
 .PHONY: run test lint typecheck bench clean install uninstall venv test-real
 
 venv: $(STAMP)
 
-$(STAMP): setup.cfg pyproject.toml
+$(RUN_STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e .
+	touch $(RUN_STAMP)
+
+$(STAMP): $(RUN_STAMP)
 	$(BIN)/pip install --quiet -e '.[test,dev]'
 	touch $(STAMP)
 
-run: $(STAMP)
+run: $(RUN_STAMP)
 	$(BIN)/hal0d serve --config etc/hal0d.toml
 
 test: $(STAMP)
@@ -33,52 +40,58 @@ clean:
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
 # `make install` (as root): hal0d in a virtualenv of its own under $(PREFIX)/lib/hal0d, the
-# command at $(PREFIX)/bin/hal0d, the unit, and /etc/hal0d/hal0d.toml unless one is there already.
+# command at $(PREFIX)/bin/hal0d, the unit, and the starter config (etc/hal0d.starter.toml: one
+# llama-server slot, no demo) as /etc/hal0d/hal0d.toml unless one is there already.
 # The virtualenv is built on the system Python: the service's dynamic user cannot read a Python
-# under /root or /home (pyenv), and ProtectHome= hides those anyway. DESTDIR stages a package.
+# under /root or /home (pyenv), and ProtectHome= hides those anyway. DESTDIR stages a package:
+# the staged tree names only its final paths, so it can be moved into place as it is.
 INSTALL_PYTHON ?= /usr/bin/python3
 UNITDIR ?= /etc/systemd/system
 LIBDIR := $(PREFIX)/lib/hal0d
 SHAREDIR := $(PREFIX)/share/hal0d
-HISTORY_DB := /var/lib/hal0d/history.sqlite3
 SYSTEMD_RUNNING = [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]
+# compileall writes each .pyc with the path the service will import it from, not the staging one.
+COMPILE_AS_INSTALLED := $(if $(DESTDIR),-s '$(DESTDIR)' -p /)
 
 install:
 	@$(INSTALL_PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
 	  echo "install: $(INSTALL_PYTHON) is not Python >= 3.11; set INSTALL_PYTHON=" >&2; exit 1; }
 	rm -rf $(DESTDIR)$(LIBDIR)
 	umask 022 && $(INSTALL_PYTHON) -m venv $(DESTDIR)$(LIBDIR)
-	umask 022 && $(DESTDIR)$(LIBDIR)/bin/pip install --quiet --no-cache-dir .
+	umask 022 && $(DESTDIR)$(LIBDIR)/bin/pip install --quiet --no-cache-dir --no-compile .
 	@# Staged under DESTDIR, the virtualenv's scripts name the staging path: point them home.
+	@# direct_url.json names this source folder, which the installed tree does not need.
 	if [ -n "$(DESTDIR)" ]; then \
 	  grep -rlF '$(DESTDIR)$(LIBDIR)' $(DESTDIR)$(LIBDIR)/bin $(DESTDIR)$(LIBDIR)/pyvenv.cfg \
 	    | xargs -r sed -i 's|$(DESTDIR)$(LIBDIR)|$(LIBDIR)|g'; \
+	  find $(DESTDIR)$(LIBDIR) -name direct_url.json -delete; \
 	fi
+	@# Compiled now: under ProtectSystem=strict the service cannot write its own .pyc files.
+	find $(DESTDIR)$(LIBDIR) -name __pycache__ -type d -prune -exec rm -rf {} +
+	umask 022 && $(DESTDIR)$(LIBDIR)/bin/python -m compileall -q -f $(COMPILE_AS_INSTALLED) \
+	  $(DESTDIR)$(LIBDIR)/lib
 	install -d -m 0755 $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(UNITDIR) $(DESTDIR)$(SHAREDIR)
 	ln -sfn $(LIBDIR)/bin/hal0d $(DESTDIR)$(PREFIX)/bin/hal0d
 	sed 's|/usr/local/bin/hal0d|$(PREFIX)/bin/hal0d|' systemd/hal0d.service \
 	  > $(DESTDIR)$(UNITDIR)/hal0d.service
 	chmod 0644 $(DESTDIR)$(UNITDIR)/hal0d.service
-	install -m 0644 systemd/hal0d.service.d/gpu.conf.example etc/hal0d.toml $(DESTDIR)$(SHAREDIR)/
+	install -m 0644 systemd/hal0d.service.d/gpu.conf.example $(DESTDIR)$(SHAREDIR)/
+	install -m 0644 etc/hal0d.starter.toml $(DESTDIR)$(SHAREDIR)/starter.toml
+	install -m 0644 etc/hal0d.toml $(DESTDIR)$(SHAREDIR)/demo.toml
 	install -d -m 0755 $(DESTDIR)/etc/hal0d
-	@# The example config, with the history in the unit's StateDirectory (/etc/hal0d is
-	@# read-only to the service); an existing config is never overwritten.
+	@# An existing config is never overwritten.
 	if [ -e $(DESTDIR)/etc/hal0d/hal0d.toml ]; then \
 	  echo "install: keeping the existing $(DESTDIR)/etc/hal0d/hal0d.toml"; \
-	elif grep -q '^database *=' etc/hal0d.toml; then \
-	  sed 's|^database *=.*|database = "$(HISTORY_DB)"|' etc/hal0d.toml \
-	    > $(DESTDIR)/etc/hal0d/hal0d.toml; \
-	elif grep -q '^\[metrics\]' etc/hal0d.toml; then \
-	  sed '/^\[metrics\]/a database = "$(HISTORY_DB)"' etc/hal0d.toml \
-	    > $(DESTDIR)/etc/hal0d/hal0d.toml; \
 	else \
-	  { cat etc/hal0d.toml; printf '\n[metrics]\ndatabase = "%s"\n' '$(HISTORY_DB)'; } \
-	    > $(DESTDIR)/etc/hal0d/hal0d.toml; \
+	  install -m 0644 etc/hal0d.starter.toml $(DESTDIR)/etc/hal0d/hal0d.toml; \
 	fi
-	chmod 0644 $(DESTDIR)/etc/hal0d/hal0d.toml
 	$(DESTDIR)$(LIBDIR)/bin/python -m hal0d check-config --config $(DESTDIR)/etc/hal0d/hal0d.toml
 	if $(SYSTEMD_RUNNING); then systemctl daemon-reload; fi
-	@echo "installed; start it with: systemctl enable --now hal0d"
+	@if [ -n "$(DESTDIR)" ]; then \
+	  echo "staged in $(DESTDIR); it names only its final paths under $(PREFIX) and /etc"; \
+	else \
+	  echo "installed; edit /etc/hal0d/hal0d.toml, then: systemctl enable --now hal0d"; \
+	fi
 
 uninstall:
 	if $(SYSTEMD_RUNNING); then systemctl disable --now hal0d.service || true; fi
