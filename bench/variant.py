@@ -19,9 +19,35 @@ from typing import Any
 from bench.procs import raise_nofile
 
 
-def disable_metrics() -> None:
-    import hal0d.handlers.anthropic as anthropic_handler
-    import hal0d.handlers.openai as openai_handler
+class VariantNotApplied(RuntimeError):
+    """The patch found nothing to patch: running on would measure the default as the variant."""
+
+
+def patch_callers(original: Any, replacement: Any) -> list[str]:
+    """Replace `original` in every hal0d module that imported it by name; return their names.
+
+    Patching the module that defines a function misses the modules that did `from ... import`
+    it; looking up who holds it keeps the variant true when the code moves (this is how the
+    "metrics off" rows once ran the tap without anyone noticing).
+    """
+    import hal0d.app  # noqa: F401  (imports every handler, so every caller is loaded)
+
+    attribute: str = original.__name__
+    patched = []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("hal0d") or name == original.__module__:
+            continue
+        if getattr(module, attribute, None) is original:
+            setattr(module, attribute, replacement)
+            patched.append(name)
+    if not patched:
+        raise VariantNotApplied(
+            f"no hal0d module calls {original.__module__}.{original.__name__} by that name"
+        )
+    return patched
+
+
+def disable_metrics() -> list[str]:
     from hal0d.metrics.recorder import Recorder
     from hal0d.relay import relay
 
@@ -32,9 +58,9 @@ def disable_metrics() -> None:
     def record_nothing(self: Recorder, info: Any) -> None:
         return None
 
-    openai_handler.relay = relay_without_tap
-    anthropic_handler.relay = relay_without_tap
+    patched = patch_callers(relay, relay_without_tap)
     Recorder.record = record_nothing  # type: ignore[method-assign]
+    return patched
 
 
 def use_uvloop() -> None:
@@ -51,7 +77,13 @@ def main() -> int:
     while argv and argv[0].startswith("--"):
         flag = argv.pop(0)
         if flag == "--no-metrics":
-            disable_metrics()
+            try:
+                patched = disable_metrics()
+            except VariantNotApplied as exc:
+                print(f"bench.variant: --no-metrics could not be applied: {exc}", file=sys.stderr)
+                return 3
+            print(f"bench.variant: metrics off (relay without tap in {', '.join(patched)}; "
+                  "recorder drops every request)", file=sys.stderr)
         elif flag == "--uvloop":
             use_uvloop()
         else:
