@@ -16,8 +16,9 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test,dev]'
 	touch $(STAMP)
 
+# `make run PORT=8081 HOST=0.0.0.0` listens elsewhere; unset, the config's [server] decides.
 run: $(STAMP)
-	$(BIN)/hal0d serve --config etc/hal0d.toml
+	$(BIN)/hal0d serve --config etc/hal0d.toml $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT))
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
