@@ -23,8 +23,11 @@ $(STAMP): $(RUN_STAMP)
 	$(BIN)/pip install --quiet -e '.[test,dev]'
 	touch $(STAMP)
 
+# `make run PORT=8081 HOST=0.0.0.0` listens elsewhere; unset, the config's [server] decides.
+# Only values given on make's command line count: tcsh and zsh export HOST as the machine's name.
+cli_value = $(if $(filter command line,$(origin $(1))),$($(1)))
 run: $(RUN_STAMP)
-	$(BIN)/hal0d serve --config etc/hal0d.toml
+	$(BIN)/hal0d serve --config etc/hal0d.toml $(if $(call cli_value,HOST),--host $(HOST)) $(if $(call cli_value,PORT),--port $(PORT))
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -113,7 +113,7 @@ async def request_lifecycle(
 def request_finished(app: web.Application, info: RequestInfo, method: str, path: str) -> None:
     if is_dispatch_request(method, path) and (recorder := app.get(RECORDER)):
         recorder.record(info)
-    if path != "/healthz":
+    if path not in ("/healthz", "/readyz"):  # polled by probes: noise in the log
         log.info(
             "request.done",
             request_id=info.request_id,
@@ -161,6 +161,7 @@ def make_app(config: Config) -> web.Application:
 
     router = app.router
     router.add_get("/healthz", admin.healthz)
+    router.add_get("/readyz", admin.readyz)
     for prefix in ("/v1", "/llm/v1"):
         router.add_get(f"{prefix}/models", openai.list_models)
         for endpoint in openai.ENDPOINTS:

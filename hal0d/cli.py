@@ -1,28 +1,47 @@
-"""The command line: serve | check-config | print-config | stub."""
+"""The command line: serve | check-config | print-config | stub, and --version."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
+from hal0d import __version__, preflight
 from hal0d import config as configuration
 
 DEFAULT_CONFIG = "/etc/hal0d/hal0d.toml"
 
 
+def port_number(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is outside 1-65535")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hal0d", description="Local LLM dispatcher daemon.")
+    parser.add_argument("--version", action="version", version=f"hal0d {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the daemon in the foreground")
     serve.add_argument("--config", default=DEFAULT_CONFIG, help=f"(default {DEFAULT_CONFIG})")
+    serve.add_argument("--host", help="listen on this address instead of [server].host")
+    serve.add_argument("--port", type=port_number,
+                       help="listen on this port instead of [server].port")
 
     check = commands.add_parser("check-config", help="validate a config file")
-    check.add_argument("--config", default=DEFAULT_CONFIG)
+    check.add_argument("--config", default=DEFAULT_CONFIG, help=f"(default {DEFAULT_CONFIG})")
 
     show = commands.add_parser("print-config", help="print the effective config as TOML")
-    show.add_argument("--config", help="a config file (default: built-in defaults only)")
+    source = show.add_mutually_exclusive_group()
+    source.add_argument("--config", default=DEFAULT_CONFIG, help=f"(default {DEFAULT_CONFIG})")
+    source.add_argument("--defaults", action="store_true",
+                        help="print the built-in defaults, without reading any file")
 
     stub = commands.add_parser("stub", help="run the stub OpenAI-compatible upstream")
     stub.add_argument("--host", default="127.0.0.1")
@@ -43,6 +62,47 @@ def load_or_report(path: str) -> configuration.Config | None:
         return None
 
 
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def check_config(path: str) -> int:
+    config = load_or_report(path)
+    if config is None:
+        return 1
+    findings = preflight.check(config)
+    for error in findings.errors:
+        print(error, file=sys.stderr)
+    for warning in findings.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    if findings.errors:
+        return 1
+    summary = f"{path}: ok ({plural(len(config.slots), 'slot')})"
+    if findings.warnings:
+        summary += f" with {plural(len(findings.warnings), 'warning')}"
+    print(summary)
+    return 0
+
+
+def serve(args: argparse.Namespace) -> int:
+    config = load_or_report(args.config)
+    if config is None:
+        return 1
+    findings = preflight.check(config)
+    if findings.errors:
+        for error in findings.errors:
+            print(error, file=sys.stderr)
+        return 1
+    overrides: dict[str, Any] = {
+        key: value for key, value in (("host", args.host), ("port", args.port))
+        if value is not None
+    }
+    from hal0d.server import serve as run_server
+
+    return run_server(config, Path(args.config), server_overrides=overrides,
+                      warnings=findings.warnings)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "stub":
@@ -51,17 +111,11 @@ def main(argv: list[str] | None = None) -> int:
         run_stub(args.host, args.port, args.log, args.delay)
         return 0
     if args.command == "print-config":
-        config = load_or_report(args.config) if args.config else configuration.Config()
+        config = configuration.Config() if args.defaults else load_or_report(args.config)
         if config is None:
             return 1
         sys.stdout.write(configuration.to_toml(config))
         return 0
-    config = load_or_report(args.config)
-    if config is None:
-        return 1
     if args.command == "check-config":
-        print(f"{args.config}: ok ({len(config.slots)} slots)")
-        return 0
-    from hal0d.server import serve
-
-    return serve(config, Path(args.config))
+        return check_config(args.config)
+    return serve(args)

@@ -24,13 +24,21 @@ keeps running on the old one and logs `config.reload_failed` with every problem.
 changes are applied (Supervisor.reload), then app[RUNTIME] points at a new Runtime, which new
 requests use; in-flight ones keep the one they started with. READY=1 either way. The keys in
 RESTART_KEYS only take effect at start: they keep their running values and a warning says so.
+`serve --host/--port` override [server] for the whole run: a reload applies them to the reloaded
+file too, so a file that differs from the flags is no restart to warn about.
+
+A listening address that cannot be had (taken, privileged, not this machine's) is
+`server.bind_failed` with a hint naming the flag or key to change, and exit code 1.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import signal
+import socket
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +46,11 @@ import uvloop
 from aiohttp import web
 
 from hal0d import config as configuration
-from hal0d import logs, systemd
+from hal0d import logs, preflight, systemd
 from hal0d.app import make_app
 from hal0d.appkeys import RUNTIME, SLOTS, STREAMS, SUPERVISOR, Runtime
 from hal0d.config import Config
+from hal0d.preflight import Finding
 from hal0d.stallguard import StallGuard
 
 log = logs.get_logger()
@@ -68,17 +77,52 @@ RESTART_KEYS: tuple[tuple[str, str], ...] = (
 )
 
 
-def serve(config: Config, config_path: Path) -> int:
+def serve(
+    config: Config,
+    config_path: Path,
+    *,
+    server_overrides: Mapping[str, Any] | None = None,
+    warnings: Sequence[Finding] = (),
+) -> int:
+    """Run until stopped. `server_overrides`: [server] keys given on the command line."""
     logs.configure(config.logging.level, config.logging.format)
     logs.hide(known_secrets(config))
+    log_warnings(warnings, config_path)
     # uvloop: about a tenth less CPU per request and per relayed chunk than asyncio's own loop
     # (make bench), the same semantics; the served tests run the daemon this way too.
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(run(config, config_path))
+        return runner.run(run(config, config_path, server_overrides or {}))
 
 
-async def run(config: Config, config_path: Path) -> int:
-    return await Daemon(config, config_path).run()
+def log_warnings(warnings: Sequence[Finding], config_path: Path) -> None:
+    for warning in warnings:
+        log.warning("config.warning", config=str(config_path), key=warning.key,
+                    problem=warning.problem)
+
+
+async def run(config: Config, config_path: Path,
+              server_overrides: Mapping[str, Any] | None = None) -> int:
+    return await Daemon(config, config_path, server_overrides).run()
+
+
+def with_server_overrides(config: Config, overrides: Mapping[str, Any]) -> Config:
+    if not overrides:
+        return config
+    return dataclasses.replace(config, server=dataclasses.replace(config.server, **overrides))
+
+
+def bind_hint(exc: OSError) -> str:
+    """What the operator can do about a listening address that cannot be had."""
+    if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+        return ("no interface of this machine has that address; choose another with --host "
+                "(make run HOST=...) or [server].host")
+    if exc.errno == errno.EADDRINUSE:
+        return ("another process listens there; choose another port with --port "
+                "(make run PORT=...) or [server].port")
+    if exc.errno == errno.EACCES:
+        return ("ports below 1024 need privileges (CAP_NET_BIND_SERVICE); choose another port "
+                "with --port (make run PORT=...) or [server].port")
+    return "check --host/--port (make run HOST=... PORT=...) or [server].host and .port"
 
 
 def known_secrets(config: Config) -> list[str]:
@@ -116,8 +160,11 @@ async def watchdog(interval: float) -> None:
 class Daemon:
     """One run of `hal0d serve`: the application, its runner and the signals that steer them."""
 
-    def __init__(self, config: Config, config_path: Path) -> None:
+    def __init__(self, config: Config, config_path: Path,
+                 server_overrides: Mapping[str, Any] | None = None) -> None:
         self.config_path = config_path
+        self.server_overrides = dict(server_overrides or {})
+        config = with_server_overrides(config, self.server_overrides)
         self.app = make_app(config)
         self.grace_s = config.server.shutdown_grace_s
         self.runner = web.AppRunner(
@@ -182,7 +229,7 @@ class Daemon:
             await site.start()
         except OSError as exc:
             log.error("server.bind_failed", host=config.server.host, port=config.server.port,
-                      error=exc.strerror or str(exc))
+                      error=exc.strerror or str(exc), hint=bind_hint(exc))
             await self.runner.cleanup()
             return 1
         log.info("server.started", host=config.server.host, port=config.server.port,
@@ -268,11 +315,21 @@ class Daemon:
         systemd.reloading(f"reloading {self.config_path}")
         log.info("config.reload_started", config=str(self.config_path))
         try:
-            loaded = configuration.load(self.config_path)
+            loaded = with_server_overrides(
+                configuration.load(self.config_path), self.server_overrides
+            )
         except configuration.ConfigError as exc:
             log.error("config.reload_failed", config=str(self.config_path),
                       problems=exc.problems, keeping="the running configuration")
             return
+        # The same rule as at start: a file hal0d would serve nothing with is refused.
+        findings = preflight.check(loaded)
+        if findings.errors:
+            log.error("config.reload_failed", config=str(self.config_path),
+                      problems=[str(error) for error in findings.errors],
+                      keeping="the running configuration")
+            return
+        log_warnings(findings.warnings, self.config_path)
         try:
             await self.apply(loaded)
         except Exception:

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import web
+from aiohttp import hdrs, web
 
+from hal0d import USER_AGENT
 from hal0d.appkeys import RUNTIME, SESSION, SLOTS, SUPERVISOR
 from hal0d.config import SlotConfig
 from hal0d.logs import get_logger
@@ -64,7 +65,7 @@ def log_state_change(slot: Slot, old: SlotState, new: SlotState, reason: str | N
 
 async def probe(session: aiohttp.ClientSession, config: SlotConfig) -> str | None:
     """None when the upstream answers GET /v1/models, else why not."""
-    headers = {}
+    headers: dict[str, str] = {hdrs.USER_AGENT: USER_AGENT}
     token = config.bearer_token()
     if token:
         headers["Authorization"] = f"Bearer {token}"
@@ -93,6 +94,9 @@ class SlotProcess:
         self.process: asyncio.subprocess.Process | None = None
         self.restarts = 0
         self._stopping = False
+        # Why the last launch failed before any process existed (a missing program): the
+        # slot's reason says so, not a meaningless exit code.
+        self.launch_error: str | None = None
 
     async def run(self) -> None:
         backoff = BACKOFF_FIRST_S
@@ -105,17 +109,25 @@ class SlotProcess:
             if ran >= HEALTHY_RUN_S:
                 backoff = BACKOFF_FIRST_S
             self.restarts += 1
-            log.warning(
-                "slot.process_exited", slot=self.slot.name, code=code, ran_s=round(ran, 1),
-                restart_in_s=backoff, restarts=self.restarts,
-            )
-            self.slot.mark_error(f"process exited with code {code}; restarting in {backoff:g} s")
+            if self.launch_error is not None:
+                self.slot.mark_error(f"{self.launch_error}; retrying in {backoff:g} s")
+            else:
+                log.warning(
+                    "slot.process_exited", slot=self.slot.name, code=code, ran_s=round(ran, 1),
+                    restart_in_s=backoff, restarts=self.restarts,
+                )
+                self.slot.mark_error(
+                    f"process exited with code {code}; restarting in {backoff:g} s"
+                )
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
     async def _run_once(self) -> int | None:
         argv = resolve_program(self.config.command or ())
-        self.slot.mark_starting("launching " + " ".join(argv))
+        launching = "launching " + " ".join(argv)
+        if self.launch_error is not None:
+            launching += f" (the last attempt failed: {self.launch_error})"
+        self.slot.mark_starting(launching)
         try:
             self.process = await asyncio.create_subprocess_exec(
                 *argv,
@@ -125,8 +137,11 @@ class SlotProcess:
                 start_new_session=True,  # its own process group: stop() ends its children too
             )
         except OSError as exc:
-            log.error("slot.process_failed", slot=self.slot.name, argv=argv, error=str(exc))
+            self.launch_error = f"cannot start {argv[0]!r}: {exc.strerror or exc}"
+            log.error("slot.process_failed", slot=self.slot.name, argv=argv, error=str(exc),
+                      reason=self.launch_error, restarts=self.restarts)
             return None
+        self.launch_error = None
         log.info("slot.process_started", slot=self.slot.name, pid=self.process.pid, argv=argv)
         output = asyncio.create_task(self._log_output(self.process))
         waiting = asyncio.create_task(self._await_ready())
@@ -214,6 +229,8 @@ class Supervisor:
             return  # removed by a reload while this probe round was starting
         if slot.state in (SlotState.STARTING, SlotState.OFFLINE) and name in self.processes:
             return  # the process's own startup wait owns these states
+        if name in self.processes and self.processes[name].launch_error is not None:
+            return  # nothing could be started: "cannot connect" would hide the real cause
         if slot.in_flight:
             # Requests in flight already show the upstream alive (the stall guard watches them),
             # and llama-cpp-python's server interrupts a running completion for any request.

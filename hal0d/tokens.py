@@ -19,7 +19,9 @@ from typing import Any
 
 import aiohttp
 import orjson
+from aiohttp import hdrs
 
+from hal0d import USER_AGENT
 from hal0d.config import SlotConfig
 from hal0d.logs import get_logger
 
@@ -60,7 +62,9 @@ class TokenCounter:
         self._ways: dict[tuple[str, str], str | None] = {}
 
     async def _ask(self, slot: SlotConfig, path: str, body: dict[str, Any]) -> int | None:
-        headers = {"Content-Type": "application/json"}
+        headers: dict[str, str] = {
+            hdrs.CONTENT_TYPE: "application/json", hdrs.USER_AGENT: USER_AGENT
+        }
         token = slot.bearer_token()
         if token:
             headers["Authorization"] = f"Bearer {token}"

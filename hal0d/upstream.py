@@ -24,6 +24,7 @@ import aiohttp
 from aiohttp import hdrs, web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from hal0d import USER_AGENT
 from hal0d.appkeys import RUNTIME, SESSION, TOKEN_COUNTER
 from hal0d.config import DispatcherConfig, SlotConfig
 from hal0d.errors import UpstreamUnavailable
@@ -67,6 +68,10 @@ def _connection_tokens(headers: Mapping[str, str]) -> set[str]:
 def request_headers(client: CIMultiDictProxy[str], slot: SlotConfig) -> CIMultiDict[str]:
     drop = DROP_REQUEST | _connection_tokens(client)
     out = CIMultiDict((k, v) for k, v in client.items() if k.lower() not in drop)
+    # A client's own User-Agent goes through, as proxies keep it: the upstream's logs and
+    # per-client behaviour see the real client. Without one, the request is hal0d's.
+    if hdrs.USER_AGENT not in out:
+        out[hdrs.USER_AGENT] = USER_AGENT
     token = slot.bearer_token()
     if token:
         out[hdrs.AUTHORIZATION] = f"Bearer {token}"
@@ -139,6 +144,8 @@ def make_session(timeouts: DispatcherConfig) -> aiohttp.ClientSession:
         # latency low and memory per open stream small (1,000 streams: ~28 KB each).
         read_bufsize=2**16,
         trust_env=False,
+        # Instead of aiohttp's own "Python/3.x aiohttp/3.x", on any request that sets none.
+        headers={hdrs.USER_AGENT: USER_AGENT},
     )
 
 
@@ -161,10 +168,14 @@ async def open_upstream(
     body: bytes,
     guarded: bool,
     params: Any = None,
+    slot_reason: str | None = None,
 ) -> aiohttp.ClientResponse:
     """Send the request and wait for the response headers.
 
     `guarded`: the stall guard owns the body, so the per-read timeout is off for this request.
+    `slot_reason`: why the slot is in error, if it is (a lease is granted in error, as the probe
+    may be stale); a failed open names it, since "cannot connect" alone hides the cause (a
+    process that could not be started).
     """
     read_timeout = None if guarded else timeouts.direct_read_timeout_s
     deadline = HeaderDeadline(timeouts)
@@ -193,6 +204,8 @@ async def open_upstream(
         reason = f"{type(exc).__name__}: {exc}"
     except (OSError, ValueError) as exc:
         reason = f"{type(exc).__name__}: {exc}"
+    if slot_reason:
+        reason += f"; the slot is in error: {slot_reason}"
     raise UpstreamUnavailable(f"slot {slot.name!r} at {slot.upstream} is unavailable: {reason}")
 
 

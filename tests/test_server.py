@@ -325,6 +325,16 @@ async def test_sighup_with_a_broken_config_keeps_serving_on_the_old_one(
     assert (await chat(http, hal0d.url, "chat"))[0] == 200
     assert hal0d.process.returncode is None
 
+    # Nor a valid file with nothing to serve: the rule `serve` and check-config apply at start.
+    hal0d.config.write_text(good.split("[[slots]]")[0])
+    hal0d.send(signal.SIGHUP)
+    async with asyncio.timeout(5):
+        while len(hal0d.named("config.reload_failed")) < 3:
+            await asyncio.sleep(0.05)
+    assert "hal0d would serve nothing" in hal0d.named("config.reload_failed")[-1]["problems"][0]
+    assert await served_models(http, hal0d.url) == before
+    assert (await chat(http, hal0d.url, "chat"))[0] == 200
+
 
 async def test_sighup_applies_a_changed_config_to_new_requests_only(
     stub: Stub, start_hal0d: Hal0dFactory, http: aiohttp.ClientSession

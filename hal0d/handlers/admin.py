@@ -6,10 +6,14 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from hal0d.appkeys import RECORDER, SLOTS
+from hal0d import __version__, access
+from hal0d.appkeys import RECORDER, RUNTIME, SLOTS
 from hal0d.errors import InvalidRequest
+from hal0d.slots import SlotState
 
 MAX_HISTORY_ROWS = 1000
+# The states in which a slot takes a request without waiting for a start or a recovery.
+READY_STATES = frozenset({SlotState.READY, SlotState.SERVING})
 
 
 def json(body: object, status: int = 200) -> web.Response:
@@ -17,7 +21,26 @@ def json(body: object, status: int = 200) -> web.Response:
 
 
 async def healthz(request: web.Request) -> web.Response:
-    return json({"status": "ok"})
+    """Liveness: 200 while the daemon answers at all, whatever its slots do (the systemd
+    watchdog's meaning: restarting hal0d would not bring an upstream back)."""
+    return json({"status": "ok", "version": __version__})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Readiness: 200 when at least one slot can take a request now, else 503, so a load
+    balancer or `curl --fail` sends traffic only where it can be served."""
+    table = request.app[SLOTS]
+    ready = any(slot.state in READY_STATES for slot in table)
+    detailed = access.may_see_details(request, request.app[RUNTIME].current.config.server)
+    slots = [
+        {"name": slot.name, "state": str(slot.state), "reason": slot.reason}
+        if detailed else {"name": slot.name, "state": str(slot.state)}
+        for slot in table
+    ]
+    return json(
+        {"status": "ready" if ready else "not_ready", "version": __version__, "slots": slots},
+        status=200 if ready else 503,
+    )
 
 
 async def slots(request: web.Request) -> web.Response:

@@ -85,6 +85,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
             headers=headers,
             body=orjson.dumps(payload),
             guarded=req.stream and guard_active(timeouts),
+            slot_reason=lease.slot.reason,
         )
         try:
             info.upstream_status(upstream.status)

@@ -151,6 +151,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
             headers=upstream_headers(request, endpoint, route.slot),
             body=body,
             guarded=streaming and guard_active(timeouts),
+            slot_reason=lease.slot.reason,
         )
         try:
             info.upstream_status(upstream.status)
