@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,62 @@ MAX_LOGGED_LINE = 16384  # a longer line is logged cut, with the count of what w
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
 HEALTHY_RUN_S = 60.0  # a process that ran this long restarts from the first backoff step again
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# What a slot process gets when hal0d dies without stopping it (kill -9, OOM killer, a crash).
+# SIGTERM, not SIGKILL: the parent-death signal reaches only the direct child, and hal0d's group
+# kill died with hal0d, so only a process allowed to shut down takes its own children along
+# (vLLM's engine workers, a wrapper script's server), as hal0d's own stop() asks it to first.
+# Model servers end promptly on SIGTERM; one that ignores it is left to the service manager
+# (the unit's KillMode=mixed ends whatever is left in hal0d's cgroup).
+PARENT_DEATH_SIGNAL = signal.SIGTERM
+
+
+def load_prctl() -> Callable[..., int] | None:
+    """libc's prctl, looked up once in the parent (nothing should be loaded between fork and
+    exec); None where there is no such call, and slot processes start without a death signal."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return prctl
+
+
+PRCTL = load_prctl()
+
+
+def die_with_hal0d() -> Callable[[], None] | None:
+    """A preexec_fn that makes the child get PARENT_DEATH_SIGNAL when hal0d dies, however it dies.
+
+    Both loops run it between fork and exec, and keep start_new_session too: asyncio's loop hands
+    both to subprocess.Popen, and uvloop calls it from its fork handler before libuv's child setup
+    calls setsid() for the detached flag (tests/test_process_hygiene.py checks both on both loops).
+
+    The signal is tied to the *thread* that forked, not the process (prctl(2)): it fires when that
+    thread ends. Both loops fork in the thread that runs them, synchronously inside
+    create_subprocess_exec, and hal0d runs its loop in the main thread for its whole life
+    (server.serve), so the thread ends only with the process. A loop run in a side thread would
+    take its slot processes along when that thread ends, which is right too: nobody supervises
+    them any more.
+
+    hal0d has other threads (the history writer, to_thread), so the hook does only what cannot
+    wait for a lock one of them held at the fork: a foreign call loaded beforehand, getppid, exit.
+    """
+    prctl = PRCTL
+    if prctl is None:
+        return None
+    hal0d = os.getpid()  # before the fork: in the child this is the parent it must still have
+
+    def set_parent_death_signal() -> None:
+        if prctl(PR_SET_PDEATHSIG, int(PARENT_DEATH_SIGNAL), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != hal0d:
+            # hal0d died between the fork and the prctl, so the signal will never come: the
+            # child is already an orphan and must not go on to start a model server.
+            os._exit(1)
+
+    return set_parent_death_signal
 
 
 def resolve_program(argv: tuple[str, ...]) -> list[str]:
@@ -135,9 +193,10 @@ class SlotProcess:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,  # its own process group: stop() ends its children too
+                preexec_fn=die_with_hal0d(),  # and a kill -9 of hal0d ends the process itself
             )
-        except OSError as exc:
-            self.launch_error = f"cannot start {argv[0]!r}: {exc.strerror or exc}"
+        except (OSError, subprocess.SubprocessError) as exc:
+            self.launch_error = f"cannot start {argv[0]!r}: {getattr(exc, 'strerror', None) or exc}"
             log.error("slot.process_failed", slot=self.slot.name, argv=argv, error=str(exc),
                       reason=self.launch_error, restarts=self.restarts)
             return None

@@ -1,11 +1,16 @@
 """Shared fixtures: real sockets everywhere. An upstream (the stub, or a purpose-built aiohttp app)
-listens on a loopback port; hal0d listens on another, built from a real Config."""
+listens on a loopback port; hal0d listens on another, built from a real Config. And one guard over
+the whole run: no process a test started may outlive the tests."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import signal
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +23,99 @@ from aiohttp.test_utils import TestServer
 from hal0d.app import make_app
 from hal0d.config import Config, DispatcherConfig, MetricsConfig, SlotConfig
 from hal0d.stub import make_stub_app
+from hal0d.supervisor import PRCTL
 
 ROLE_CHUNK = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}\n\n'
 STUB_MODELS = ("reasoning", "chat", "think-only", "tool", "stall", "chatty", "broken")
+
+
+PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+LEFTOVERS_KILLED_WITHIN_S = 5.0
+
+
+def process_state(pid: int) -> tuple[str, int] | None:
+    """(state letter, parent pid) from /proc/<pid>/stat; None once the process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name in parentheses may hold spaces and ')': the fields resume after the last.
+    state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
+    return state, int(ppid)
+
+
+def command_line(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "?"
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` still runs. A zombie does not: it is reaped here if it is ours to reap (a
+    child of the test process, or an orphan re-parented to it, the subreaper)."""
+    state = process_state(pid)
+    if state is not None and state[0] == "Z":
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        return False
+    return state is not None
+
+
+def reap_zombie_children() -> None:
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+
+
+def live_children(parent: int) -> dict[int, str]:
+    """Every running process whose parent is `parent`, with its command line."""
+    found: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        pid = int(entry.name) if entry.name.isdigit() else 0
+        state = process_state(pid) if pid else None
+        if state is not None and state[1] == parent and state[0] != "Z":
+            found[pid] = command_line(pid)
+    return found
+
+
+def kill_with_its_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_outlives_the_tests() -> Iterator[None]:
+    """Fails the run when a process started by a test still runs after the last test.
+
+    The test process becomes a child subreaper: whatever a test started and lost track of (a slot
+    process whose hal0d died, the grandchild of a shell) is re-parented to it instead of to init,
+    so at the end every leftover is a child of ours, found in /proc. Leftovers are killed (their
+    process groups too, then again for whatever they orphaned), and the session fails naming them;
+    an error in a session fixture's teardown makes pytest's exit code non-zero.
+    """
+    if PRCTL is None or PRCTL(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        yield  # no subreaper on this platform: leftovers would go to init, out of our sight
+        return
+    yield
+    leaked: dict[int, str] = {}
+    deadline = time.monotonic() + LEFTOVERS_KILLED_WITHIN_S
+    while True:
+        reap_zombie_children()
+        alive = live_children(os.getpid())
+        if not alive or time.monotonic() > deadline:
+            break
+        leaked.update(alive)
+        for pid in alive:
+            kill_with_its_group(pid)
+        time.sleep(0.05)  # the next round's /proc scan waits for the kills to land
+    if leaked or alive:
+        named = "\n".join(f"  pid {pid}: {cmd}" for pid, cmd in {**leaked, **alive}.items())
+        pytest.fail(f"processes started by the tests outlived them (killed now):\n{named}",
+                    pytrace=False)
 
 
 def free_port() -> int:

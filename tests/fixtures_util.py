@@ -1,17 +1,15 @@
-"""Where the shared real-upstream captures live, for tests in a clone or a CI checkout.
-
-shared/ sits beside the repository (CI copies it next to a fresh clone), never inside it.
-"""
+"""Where the real-upstream captures live: tests/fixtures/, inside the repository, so a fresh clone
+runs its tests with nothing beside it (tests/fixtures/README.md says how they were captured)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 def fixture_path(name: str) -> Path:
-    path = SHARED / "fixtures" / name
+    path = FIXTURES / name
     if not path.is_file():
-        raise FileNotFoundError(f"shared fixture {name!r} not found at {path}")
+        raise FileNotFoundError(f"fixture {name!r} not found at {path}")
     return path

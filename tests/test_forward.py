@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import aiohttp
 import orjson
 from aiohttp import hdrs, web
 
 from tests.conftest import chat_body, free_port, read_http_chunks
-
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+from tests.fixtures_util import fixture_path
 
 
 def fixture_chunks() -> list[bytes]:
     """The real llama-cpp-python capture, split into events, some of them cut mid-line: the
     relay must not care where one read ends."""
-    raw = (FIXTURES / "llama-cpp-python-0.3.36-smollm2-stream.sse").read_bytes()
+    raw = fixture_path("llama-cpp-python-0.3.36-smollm2-stream.sse").read_bytes()
     events = [e + b"\n\n" for e in raw.split(b"\n\n") if e]
     pieces = []
     for index, event in enumerate(events):

@@ -30,6 +30,7 @@ TOKEN_DELAY_S = 0.02  # the stub's pace: 50 tokens a second per stream
 SHORT_MAX_TOKENS = 30  # about 0.6 s of tokens: in flight at SIGTERM, done well within the grace
 LONG_MAX_TOKENS = 1_000_000  # with the message "long": far beyond the grace
 EXIT_SLACK_S = 3.0
+STOP_WITHIN_S = 15.0  # a grace of up to 1.5 s, then slot processes get STOP_GRACE_S at most
 
 
 def config_text(stub: str, port: int, tmp_path: Path, *, grace_s: float = GRACE_S,
@@ -120,9 +121,20 @@ async def start_hal0d(tmp_path: Path) -> AsyncIterator[Hal0dFactory]:
 
     yield start
     for hal0d in started:
-        if hal0d.process.returncode is None:
-            hal0d.process.kill()
-            await hal0d.process.wait()
+        await stop(hal0d.process)
+
+
+async def stop(process: asyncio.subprocess.Process) -> None:
+    """SIGTERM, so hal0d stops its slot processes itself; SIGKILL only if it will not end."""
+    if process.returncode is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        async with asyncio.timeout(STOP_WITHIN_S):
+            await process.wait()
+    except TimeoutError:
+        process.kill()
+        await process.wait()
 
 
 @dataclass

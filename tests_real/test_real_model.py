@@ -95,6 +95,7 @@ def hal0d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+            process.wait(timeout=10)
         log.close()
 
 
