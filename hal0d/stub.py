@@ -334,7 +334,7 @@ def error_body(message: str, kind: str = "invalid_request_error") -> dict[str, A
 
 def bad_request(message: str) -> web.HTTPBadRequest:
     return web.HTTPBadRequest(
-        body=orjson.dumps(error_body(message)), content_type="application/json"
+        text=orjson.dumps(error_body(message)).decode(), content_type="application/json"
     )
 
 
