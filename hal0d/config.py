@@ -48,6 +48,10 @@ class DispatcherConfig:
     pool_timeout_s: float = 5.0
 
 
+# The [dispatcher] timeouts a slot may set for itself.
+SLOT_TIMEOUT_KEYS = ("direct_read_timeout_s", "stream_total_timeout_s", "stream_idle_timeout_s")
+
+
 @dataclass(frozen=True, slots=True)
 class SlotConfig:
     name: str
@@ -60,6 +64,19 @@ class SlotConfig:
     api_key_env: str | None = None
     command: tuple[str, ...] | None = None
     max_output_tokens: int | None = None
+    # This slot's own stall and read bounds; None means the [dispatcher] value. A remote
+    # provider and a local 70B model deserve different bounds, and so does the demo's stub.
+    direct_read_timeout_s: float | None = None
+    stream_total_timeout_s: float | None = None
+    stream_idle_timeout_s: float | None = None
+
+    def timeouts(self, dispatcher: DispatcherConfig) -> DispatcherConfig:
+        """The timeouts this slot's requests run on: `dispatcher` with the slot's own bounds
+        in place of the ones it sets (the very same object when it sets none)."""
+        own = {
+            key: value for key in SLOT_TIMEOUT_KEYS if (value := getattr(self, key)) is not None
+        }
+        return dataclasses.replace(dispatcher, **own) if own else dispatcher
 
     def bearer_token(self) -> str | None:
         if self.api_key is not None:
@@ -128,6 +145,7 @@ _SLOT: dict[str, _Range] = {
     "api_key_env": (str, None, None),
     "command": (list, None, None),
     "max_output_tokens": (int, 1, 10_000_000),
+    **{key: _DISPATCHER[key] for key in SLOT_TIMEOUT_KEYS},  # the same ranges, per slot
 }
 _METRICS: dict[str, _Range] = {
     "database": (str, None, None),

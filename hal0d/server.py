@@ -150,6 +150,17 @@ def keep_restart_keys(running: Config, loaded: Config) -> Config:
     return loaded
 
 
+def drain_time(running: Config) -> float:
+    """How long a reload waits for a replaced slot's in-flight requests: the longest a request
+    may run on the running settings, over every slot's own bounds."""
+    bounds = [slot.timeouts(running.dispatcher) for slot in running.slots] or [running.dispatcher]
+    return max(
+        max(timeouts.stream_total_timeout_s, timeouts.direct_read_timeout_s)
+        if timeouts.stream_total_timeout_s > 0 else DRAIN_UNBOUNDED_S
+        for timeouts in bounds
+    )
+
+
 async def watchdog(interval: float) -> None:
     # Pinged from the event loop itself: a blocked loop stops the pings and systemd restarts us.
     while True:
@@ -348,11 +359,7 @@ class Daemon:
         if effective.logging != running.logging:
             logs.configure(effective.logging.level, effective.logging.format)
         logs.hide(known_secrets(effective))
-        timeouts = running.dispatcher
-        drain_s = (
-            max(timeouts.stream_total_timeout_s, timeouts.direct_read_timeout_s)
-            if timeouts.stream_total_timeout_s > 0 else DRAIN_UNBOUNDED_S
-        )
+        drain_s = drain_time(running)
         changes = await self.app[SUPERVISOR].reload(effective.slots, drain_s=drain_s)
         # No await between the slot table change and this swap: see Supervisor.reload.
         self.app[RUNTIME].current = Runtime.build(effective)

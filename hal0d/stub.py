@@ -1,27 +1,44 @@
 """The stub upstream: an OpenAI-compatible server for the demo, the tests and the benchmark.
 
-It streams SSE the way llama-server does (a role-only first chunk, one chunk per token, a final
-chunk with finish_reason, a usage chunk when `stream_options.include_usage` is set, `data: [DONE]`)
-and misbehaves on demand through its model names:
+It serves every endpoint hal0d dispatches, with small deterministic answers in the shapes the
+real servers use: chat completions and completions (streamed and not), embeddings, audio speech
+(a byte stream) and transcriptions (multipart; `response_format` json or text), image generations
+(a tiny real PNG as `b64_json`), rerank (llama-server's and Jina's shape), and llama-server's
+/tokenize. Chat completions stream SSE the way llama-server does (a role-only first chunk, one
+chunk per token, a final chunk with finish_reason, a usage chunk when
+`stream_options.include_usage` is set, `data: [DONE]`).
+
+It misbehaves on demand through the model name, on every endpoint, streamed or not:
 
     reasoning   reasoning_content tokens, then content tokens ("long" as the last user message:
                 content until max_tokens)
     chat        content only          think-only  reasoning_content only
-    tool        calls the first tool of the request, arguments streamed in fragments
-    stall       a few tokens, then silence with the connection open
-    chatty      content forever, finish_reason always null
-    broken      a few tokens, then the connection is cut
+    tool        calls the first tool of the request (arguments streamed in fragments)
+    stall       streamed: a few tokens (or audio frames), then silence with the connection open;
+                not streamed: no answer at all, the connection left open
+    chatty      streamed: content (or audio) forever, finish_reason always null;
+                not streamed: never answers, since the answer never ends
+    broken      streamed: a few tokens, then the connection is cut; not streamed: the headers and
+                half the body, then the connection is cut
+
+Only chat completions refuse a model name outside that list (404); the other endpoints answer any
+name. Every error is JSON in OpenAI's envelope, unknown paths and oversized bodies included.
 
 Each request appends lines to --log: `start`, then `end` or `cancelled` (the client went away
-before the answer was complete): the tests and the seed's Verify commands read them.
+before the answer was complete), with `stalling` or `breaking` in between when the model asks for
+it: the tests and the README's commands read them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import itertools
+import struct
 import time
 import uuid
+import zlib
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +50,17 @@ MODELS = ("reasoning", "chat", "think-only", "tool", "stall", "chatty", "broken"
 REASONING_TEXT = "The user greets me. A short friendly answer fits best here."
 CONTENT_TEXT = "Hello! I am the hal0d stub upstream. How can I help you today?"
 LONG_WORDS = ["and", "the", "model", "keeps", "talking", "about", "nothing", "in", "particular"]
+TRANSCRIPT_TEXT = "Hello from the hal0d stub. This is what the audio said."
 DEFAULT_MAX_TOKENS = 256
+# The models that misbehave in the middle of a stream, after TOKENS_BEFORE_TROUBLE tokens (or
+# audio frames).
+MID_STREAM_TROUBLE = frozenset({"stall", "broken"})
+TOKENS_BEFORE_TROUBLE = 3
+# hal0d accepts request bodies up to its largest [server].max_body_bytes (4 GiB): the stub takes
+# as much, so every body hal0d lets through reaches an upstream that answers it, instead of
+# aiohttp's default 1 MiB refusing it with a 413 that reads as hal0d's own failure.
+MAX_BODY_BYTES = 1 << 32
+
 
 class StubLog:
     """Line-per-event log, flushed at once so a test can read it while the stub runs."""
@@ -98,13 +125,14 @@ def plan(model: str, body: dict[str, Any]) -> Iterator[tuple[str, str]]:
 
 
 class Generation:
-    """One streamed answer: tokens, limits, and the chunk envelope."""
+    """One answer: tokens, limits, and the chunk envelope."""
 
     def __init__(self, model: str, body: dict[str, Any], object_name: str) -> None:
         self.model = model
         self.body = body
         self.object = object_name
-        self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        prefix = "chatcmpl" if object_name.startswith("chat") else "cmpl"
+        self.id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
         self.max_tokens = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else (
@@ -137,20 +165,39 @@ async def _pause(delay: float) -> None:
     await asyncio.sleep(delay)
 
 
-async def stream_chat(
-    request: web.Request, gen: Generation, log: StubLog, delay: float
-) -> web.StreamResponse:
-    body = gen.body
-    response = web.StreamResponse(
+async def misbehave_mid_stream(request: web.Request, model: str, what: str) -> bool:
+    """`stall` goes silent for good; `broken` cuts the connection (True: the answer is over)."""
+    log = request.app[LOG_KEY]
+    if model == "stall":
+        log.write(f"stalling {what}")
+        await asyncio.Event().wait()  # silence until the client goes away
+    if model == "broken":
+        log.write(f"breaking {what}")
+        assert request.transport is not None
+        request.transport.abort()
+        return True
+    return False
+
+
+def sse_response() -> web.StreamResponse:
+    return web.StreamResponse(
         headers={hdrs.CONTENT_TYPE: "text/event-stream", hdrs.CACHE_CONTROL: "no-cache"}
     )
+
+
+async def stream_tokens(request: web.Request, gen: Generation, legacy: bool) -> web.StreamResponse:
+    """A streamed chat completion (or, `legacy`, a /v1/completions text stream)."""
+    body = gen.body
+    delay = request.app[DELAY_KEY]
+    response = sse_response()
     await response.prepare(request)
-    await response.write(
-        gen.chunk({"index": 0, "delta": {"role": "assistant", "content": None},
-                   "finish_reason": None})
-    )
+    if not legacy:
+        await response.write(
+            gen.chunk({"index": 0, "delta": {"role": "assistant", "content": None},
+                       "finish_reason": None})
+        )
     finish: str | None = "stop"
-    if gen.model == "tool":
+    if gen.model == "tool" and not legacy:
         await stream_tool_call(response, gen, delay)
         finish = "tool_calls"
     else:
@@ -160,21 +207,22 @@ async def stream_chat(
                 break
             await _pause(delay)
             gen.completion_tokens += 1
-            await response.write(
-                gen.chunk({"index": 0, "delta": {kind: text}, "finish_reason": None})
+            choice: dict[str, Any] = (
+                {"index": 0, "text": text, "finish_reason": None} if legacy
+                else {"index": 0, "delta": {kind: text}, "finish_reason": None}
             )
-            if gen.model in ("stall", "broken") and gen.completion_tokens >= 3:
-                if gen.model == "stall":
-                    log.write(f"stalling id={gen.id}")
-                    await asyncio.Event().wait()  # silence until the client goes away
-                log.write(f"breaking id={gen.id}")
-                assert request.transport is not None
-                request.transport.abort()
+            await response.write(gen.chunk(choice))
+            if (
+                gen.model in MID_STREAM_TROUBLE
+                and gen.completion_tokens >= TOKENS_BEFORE_TROUBLE
+                and await misbehave_mid_stream(request, gen.model, f"id={gen.id}")
+            ):
                 return response
-    await response.write(
-        gen.chunk({"index": 0, "delta": {}, "finish_reason": finish},
-                  timings={"predicted_n": gen.completion_tokens})
+    last: dict[str, Any] = (
+        {"index": 0, "text": "", "finish_reason": finish} if legacy
+        else {"index": 0, "delta": {}, "finish_reason": finish}
     )
+    await response.write(gen.chunk(last, timings={"predicted_n": gen.completion_tokens}))
     options = body.get("stream_options")
     if isinstance(options, dict) and options.get("include_usage"):
         await response.write(gen.chunk({}, usage=gen.usage()))
@@ -206,9 +254,19 @@ async def stream_tool_call(response: web.StreamResponse, gen: Generation, delay:
         await response.write(gen.chunk({"index": 0, "delta": delta, "finish_reason": None}))
 
 
-def complete_chat(gen: Generation) -> dict[str, Any]:
+def generate_whole(gen: Generation) -> tuple[list[str], list[str], str]:
+    """Reasoning and content tokens of a whole answer, and its finish_reason."""
     reasoning: list[str] = []
     content: list[str] = []
+    for kind, text in plan(gen.model, gen.body):
+        if gen.completion_tokens >= gen.max_tokens:
+            return reasoning, content, "length"
+        gen.completion_tokens += 1
+        (reasoning if kind == "reasoning_content" else content).append(text)
+    return reasoning, content, "stop"
+
+
+def complete_chat(gen: Generation) -> dict[str, Any]:
     finish = "stop"
     message: dict[str, Any] = {"role": "assistant"}
     if gen.model == "tool":
@@ -223,12 +281,7 @@ def complete_chat(gen: Generation) -> dict[str, Any]:
         gen.completion_tokens = 3
         finish = "tool_calls"
     else:
-        for kind, text in plan(gen.model, gen.body):
-            if gen.completion_tokens >= gen.max_tokens:
-                finish = "length"
-                break
-            gen.completion_tokens += 1
-            (reasoning if kind == "reasoning_content" else content).append(text)
+        reasoning, content, finish = generate_whole(gen)
         message["content"] = "".join(content) if content else None
         if reasoning:
             message["reasoning_content"] = "".join(reasoning)
@@ -242,19 +295,82 @@ def complete_chat(gen: Generation) -> dict[str, Any]:
     }
 
 
+def complete_text(gen: Generation) -> dict[str, Any]:
+    reasoning, content, finish = generate_whole(gen)
+    return {
+        "id": gen.id, "object": "text_completion", "created": gen.created,
+        "model": gen.model, "usage": gen.usage(),
+        "choices": [{"index": 0, "text": "".join(reasoning + content), "finish_reason": finish}],
+    }
+
+
+async def answer_whole(
+    request: web.Request,
+    model: str,
+    body: bytes,
+    content_type: str = "application/json",
+) -> web.StreamResponse:
+    """A non-streamed answer, or the model's misbehaviour in its place: `stall` and `chatty`
+    never answer, `broken` sends the headers and half the body, then cuts the connection."""
+    log = request.app[LOG_KEY]
+    if model in ("stall", "chatty"):
+        log.write(f"stalling model={model} (no answer)")
+        await asyncio.Event().wait()  # silence until the client goes away
+    if model != "broken":
+        return web.Response(body=body, content_type=content_type)
+    response = web.StreamResponse(headers={hdrs.CONTENT_TYPE: content_type})
+    response.content_length = len(body)
+    await response.prepare(request)
+    await response.write(body[: len(body) // 2])
+    log.write(f"breaking model={model} after {len(body) // 2} of {len(body)} bytes")
+    assert request.transport is not None
+    request.transport.abort()
+    return response
+
+
+def error_body(message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "code": None}}
+
+
+def bad_request(message: str) -> web.HTTPBadRequest:
+    return web.HTTPBadRequest(
+        text=orjson.dumps(error_body(message)).decode(), content_type="application/json"
+    )
+
+
 async def read_json(request: web.Request) -> dict[str, Any]:
     try:
         body = orjson.loads(await request.read())
     except orjson.JSONDecodeError:
-        raise web.HTTPBadRequest(text='{"error":{"message":"invalid JSON"}}',
-                                 content_type="application/json") from None
+        raise bad_request("invalid JSON") from None
     if not isinstance(body, dict):
-        raise web.HTTPBadRequest(text='{"error":{"message":"body must be an object"}}',
-                                 content_type="application/json")
+        raise bad_request("body must be an object")
     return body
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# OpenAI's error types for the statuses aiohttp itself raises.
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+               413: "invalid_request_error"}
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own errors (unknown path, wrong method, a body over client_max_size) are plain
+    text; a client of an OpenAI-compatible server expects them in the OpenAI envelope."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.content_type == "application/json" or exc.status < 400:
+            raise
+        message = {
+            404: f"no endpoint {request.method} {request.path} on the stub",
+            405: f"{request.method} is not allowed on {request.path}",
+            413: f"request body over {request.client_max_size} bytes",
+        }.get(exc.status, exc.reason)
+        kind = ERROR_TYPES.get(exc.status, "server_error")
+        return web.json_response(error_body(message, kind), status=exc.status)
 
 
 def logged(endpoint: str) -> Callable[[Handler], Handler]:
@@ -273,6 +389,9 @@ def logged(endpoint: str) -> Callable[[Handler], Handler]:
             except ConnectionResetError:
                 log.write(f"cancelled rid={rid} endpoint={endpoint} (connection reset)")
                 raise
+            except web.HTTPException as exc:
+                log.write(f"end rid={rid} endpoint={endpoint} status={exc.status}")
+                raise
             log.write(f"end rid={rid} endpoint={endpoint} status={response.status}")
             return response
 
@@ -287,56 +406,47 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     model = str(body.get("model", ""))
     if model not in MODELS:
         return web.json_response(
-            {"error": {"message": f"model {model!r} not found", "type": "not_found_error"}},
-            status=404,
+            error_body(f"model {model!r} not found", "not_found_error"), status=404
         )
     gen = Generation(model, body, "chat.completion.chunk")
     if body.get("stream"):
-        return await stream_chat(request, gen, request.app[LOG_KEY], request.app[DELAY_KEY])
-    if model in ("stall", "chatty"):
-        await asyncio.Event().wait()
-    return web.json_response(complete_chat(gen))
+        return await stream_tokens(request, gen, legacy=False)
+    return await answer_whole(request, model, orjson.dumps(complete_chat(gen)))
 
 
 @logged("completions")
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     gen = Generation(str(body.get("model", "chat")), body, "text_completion")
-    tokens = [text for _, text in plan(gen.model, body)][: gen.max_tokens]
-    if not body.get("stream"):
-        gen.completion_tokens = len(tokens)
-        return web.json_response({
-            "id": gen.id, "object": "text_completion", "created": gen.created,
-            "model": gen.model, "usage": gen.usage(),
-            "choices": [{"index": 0, "text": "".join(tokens), "finish_reason": "stop"}],
-        })
-    response = web.StreamResponse(headers={hdrs.CONTENT_TYPE: "text/event-stream"})
-    await response.prepare(request)
-    for text in tokens:
-        await _pause(request.app[DELAY_KEY])
-        gen.completion_tokens += 1
-        await response.write(gen.chunk({"index": 0, "text": text, "finish_reason": None}))
-        if gen.model == "stall" and gen.completion_tokens >= 3:
-            await asyncio.Event().wait()
-    await response.write(gen.chunk({"index": 0, "text": "", "finish_reason": "stop"}))
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
+    if body.get("stream"):
+        return await stream_tokens(request, gen, legacy=True)
+    return await answer_whole(request, gen.model, orjson.dumps(complete_text(gen)))
 
 
 @logged("speech")
 async def speech(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
+    model = str(body.get("model", ""))
     response = web.StreamResponse(headers={hdrs.CONTENT_TYPE: "audio/wav"})
     await response.prepare(request)
-    frames = 1_000_000 if body.get("model") in ("stall", "chatty") else 8
-    for index in range(frames):
+    frames = itertools.count() if model == "chatty" else range(8)
+    for index in frames:
         await _pause(request.app[DELAY_KEY])
         await response.write(bytes([index % 256]) * 1024)
-        if body.get("model") == "stall" and index >= 2:
-            await asyncio.Event().wait()
+        if (
+            model in MID_STREAM_TROUBLE
+            and index + 1 >= TOKENS_BEFORE_TROUBLE
+            and await misbehave_mid_stream(request, model, f"frame={index}")
+        ):
+            return response
     await response.write_eof()
     return response
+
+
+def unit_vector(text: str, size: int = 8) -> list[float]:
+    """The same text always gets the same embedding (sha256, not the salted built-in hash)."""
+    digest = hashlib.sha256(text.encode()).digest()
+    return [round(byte / 255, 4) for byte in digest[:size]]
 
 
 @logged("embeddings")
@@ -345,14 +455,121 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
     inputs = body.get("input")
     items = inputs if isinstance(inputs, list) else [inputs]
     data = [
-        {"object": "embedding", "index": i,
-         "embedding": [((hash(str(item)) >> shift) % 1000) / 1000 for shift in range(8)]}
+        {"object": "embedding", "index": i, "embedding": unit_vector(str(item))}
         for i, item in enumerate(items)
     ]
-    return web.json_response({
+    answer = {
         "object": "list", "data": data, "model": body.get("model"),
         "usage": {"prompt_tokens": len(items), "total_tokens": len(items)},
-    })
+    }
+    return await answer_whole(request, str(body.get("model", "")), orjson.dumps(answer))
+
+
+def tiny_png(width: int = 8, height: int = 8) -> bytes:
+    """A real PNG, a grey gradient: small, the same every time, and decodable by any viewer."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data)))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8-bit greyscale
+    rows = b"".join(
+        b"\x00" + bytes((x + y) * 255 // (width + height - 2) for x in range(width))
+        for y in range(height)
+    )
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+
+
+PNG_B64 = base64.b64encode(tiny_png()).decode("ascii")
+MAX_IMAGES = 10
+
+
+@logged("images")
+async def images(request: web.Request) -> web.StreamResponse:
+    body = await read_json(request)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise bad_request("'prompt' is required and must be a non-empty string")
+    n = body.get("n", 1)
+    if type(n) is not int or not 1 <= n <= MAX_IMAGES:
+        raise bad_request(f"'n' must be an integer from 1 to {MAX_IMAGES}")
+    if body.get("response_format", "b64_json") == "url":
+        # The stub hosts no files: a data URL is a URL every client can open.
+        image: dict[str, str] = {"url": f"data:image/png;base64,{PNG_B64}"}
+    else:
+        image = {"b64_json": PNG_B64}
+    answer = {"created": int(time.time()), "data": [dict(image, revised_prompt=prompt)] * n}
+    return await answer_whole(request, str(body.get("model", "")), orjson.dumps(answer))
+
+
+def relevance(query: str, document: str) -> float:
+    """The share of the query's words the document holds: deterministic, and it ranks."""
+    asked = set(query.lower().split())
+    held = set(document.lower().split())
+    return round(len(asked & held) / len(asked), 4) if asked else 0.0
+
+
+def document_text(document: Any) -> str | None:
+    if isinstance(document, str):
+        return document
+    if isinstance(document, dict) and isinstance(document.get("text"), str):
+        return str(document["text"])
+    return None
+
+
+@logged("rerank")
+async def rerank(request: web.Request) -> web.StreamResponse:
+    """llama-server's /v1/rerank, which Jina and Cohere clients also read: results ordered by
+    relevance_score, the best first, `top_n` of them; `return_documents` adds each text."""
+    body = await read_json(request)
+    query, documents = body.get("query"), body.get("documents")
+    if not isinstance(query, str) or not query:
+        raise bad_request("'query' is required and must be a non-empty string")
+    texts = [document_text(d) for d in documents] if isinstance(documents, list) else []
+    if not texts or any(text is None for text in texts):
+        raise bad_request("'documents' must be a non-empty array of strings or {text} objects")
+    top_n = body.get("top_n", len(texts))
+    if type(top_n) is not int or top_n < 1:
+        raise bad_request("'top_n' must be a positive integer")
+    scored = sorted(
+        ((index, relevance(query, str(text))) for index, text in enumerate(texts)),
+        key=lambda item: (-item[1], item[0]),
+    )[:top_n]
+    results: list[dict[str, Any]] = []
+    for index, score in scored:
+        result: dict[str, Any] = {"index": index, "relevance_score": score}
+        if body.get("return_documents"):
+            result["document"] = {"text": texts[index]}
+        results.append(result)
+    tokens = len(query.split()) + sum(len(str(text).split()) for text in texts)
+    answer = {
+        "id": f"rerank-{uuid.uuid4().hex[:24]}", "object": "list",
+        "model": body.get("model"), "results": results,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+    return await answer_whole(request, str(body.get("model", "")), orjson.dumps(answer))
+
+
+@logged("transcriptions")
+async def transcriptions(request: web.Request) -> web.StreamResponse:
+    """OpenAI's multipart upload: the `file`, `model` and `response_format` (json or text)."""
+    try:
+        form = await request.post()
+    except ValueError:
+        raise bad_request("body must be multipart/form-data") from None
+    upload = form.get("file")
+    if not isinstance(upload, web.FileField):
+        raise bad_request("multipart field 'file' (the audio) is required")
+    audio = upload.file.read()
+    model = str(form.get("model", ""))
+    text = f"{TRANSCRIPT_TEXT} ({len(audio)} bytes of {upload.content_type})"
+    response_format = str(form.get("response_format", "json"))
+    if response_format == "text":
+        return await answer_whole(request, model, text.encode(), "text/plain")
+    if response_format != "json":
+        raise bad_request(f"response_format {response_format!r}: the stub serves json or text")
+    return await answer_whole(request, model, orjson.dumps({"text": text}))
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -360,7 +577,7 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await read_json(request)
     content = body.get("content")
     if not isinstance(content, str):
-        return web.json_response({"error": {"message": "content is required"}}, status=400)
+        return web.json_response(error_body("content is required"), status=400)
     return web.json_response({"tokens": list(range(len(content.split()) + 4))})
 
 
@@ -372,14 +589,17 @@ async def models(request: web.Request) -> web.Response:
 
 
 def make_stub_app(log_path: Path | None = None, delay: float = 0.02) -> web.Application:
-    app = web.Application()
+    app = web.Application(middlewares=[json_errors], client_max_size=MAX_BODY_BYTES)
     app[LOG_KEY] = StubLog(log_path)
     app[DELAY_KEY] = delay
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/audio/speech", speech)
+    app.router.add_post("/v1/audio/transcriptions", transcriptions)
     app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/v1/images/generations", images)
+    app.router.add_post("/v1/rerank", rerank)
     app.router.add_post("/tokenize", tokenize)
 
     async def close_log(app: web.Application) -> None:

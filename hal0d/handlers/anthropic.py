@@ -64,7 +64,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         req, served_model=route.served_model, max_output_tokens=route.slot.max_output_tokens
     )
     info.served_model, info.slot = route.served_model, route.slot.name
-    timeouts = runtime.config.dispatcher
+    timeouts = route.slot.timeouts(runtime.config.dispatcher)
     session = request.app[SESSION]
 
     async with request.app[SLOTS].lease(route.slot.name) as lease:

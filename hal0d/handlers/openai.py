@@ -138,7 +138,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
         else:
             body = with_model(body, route.served_model)
     info.served_model, info.slot = route.served_model, route.slot.name
-    timeouts = runtime.config.dispatcher
+    timeouts = route.slot.timeouts(runtime.config.dispatcher)
     async with request.app[SLOTS].lease(route.slot.name) as lease:
         info.queue_ms = lease.queue_ms
         upstream = await open_upstream(
