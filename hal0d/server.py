@@ -1,7 +1,10 @@
 """The server's life: listen, tell systemd, keep the watchdog fed, reload, drain, stop.
 
-Start: the cleanup contexts open the upstream session and the history, launch the slot processes
-and probe every other slot; then hal0d listens and sends READY=1 with a STATUS line.
+Start: the soft open-files limit goes up to the hard one (descriptors.py: two sockets a stream);
+the cleanup contexts open the upstream session and the history, launch the slot processes and
+probe every other slot; then hal0d listens, with `[server].backlog` as listen(2)'s queue (the
+kernel clips it to net.core.somaxconn, and the log says when), and sends READY=1 with a STATUS
+line.
 
 Stop (SIGTERM, SIGINT), in this order:
 
@@ -38,7 +41,7 @@ import uvloop
 from aiohttp import web
 
 from hal0d import config as configuration
-from hal0d import logs, systemd
+from hal0d import descriptors, logs, systemd
 from hal0d.app import make_app
 from hal0d.appkeys import RUNTIME, SLOTS, STREAMS, SUPERVISOR, Runtime
 from hal0d.config import Config
@@ -54,12 +57,14 @@ STATUS_EVERY_S = 5.0
 # A reload waits this long for the leases on a replaced slot process when the stall guard's
 # total bound is off (0), before stopping that process anyway.
 DRAIN_UNBOUNDED_S = 900.0
+SOMAXCONN = Path("/proc/sys/net/core/somaxconn")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 # (section, key) read once at start; a reload keeps their running values.
 RESTART_KEYS: tuple[tuple[str, str], ...] = (
     ("server", "host"),
     ("server", "port"),
+    ("server", "backlog"),  # the listening socket's, set once by listen(2)
     ("server", "max_body_bytes"),  # the application's client_max_size
     ("server", "shutdown_grace_s"),  # aiohttp's shutdown timeout is fixed with its runner
     ("metrics", "database"),  # the history writer opens its file once
@@ -71,6 +76,7 @@ RESTART_KEYS: tuple[tuple[str, str], ...] = (
 def serve(config: Config, config_path: Path) -> int:
     logs.configure(config.logging.level, config.logging.format)
     logs.hide(known_secrets(config))
+    raise_open_files_limit()
     # uvloop: about a tenth less CPU per request and per relayed chunk than asyncio's own loop
     # (make bench), the same semantics; the served tests run the daemon this way too.
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
@@ -79,6 +85,21 @@ def serve(config: Config, config_path: Path) -> int:
 
 async def run(config: Config, config_path: Path) -> int:
     return await Daemon(config, config_path).run()
+
+
+def raise_open_files_limit() -> None:
+    raised = descriptors.raise_open_files_limit()
+    if raised is not None:
+        old, new, hard = raised
+        log.info("server.fd_limit_raised", soft=old, new=new, hard=hard)
+
+
+def somaxconn() -> int | None:
+    """The kernel's ceiling on a listen backlog (net.core.somaxconn), None where unreadable."""
+    try:
+        return int(SOMAXCONN.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def known_secrets(config: Config) -> list[str]:
@@ -176,8 +197,13 @@ class Daemon:
         if self.stop_requested.is_set():
             await self.runner.cleanup()
             return 0
+        backlog = config.server.backlog
+        ceiling = somaxconn()
+        if ceiling is not None and backlog > ceiling:
+            log.warning("server.backlog_clipped", requested=backlog, somaxconn=ceiling,
+                        hint="raise net.core.somaxconn (sysctl) for a longer accept queue")
         site = web.TCPSite(self.runner, config.server.host, config.server.port,
-                           reuse_address=True)
+                           backlog=backlog, reuse_address=True)
         try:
             await site.start()
         except OSError as exc:
