@@ -403,8 +403,15 @@ def test_hal0d_runs_as_a_hardened_notify_service(private_systemd: PrivateSystemd
     system.systemctl("start", "hal0d.service", timeout=30)
     status, body = http_get(port, "/healthz")
     assert status == 200, body + system.diagnostics()
-    first = system.show("MainPID", "NRestarts", "StatusText", "DynamicUser")
+    first = system.show("MainPID", "NRestarts", "StatusText", "DynamicUser", "LimitNOFILE",
+                        "LimitNOFILESoft")
     assert first["DynamicUser"] == "yes"
+    # Started with the unit's soft 1024, hal0d raised its own soft limit to the hard one.
+    assert (first["LimitNOFILESoft"], first["LimitNOFILE"]) == ("1024", "524288")
+    # (The hard limit it gets is 524288 or, in a container that may not raise its own, less.)
+    raised = re.findall(r"server\.fd_limit_raised soft=(\d+) new=(\d+) hard=(\d+)",
+                        (system.inside / "hal0d.log").read_text())
+    assert len(raised) == 1 and raised[0][0] == "1024" and raised[0][1] == raised[0][2], raised
     assert f"listening on 127.0.0.1:{port}; slots: llm=" in first["StatusText"]
     # The slot's process (the stub) starts under the same hardening and is probed ready.
     wait_for("the stub slot to be ready",
