@@ -25,7 +25,8 @@ import aiohttp
 import orjson
 import pytest
 
-from hal0d.server import somaxconn
+from hal0d import config
+from hal0d.server import keep_restart_keys, restart_needed, somaxconn
 from tests.conftest import Stub, StubFactory, chat_body, free_port
 from tests.test_server import Hal0d, config_text
 
@@ -146,6 +147,21 @@ def listen_queue(port: int) -> int:
     rows = [line.split() for line in out.splitlines() if line.strip()]
     assert len(rows) == 1, out
     return int(rows[0][2])
+
+
+@pytest.mark.parametrize("value", [0, 65536, "2048", 1.5])
+def test_a_backlog_outside_1_to_65535_or_not_an_integer_is_refused(value: object) -> None:
+    with pytest.raises(config.ConfigError) as caught:
+        config.parse({"server": {"backlog": value}})
+    assert [p for p in caught.value.problems if p.startswith("server.backlog: ")], caught.value
+
+
+def test_the_backlog_needs_a_restart_and_keeps_its_running_value_on_reload() -> None:
+    running = config.parse({})
+    loaded = config.parse({"server": {"backlog": 64}})
+    assert running.server.backlog == 2048
+    assert restart_needed(running, loaded) == ["server.backlog"]
+    assert keep_restart_keys(running, loaded).server.backlog == 2048
 
 
 async def test_the_configured_backlog_reaches_the_listening_socket(
