@@ -49,7 +49,8 @@ def raise_open_files_limit() -> tuple[int, int, int] | None:
         return None
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    except (OSError, ValueError):
+    except (OSError, ValueError) as exc:
+        log.warning("server.fd_limit_unchanged", soft=soft, hard=hard, error=str(exc))
         return None
     return soft, target, hard
 
