@@ -110,13 +110,19 @@ PEERS_DIR := bench/.peers
 LITELLM_VERSION ?= 1.81.13
 LITELLM_STAMP := $(PEERS_DIR)/litellm/.installed-$(LITELLM_VERSION)
 
-.PHONY: bench-peers bench-nginx
+.PHONY: bench-peers bench-nginx soak
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
 
 bench-peers: $(STAMP) bench-nginx $(LITELLM_STAMP)
 	$(BIN)/python -m bench --peers
+
+# `make soak` (not part of `make test`, a few minutes): 10,000 streams on both surfaces with half
+# the clients leaving, then bursts of 1,000 streams, against hal0d under systemd's default
+# open-files limits (bench/soak.py); one figure line per run.
+soak: $(STAMP)
+	$(BIN)/python -m bench.soak
 
 bench-nginx:
 	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || { \

@@ -12,7 +12,11 @@ SSE event is its own HTTP chunk, as a real server writes one event per token.
     model "paced"   one content chunk every --pace-ms (the memory run's slowly paced streams)
     model "paced-N" one content chunk every N ms
 
-Run: python -m bench.upstream --port P [--pace-ms 250]
+With --log PATH every streamed answer writes `start RID`, then `end RID` or `cancel RID` (the
+connection went away first), RID being the request's X-Request-Id: `make soak` counts the
+generations left running for nobody from these lines.
+
+Run: python -m bench.upstream --port P [--pace-ms 250] [--log PATH]
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import argparse
 import asyncio
 import resource
 import signal
-from typing import Any, ClassVar
+from typing import IO, Any, ClassVar
 
 import orjson
 
@@ -94,6 +98,7 @@ class Upstream(asyncio.Protocol):
     """One client connection; requests on it are answered strictly one after another."""
 
     pace_s = 0.25
+    generations: ClassVar[IO[str] | None] = None  # --log
     _completions: ClassVar[dict[str, bytes]] = {}
     _events: ClassVar[dict[tuple[str, int, bool], tuple[bytes, list[bytes], list[bytes]]]] = {}
 
@@ -135,10 +140,13 @@ class Upstream(asyncio.Protocol):
             head = self.buf[:end].decode("latin-1").split("\r\n")
             method, path, _ = head[0].split(" ", 2)
             length = 0
+            rid = "-"
             for line in head[1:]:
                 name, _, value = line.partition(":")
                 if name.strip().lower() == "content-length":
                     length = int(value.strip())
+                elif name.strip().lower() == "x-request-id":
+                    rid = value.strip()
             if length > MAX_BODY:
                 self.transport.close()
                 return
@@ -147,9 +155,9 @@ class Upstream(asyncio.Protocol):
                 return
             body = self.buf[start:start + length]
             self.buf = self.buf[start + length:]
-            self._answer(method, path.split("?", 1)[0], body)
+            self._answer(method, path.split("?", 1)[0], body, rid)
 
-    def _answer(self, method: str, path: str, body: bytes) -> None:
+    def _answer(self, method: str, path: str, body: bytes, rid: str = "-") -> None:
         assert self.transport is not None
         if method == "GET" and path.endswith("/models"):
             self.transport.write(MODELS_BODY)
@@ -183,7 +191,8 @@ class Upstream(asyncio.Protocol):
         if model.startswith("paced"):
             _, _, ms = model.partition("-")
             pace = float(ms) / 1000 if ms else self.pace_s
-        self.busy = asyncio.get_running_loop().create_task(self._stream(events, n, pace))
+        self.busy = asyncio.get_running_loop().create_task(
+            self._logged(rid, self._stream(events, n, pace)))
         self.busy.add_done_callback(self._done)
 
     def _done(self, task: asyncio.Task[None]) -> None:
@@ -192,8 +201,22 @@ class Upstream(asyncio.Protocol):
             self.transport.close()
         self._next()
 
+    async def _logged(self, rid: str, stream: Any) -> None:
+        log = self.generations
+        if log is None:
+            await stream
+            return
+        log.write(f"start {rid}\n")
+        try:
+            ended = await stream
+        except asyncio.CancelledError:
+            log.write(f"cancel {rid}\n")
+            raise
+        log.write(f"{'end' if ended else 'cancel'} {rid}\n")
+
     async def _stream(self, events: tuple[bytes, list[bytes], list[bytes]], n: int,
-                      pace: float) -> None:
+                      pace: float) -> bool:
+        """True when the whole answer was written, False when the connection went first."""
         opening, tokens, closing = events
         framed = [http_chunk(t) for t in tokens]
         cycle = len(framed)
@@ -205,9 +228,10 @@ class Upstream(asyncio.Protocol):
             elif not self.can_write.is_set():
                 await self.can_write.wait()
             if self.transport is None:
-                return
+                return False
             write(framed[i % cycle])
         write(b"".join(http_chunk(c) for c in closing) + b"0\r\n\r\n")
+        return self.transport is not None
 
     def _write(self, data: bytes) -> None:
         if self.transport is not None:
@@ -230,7 +254,10 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--pace-ms", type=float, default=250.0)
+    parser.add_argument("--log", help="log each generation's start and end or cancel here")
     args = parser.parse_args()
+    if args.log:
+        Upstream.generations = open(args.log, "a", buffering=1)  # noqa: SIM115 (process-long)
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     Upstream.pace_s = args.pace_ms / 1000

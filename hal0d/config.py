@@ -28,6 +28,8 @@ class ConfigError(Exception):
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
+    # listen(2)'s queue of connections not yet accepted; the kernel clips it to somaxconn.
+    backlog: int = 2048
     shutdown_grace_s: float = 30.0
     max_body_bytes: int = 32 * 1024 * 1024
     api_keys: tuple[str, ...] = ()
@@ -120,6 +122,7 @@ _Range = tuple[type, float | None, float | None]
 _SERVER: dict[str, _Range] = {
     "host": (str, None, None),
     "port": (int, 1, 65535),
+    "backlog": (int, 1, 65535),
     "shutdown_grace_s": (float, 0.0, 3600.0),
     "max_body_bytes": (int, 1024, 1 << 32),
     "api_keys": (list, None, None),

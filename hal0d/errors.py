@@ -8,6 +8,7 @@
      ├── PayloadTooLarge           413     invalid_request_error / request.too_large request_too_large
      ├── QueueFull                 429     rate_limit_error / slot.queue_full       rate_limit_error
      ├── SlotLoading               503     slot_loading / slot.loading              overloaded_error
+     ├── FdExhausted               503     server_overloaded / server.fd_exhausted  overloaded_error
      ├── UpstreamUnavailable       502     upstream_unavailable / dispatch.upstream_unavailable  api_error
      │    └── UpstreamInvalid      502     upstream_invalid / dispatch.upstream_invalid  api_error
      └── UpstreamStatus            (the upstream's status, its message kept)        by status
@@ -104,6 +105,16 @@ class SlotLoading(Hal0Error):
     status = 503
     openai_type = "slot_loading"
     code = "slot.loading"
+    anthropic_type = "overloaded_error"
+
+
+class FdExhausted(Hal0Error):
+    """hal0d ran out of file descriptors opening a socket for the request (EMFILE, ENFILE):
+    its own capacity failed, not the upstream, so a 503 to retry rather than a 502."""
+
+    status = 503
+    openai_type = "server_overloaded"
+    code = "server.fd_exhausted"
     anthropic_type = "overloaded_error"
 
 

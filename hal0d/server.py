@@ -1,7 +1,10 @@
 """The server's life: listen, tell systemd, keep the watchdog fed, reload, drain, stop.
 
-Start: the cleanup contexts open the upstream session and the history, launch the slot processes
-and probe every other slot; then hal0d listens and sends READY=1 with a STATUS line.
+Start: the soft open-files limit goes up to the hard one (descriptors.py: two sockets a stream);
+the cleanup contexts open the upstream session and the history, launch the slot processes and
+probe every other slot; then hal0d listens, with `[server].backlog` as listen(2)'s queue (the
+kernel clips it to net.core.somaxconn, and the log says when), and sends READY=1 with a STATUS
+line.
 
 Stop (SIGTERM, SIGINT), in this order:
 
@@ -46,7 +49,7 @@ import uvloop
 from aiohttp import web
 
 from hal0d import config as configuration
-from hal0d import logs, preflight, systemd
+from hal0d import descriptors, logs, preflight, systemd
 from hal0d.app import make_app
 from hal0d.appkeys import RUNTIME, SLOTS, STREAMS, SUPERVISOR, Runtime
 from hal0d.config import Config
@@ -63,12 +66,14 @@ STATUS_EVERY_S = 5.0
 # A reload waits this long for the leases on a replaced slot process when the stall guard's
 # total bound is off (0), before stopping that process anyway.
 DRAIN_UNBOUNDED_S = 900.0
+SOMAXCONN = Path("/proc/sys/net/core/somaxconn")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 # (section, key) read once at start; a reload keeps their running values.
 RESTART_KEYS: tuple[tuple[str, str], ...] = (
     ("server", "host"),
     ("server", "port"),
+    ("server", "backlog"),  # the listening socket's, set once by listen(2)
     ("server", "max_body_bytes"),  # the application's client_max_size
     ("server", "shutdown_grace_s"),  # aiohttp's shutdown timeout is fixed with its runner
     ("metrics", "database"),  # the history writer opens its file once
@@ -88,6 +93,7 @@ def serve(
     logs.configure(config.logging.level, config.logging.format)
     logs.hide(known_secrets(config))
     log_warnings(warnings, config_path)
+    raise_open_files_limit()
     # uvloop: about a tenth less CPU per request and per relayed chunk than asyncio's own loop
     # (make bench), the same semantics; the served tests run the daemon this way too.
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
@@ -123,6 +129,21 @@ def bind_hint(exc: OSError) -> str:
         return ("ports below 1024 need privileges (CAP_NET_BIND_SERVICE); choose another port "
                 "with --port (make run PORT=...) or [server].port")
     return "check --host/--port (make run HOST=... PORT=...) or [server].host and .port"
+
+
+def raise_open_files_limit() -> None:
+    raised = descriptors.raise_open_files_limit()
+    if raised is not None:
+        old, new, hard = raised
+        log.info("server.fd_limit_raised", soft=old, new=new, hard=hard)
+
+
+def somaxconn() -> int | None:
+    """The kernel's ceiling on a listen backlog (net.core.somaxconn), None where unreadable."""
+    try:
+        return int(SOMAXCONN.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def known_secrets(config: Config) -> list[str]:
@@ -234,8 +255,13 @@ class Daemon:
         if self.stop_requested.is_set():
             await self.runner.cleanup()
             return 0
+        backlog = config.server.backlog
+        ceiling = somaxconn()
+        if ceiling is not None and backlog > ceiling:
+            log.warning("server.backlog_clipped", requested=backlog, somaxconn=ceiling,
+                        hint="raise net.core.somaxconn (sysctl) for a longer accept queue")
         site = web.TCPSite(self.runner, config.server.host, config.server.port,
-                           reuse_address=True)
+                           backlog=backlog, reuse_address=True)
         try:
             await site.start()
         except OSError as exc:

@@ -23,6 +23,7 @@ from aiohttp import hdrs
 
 from hal0d import USER_AGENT
 from hal0d.config import SlotConfig
+from hal0d.descriptors import exhausted, exhaustion_errno
 from hal0d.logs import get_logger
 
 log = get_logger()
@@ -104,6 +105,10 @@ class TokenCounter:
                         self._ways[key] = path
                         return count, SOURCE[path]
         except (TimeoutError, TryLater, aiohttp.ClientError, OSError) as exc:
+            if (code := exhaustion_errno(exc)) is not None:
+                # No descriptor for the count means none for the generation either: the
+                # request gets its 503 now rather than an estimate and then the same 503.
+                raise exhausted(code, "tokenizer", f"count tokens on slot {slot.name!r}") from None
             log.debug("tokens.count_failed", slot=slot.name, error=f"{type(exc).__name__}: {exc}")
             return estimate(text), "estimate"  # a passing failure: try the tokenizer next time
         if known == "unknown":

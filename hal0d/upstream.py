@@ -1,7 +1,9 @@
 """The upstream boundary: the one ClientSession, its timeouts, header filtering, the eager open.
 
 aiohttp's exceptions stop here: a failure to get an HTTP response at all becomes
-UpstreamUnavailable (a clean 502 before the client response has started), never a torn stream.
+UpstreamUnavailable (a clean 502 before the client response has started), never a torn stream;
+a connect that fails because hal0d has no descriptor left (EMFILE, ENFILE) becomes FdExhausted
+(503, see descriptors.py): hal0d's capacity failed, not the upstream.
 
 Timeouts. aiohttp's client default is total=300 s, which silently kills long streams; the session
 has no total. `connect_timeout_s` bounds the TCP connect, `pool_timeout_s` the wait for a free
@@ -27,6 +29,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from hal0d import USER_AGENT
 from hal0d.appkeys import RUNTIME, SESSION, TOKEN_COUNTER
 from hal0d.config import DispatcherConfig, SlotConfig
+from hal0d.descriptors import exhausted, exhaustion_errno
 from hal0d.errors import UpstreamUnavailable
 from hal0d.tokens import TokenCounter
 
@@ -198,12 +201,14 @@ async def open_upstream(
             )
     except (TimeoutError, aiohttp.ServerTimeoutError):
         reason = "timed out waiting for the upstream's response headers"
-    except aiohttp.ClientConnectorError as exc:
-        reason = f"cannot connect ({exc.os_error.strerror or exc.os_error})"
-    except aiohttp.ClientError as exc:
-        reason = f"{type(exc).__name__}: {exc}"
-    except (OSError, ValueError) as exc:
-        reason = f"{type(exc).__name__}: {exc}"
+    except (aiohttp.ClientError, OSError, ValueError) as exc:
+        if (code := exhaustion_errno(exc)) is not None:
+            # hal0d's own capacity failed, not the upstream: a 503 to retry, not a 502.
+            raise exhausted(code, "upstream_connect", f"connect to slot {slot.name!r}") from None
+        if isinstance(exc, aiohttp.ClientConnectorError):
+            reason = f"cannot connect ({exc.os_error.strerror or exc.os_error})"
+        else:
+            reason = f"{type(exc).__name__}: {exc}"
     if slot_reason:
         reason += f"; the slot is in error: {slot_reason}"
     raise UpstreamUnavailable(f"slot {slot.name!r} at {slot.upstream} is unavailable: {reason}")

@@ -2,17 +2,21 @@
 
 Counters and histograms are updated once per finished request, off the stream's path. Slot
 gauges (state, in flight, queued, process restarts, decode speed) are read from the live objects
-at scrape time by a custom collector, so they can never drift from what /api/slots says.
+at scrape time by a custom collector, so they can never drift from what /api/slots says. The
+descriptor figures are the process's: `process_open_fds` and `process_max_fds` (prometheus_client's
+process collector) and `hal0d_fd_exhausted_total`, the requests refused with a 503 because hal0d
+had no descriptor free (descriptors.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from hal0d import descriptors
 from hal0d.metrics.live import SlotMetrics
 from hal0d.slots import SlotState, SlotTable
 
@@ -63,6 +67,17 @@ class SlotCollector(Collector):
         yield from (state, in_flight, queued, speed, restarts)
 
 
+class DescriptorCollector(Collector):
+    """The refusals counted by descriptors.report, which is process-wide like the fd table."""
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(
+            "hal0d_fd_exhausted",
+            "requests refused (503) because hal0d had no file descriptor free",
+            value=descriptors.report.refused_total,
+        )
+
+
 class PromMetrics:
     """One registry per application, so tests and reloads never share global state."""
 
@@ -97,6 +112,8 @@ class PromMetrics:
             "hal0d_history_rows_dropped", "history rows dropped because the writer fell behind",
             registry=self.registry,
         )
+        self.registry.register(DescriptorCollector())
+        ProcessCollector(registry=self.registry)
 
     def watch_slots(
         self,
