@@ -6,8 +6,6 @@ demo slot's own idle bound, not the production 5 minutes, while the README's tou
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -18,15 +16,13 @@ from typing import Any
 import pytest
 
 from hal0d import config as configuration
-from tests.conftest import free_port
-from tests.test_seed_verify import READY_WITHIN_S, rewrite_demo_config, slots_ready, stop
+from tests.demo import running_demo
 
 
 @dataclass
 class Demo:
     port: int
     bounds: configuration.DispatcherConfig  # the demo slot's effective timeouts
-    output: Path
 
     def post(self, path: str, body: dict[str, Any], timeout: float) -> tuple[bytes, float]:
         """The whole answer and how long it took."""
@@ -42,30 +38,9 @@ class Demo:
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
-    tmp = tmp_path_factory.mktemp("demo")
-    port, stub_port = free_port(), free_port()
-    while stub_port == port:
-        stub_port = free_port()
-    path = tmp / "hal0d.toml"
-    path.write_text(rewrite_demo_config(port, stub_port, tmp / "stub.log"))
-    loaded = configuration.load(path)
-    demo = Demo(port, loaded.slots[0].timeouts(loaded.dispatcher), tmp / "hal0d.out")
-    script = Path(sys.executable).parent / "hal0d"
-    argv = [str(script)] if script.exists() else [sys.executable, "-m", "hal0d"]
-    with demo.output.open("wb") as output:
-        process = subprocess.Popen(
-            [*argv, "serve", "--config", str(path)], stdout=output, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, cwd=tmp, start_new_session=True,
-        )
-    try:
-        deadline = time.monotonic() + READY_WITHIN_S
-        while not slots_ready(port):
-            assert process.poll() is None, demo.output.read_text()[-3000:]
-            assert time.monotonic() < deadline, demo.output.read_text()[-3000:]
-            time.sleep(0.1)
-        yield demo
-    finally:
-        stop(process)
+    with running_demo(tmp_path_factory.mktemp("demo")) as running:
+        loaded = configuration.load(running.config)
+        yield Demo(running.port, loaded.slots[0].timeouts(loaded.dispatcher))
 
 
 def test_the_demo_slot_sets_short_bounds_of_its_own():

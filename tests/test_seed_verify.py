@@ -8,85 +8,20 @@ beside itself; everything else, the stub command included, is the demo configura
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import signal
 import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
-
-REPO = Path(__file__).resolve().parents[1]
-READY_WITHIN_S = 20.0
+from tests.demo import RunningDemo, running_demo
 
 
-@dataclass
-class Daemon:
-    port: int
-    stub_log: Path
-    output: Path
-
-    def command(self, text: str) -> str:
-        """A command written for `make run` (port 8080, the demo stub's log), pointed at this
-        daemon and its stub log."""
-        return text.replace("localhost:8080", f"localhost:{self.port}").replace(
-            "/tmp/stub-reasoning.log", str(self.stub_log)
-        )
-
+class Daemon(RunningDemo):
     def run(self, text: str, timeout: float = 20.0) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["bash", "-c", self.command(text)], capture_output=True,
-                              text=True, timeout=timeout)
-
-    def stub_lines(self) -> list[str]:
-        return self.stub_log.read_text().splitlines() if self.stub_log.exists() else []
-
-    def diagnostics(self) -> str:
-        log = self.output.read_text()[-3000:] if self.output.exists() else ""
-        return f"hal0d output:\n{log}\nstub log:\n" + "\n".join(self.stub_lines())
-
-
-def rewrite_demo_config(port: int, stub_port: int, stub_log: Path) -> str:
-    text = (REPO / "etc" / "hal0d.toml").read_text()
-    replacements = [
-        ("port = 8080", f"port = {port}"),
-        ('upstream = "http://127.0.0.1:8091"', f'upstream = "http://127.0.0.1:{stub_port}"'),
-        ('"--port", "8091"', f'"--port", "{stub_port}"'),
-        ('"/tmp/stub-reasoning.log"', json.dumps(str(stub_log))),
-    ]
-    for old, new in replacements:
-        assert text.count(old) == 1, f"etc/hal0d.toml no longer has exactly one {old!r}"
-        text = text.replace(old, new)
-    return text
-
-
-def slots_ready(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/slots", timeout=1) as resp:
-            slots = json.loads(resp.read())["slots"]
-    except (OSError, urllib.error.URLError, ValueError):
-        return False
-    return bool(slots) and all(slot["state"] == "ready" for slot in slots)
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        # The stub runs in a session of its own, but dies with hal0d (its parent-death signal).
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=5)
+        return subprocess.run(["bash", "-c", self.as_typed_for_make_run(text)],
+                              capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -94,33 +29,11 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     for tool in ("bash", "curl", "grep", "timeout", "head"):
         if shutil.which(tool) is None:
             pytest.skip(f"{tool} is not installed; these checks are shell pipelines")
-    tmp = tmp_path_factory.mktemp("verify")
-    port, stub_port = free_port(), free_port()
-    while stub_port == port:
-        stub_port = free_port()
-    daemon = Daemon(port, tmp / "stub-reasoning.log", tmp / "hal0d.out")
-    config = tmp / "hal0d.toml"
-    config.write_text(rewrite_demo_config(port, stub_port, daemon.stub_log))
-    script = Path(sys.executable).parent / "hal0d"
-    argv = [str(script)] if script.exists() else [sys.executable, "-m", "hal0d"]
-    with daemon.output.open("wb") as output:
-        process = subprocess.Popen(
-            [*argv, "serve", "--config", str(config)], stdout=output,
-            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=tmp,
-            start_new_session=True,
-        )
-    try:
-        deadline = time.monotonic() + READY_WITHIN_S
-        while not slots_ready(port):
-            assert process.poll() is None, f"hal0d exited early\n{daemon.diagnostics()}"
-            assert time.monotonic() < deadline, f"slot not ready\n{daemon.diagnostics()}"
-            time.sleep(0.1)
-        yield daemon
-    finally:
-        stop(process)
+    with running_demo(tmp_path_factory.mktemp("verify")) as demo:
+        yield Daemon(**vars(demo))
 
 
-# The commands exactly as typed against `make run`; Daemon.command points them at the test's own
+# The commands exactly as typed against `make run`; Daemon.run points them at the test's own
 # daemon. Each one's expected result is the comment under it, which the test below it asserts.
 VERIFY_1 = """curl -N -s localhost:8080/llm/v1/messages -H 'content-type: application/json' \\
   -d '{"model":"reasoning","max_tokens":64,"stream":true,"messages":[{"role":"user","content":"hi"}]}' \\

@@ -1,0 +1,112 @@
+"""The demo `make run` serves, run for real: `hal0d serve` on a copy of etc/hal0d.toml with only
+its ports and the stub's log path rewritten, so a test can run beside `make run` and beside
+itself while everything else, the stub command included, is the demo configuration."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.conftest import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+READY_WITHIN_S = 20.0
+DEMO_PORT = 8080
+DEMO_STUB_LOG = "/tmp/stub-reasoning.log"
+
+
+@dataclass
+class RunningDemo:
+    port: int
+    config: Path
+    stub_log: Path
+    output: Path
+    process: subprocess.Popen[bytes]
+
+    def as_typed_for_make_run(self, text: str) -> str:
+        """A command written for `make run` (port 8080, the demo stub's log), pointed at this
+        daemon and its stub log."""
+        return text.replace(f"localhost:{DEMO_PORT}", f"localhost:{self.port}").replace(
+            DEMO_STUB_LOG, str(self.stub_log)
+        )
+
+    def stub_lines(self) -> list[str]:
+        return self.stub_log.read_text().splitlines() if self.stub_log.exists() else []
+
+    def diagnostics(self) -> str:
+        log = self.output.read_text()[-3000:] if self.output.exists() else ""
+        return f"hal0d output:\n{log}\nstub log:\n" + "\n".join(self.stub_lines()[-20:])
+
+
+def rewrite_demo_config(port: int, stub_port: int, stub_log: Path) -> str:
+    text = (REPO / "etc" / "hal0d.toml").read_text()
+    replacements = [
+        (f"port = {DEMO_PORT}", f"port = {port}"),
+        ('upstream = "http://127.0.0.1:8091"', f'upstream = "http://127.0.0.1:{stub_port}"'),
+        ('"--port", "8091"', f'"--port", "{stub_port}"'),
+        (json.dumps(DEMO_STUB_LOG), json.dumps(str(stub_log))),
+    ]
+    for old, new in replacements:
+        assert text.count(old) == 1, f"etc/hal0d.toml no longer has exactly one {old!r}"
+        text = text.replace(old, new)
+    return text
+
+
+def slots_ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/slots", timeout=1) as resp:
+            slots = json.loads(resp.read())["slots"]
+    except (OSError, urllib.error.URLError, ValueError):
+        return False
+    return bool(slots) and all(slot["state"] == "ready" for slot in slots)
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        # The stub runs in a session of its own, but dies with hal0d (its parent-death signal).
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=5)
+
+
+@contextmanager
+def running_demo(tmp: Path) -> Iterator[RunningDemo]:
+    """The demo, served until the block ends; yields once its slot is ready."""
+    port, stub_port = free_port(), free_port()
+    while stub_port == port:
+        stub_port = free_port()
+    config = tmp / "hal0d.toml"
+    stub_log = tmp / "stub-reasoning.log"
+    config.write_text(rewrite_demo_config(port, stub_port, stub_log))
+    output = tmp / "hal0d.out"
+    script = Path(sys.executable).parent / "hal0d"
+    argv = [str(script)] if script.exists() else [sys.executable, "-m", "hal0d"]
+    with output.open("wb") as out:
+        process = subprocess.Popen(
+            [*argv, "serve", "--config", str(config)], stdout=out, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, cwd=tmp, start_new_session=True,
+        )
+    demo = RunningDemo(port, config, stub_log, output, process)
+    try:
+        deadline = time.monotonic() + READY_WITHIN_S
+        while not slots_ready(port):
+            assert process.poll() is None, f"hal0d exited early\n{demo.diagnostics()}"
+            assert time.monotonic() < deadline, f"slot not ready\n{demo.diagnostics()}"
+            time.sleep(0.1)
+        yield demo
+    finally:
+        stop(process)
