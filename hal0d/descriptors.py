@@ -33,9 +33,14 @@ RETRY_AFTER_S = 2.0  # streams end and give their descriptors back within second
 NR_OPEN = "/proc/sys/fs/nr_open"
 
 
+# The soft limit hal0d was started with, once it raised its own; its children get it back.
+_started_with: int | None = None
+
+
 def raise_open_files_limit() -> tuple[int, int, int] | None:
     """Soft RLIMIT_NOFILE up to the hard limit: (old soft, new soft, hard), or None when the
     soft limit already was the hard one (or the kernel refused)."""
+    global _started_with  # noqa: PLW0603 (a fact about this process, set once at start)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = hard
     if hard == resource.RLIM_INFINITY:
@@ -52,7 +57,17 @@ def raise_open_files_limit() -> tuple[int, int, int] | None:
     except (OSError, ValueError) as exc:
         log.warning("server.fd_limit_unchanged", soft=soft, hard=hard, error=str(exc))
         return None
+    _started_with = soft
     return soft, target, hard
+
+
+def limit_for_children() -> tuple[int, int] | None:
+    """The open-files limit a slot process should start with: hal0d's own before it raised it
+    (systemd's advice: a program that needs more raises its own; one built on select(2) breaks
+    above 1024), or None when hal0d did not raise it and children inherit it as it is."""
+    if _started_with is None:
+        return None
+    return _started_with, resource.getrlimit(resource.RLIMIT_NOFILE)[1]
 
 
 def open_files_limit() -> int:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import ctypes
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -24,7 +25,7 @@ from typing import Any
 import aiohttp
 from aiohttp import hdrs, web
 
-from hal0d import USER_AGENT
+from hal0d import USER_AGENT, descriptors
 from hal0d.appkeys import RUNTIME, SESSION, SLOTS, SUPERVISOR
 from hal0d.config import SlotConfig
 from hal0d.logs import get_logger
@@ -98,6 +99,23 @@ def die_with_hal0d() -> Callable[[], None] | None:
             os._exit(1)
 
     return set_parent_death_signal
+
+
+def child_setup() -> Callable[[], None] | None:
+    """The preexec_fn of a slot process: the parent-death signal, and the open-files limit hal0d
+    was started with (hal0d raised its own for its sockets; the model server raises its own if
+    it needs to)."""
+    die = die_with_hal0d()
+    limit = descriptors.limit_for_children()
+    if limit is None:
+        return die
+
+    def setup() -> None:
+        if die is not None:
+            die()
+        resource.setrlimit(resource.RLIMIT_NOFILE, limit)  # one system call: safe after fork
+
+    return setup
 
 
 def resolve_program(argv: tuple[str, ...]) -> list[str]:
@@ -193,7 +211,7 @@ class SlotProcess:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,  # its own process group: stop() ends its children too
-                preexec_fn=die_with_hal0d(),  # and a kill -9 of hal0d ends the process itself
+                preexec_fn=child_setup(),  # and a kill -9 of hal0d ends the process itself
             )
         except (OSError, subprocess.SubprocessError) as exc:
             self.launch_error = f"cannot start {argv[0]!r}: {getattr(exc, 'strerror', None) or exc}"

@@ -365,3 +365,20 @@ async def test_a_connection_hal0d_cannot_accept_is_closed_unanswered_without_a_s
     async with aiohttp.ClientSession() as http, http.get(f"{hal0d.url}/healthz") as response:
         assert response.status == 200
     assert hal0d.process.returncode is None
+
+
+async def test_slot_processes_start_with_the_limit_hal0d_was_started_with(
+    launch: Launcher, stub: Stub
+) -> None:
+    """hal0d raises its own soft limit for its sockets; a slot process gets the soft 1024 back
+    (a model server built on select(2) breaks above it, and one that needs more raises its own)."""
+    hal0d = await launch(stub, soft=1024, hard=4096, slot=f"""
+        [[slots]]
+        name = "llm"
+        upstream = "http://127.0.0.1:{free_port()}"
+        models = ["chat"]
+        command = ["sleep", "60"]
+    """)
+    started = await hal0d.wait_for_event("slot.process_started", timeout=10)
+    assert proc_limits(hal0d.process.pid) == (4096, 4096)
+    assert proc_limits(started["pid"]) == (1024, 4096)
