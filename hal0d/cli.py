@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     stub.add_argument(
         "--delay", type=float, default=0.02, help="seconds between tokens (default 0.02)"
     )
+    stub.add_argument("--startup-delay", type=float, default=0.0,
+                      help="seconds before it listens, as a model loads (default 0)")
+    stub.add_argument("--fail-start", metavar="MESSAGE",
+                      help="after the startup delay, print MESSAGE and exit 1 instead of serving")
     return parser
 
 
@@ -108,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "stub":
         from hal0d.stub import run_stub
 
-        run_stub(args.host, args.port, args.log, args.delay)
-        return 0
+        return run_stub(args.host, args.port, args.log, args.delay,
+                        startup_delay=args.startup_delay, fail_start=args.fail_start)
     if args.command == "print-config":
         config = configuration.Config() if args.defaults else load_or_report(args.config)
         if config is None:

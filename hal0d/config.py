@@ -50,6 +50,11 @@ class DispatcherConfig:
     pool_timeout_s: float = 5.0
 
 
+START_ALWAYS = "always"
+START_ON_DEMAND = "on_demand"
+# The keys that only mean something for a slot hal0d starts and stops itself (it has a command).
+LIFECYCLE_KEYS = ("idle_unload_s", "group")
+
 # The [dispatcher] timeouts a slot may set for itself.
 SLOT_TIMEOUT_KEYS = ("direct_read_timeout_s", "stream_total_timeout_s", "stream_idle_timeout_s")
 
@@ -71,6 +76,17 @@ class SlotConfig:
     direct_read_timeout_s: float | None = None
     stream_total_timeout_s: float | None = None
     stream_idle_timeout_s: float | None = None
+    # Model lifecycle: "always" starts the command with hal0d and keeps it up; "on_demand" starts
+    # it for the first request and stops it after idle_unload_s with nothing to do (0 = never).
+    start: str = "always"
+    idle_unload_s: float = 0.0
+    load_timeout_s: float = 600.0
+    group: str | None = None
+    memory_mib: int | None = None
+
+    @property
+    def on_demand(self) -> bool:
+        return self.start == START_ON_DEMAND
 
     def timeouts(self, dispatcher: DispatcherConfig) -> DispatcherConfig:
         """The timeouts this slot's requests run on: `dispatcher` with the slot's own bounds
@@ -86,6 +102,17 @@ class SlotConfig:
         if self.api_key_env is not None:
             return os.environ.get(self.api_key_env)
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class GroupConfig:
+    """Slots that share a device: at most `max_loaded` of them loaded at once, the sum of their
+    `memory_mib` within `memory_mib`, and each load only when `free_memory_command` reports room."""
+
+    name: str
+    max_loaded: int | None = None
+    memory_mib: int | None = None
+    free_memory_command: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +133,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     dispatcher: DispatcherConfig = field(default_factory=DispatcherConfig)
     slots: tuple[SlotConfig, ...] = ()
+    groups: dict[str, GroupConfig] = field(default_factory=dict)
     models: dict[str, str] = field(default_factory=dict)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -149,6 +177,16 @@ _SLOT: dict[str, _Range] = {
     "command": (list, None, None),
     "max_output_tokens": (int, 1, 10_000_000),
     **{key: _DISPATCHER[key] for key in SLOT_TIMEOUT_KEYS},  # the same ranges, per slot
+    "start": (str, None, None),
+    "idle_unload_s": (float, 0.0, 30 * 86400.0),
+    "load_timeout_s": (float, 1.0, 86400.0),
+    "group": (str, None, None),
+    "memory_mib": (int, 1, 1 << 30),
+}
+_GROUP: dict[str, _Range] = {
+    "max_loaded": (int, 1, 4096),
+    "memory_mib": (int, 1, 1 << 30),
+    "free_memory_command": (list, None, None),
 }
 _METRICS: dict[str, _Range] = {
     "database": (str, None, None),
@@ -236,6 +274,7 @@ def _check_slots(raw: Any, problems: list[str]) -> tuple[SlotConfig, ...]:
             elif name in names:
                 problems.append(f"{path}.name: {name!r} is used by another slot")
             names.add(name)
+        _check_lifecycle(good, table, path, problems)
         if "api_key" in good and "api_key_env" in good:
             problems.append(f"{path}: set api_key or api_key_env, not both")
         for model in good.get("models") or ():
@@ -248,6 +287,75 @@ def _check_slots(raw: Any, problems: list[str]) -> tuple[SlotConfig, ...]:
             good["upstream"] = good["upstream"].rstrip("/")
             slots.append(SlotConfig(**good))
     return tuple(slots)
+
+
+def _check_lifecycle(good: dict[str, Any], table: Any, path: str, problems: list[str]) -> None:
+    start = good.get("start", START_ALWAYS)
+    if start not in (START_ALWAYS, START_ON_DEMAND):
+        problems.append(f"{path}.start: {start!r} is not one of ('always', 'on_demand')")
+    if good.get("command"):
+        return
+    # Without a command hal0d has nothing to start or stop: these would silently do nothing.
+    if start == START_ON_DEMAND:
+        problems.append(f"{path}.start: 'on_demand' needs a command for hal0d to start")
+    for key in LIFECYCLE_KEYS:
+        if isinstance(table, dict) and key in table:
+            problems.append(f"{path}.{key}: only for a slot with a command (hal0d starts it)")
+
+
+def _check_groups(
+    raw: Any, slots: tuple[SlotConfig, ...], problems: list[str]
+) -> dict[str, GroupConfig]:
+    if not isinstance(raw, dict):
+        problems.append("groups: must be a table of [groups.NAME] tables")
+        return {}
+    groups: dict[str, GroupConfig] = {}
+    for name, table in raw.items():
+        where = f"groups.{name}"
+        good = _check_table(table, _GROUP, where, problems)
+        if "free_memory_command" in good:
+            good["free_memory_command"] = _string_list(
+                good["free_memory_command"], f"{where}.free_memory_command", problems
+            )
+        groups[name] = GroupConfig(name=name, **good)
+    members: dict[str, list[tuple[int, SlotConfig]]] = {name: [] for name in groups}
+    for index, slot in enumerate(slots):
+        if slot.group is None:
+            continue
+        if slot.group not in groups:
+            problems.append(f"slots[{index}].group: {slot.group!r} is not a [groups] table "
+                            f"(defined: {', '.join(sorted(groups)) or 'none'})")
+            continue
+        members[slot.group].append((index, slot))
+    for name, group in groups.items():
+        _check_group_members(group, members[name], problems)
+    return groups
+
+
+def _check_group_members(
+    group: GroupConfig, members: list[tuple[int, SlotConfig]], problems: list[str]
+) -> None:
+    where = f"groups.{group.name}"
+    if not members:
+        problems.append(f"{where}: no slot names this group")
+        return
+    needs_memory = group.memory_mib is not None or group.free_memory_command is not None
+    for index, slot in members:
+        if needs_memory and slot.memory_mib is None:
+            problems.append(f"slots[{index}].memory_mib: is required in group {group.name!r}, "
+                            "which counts memory")
+        if group.memory_mib is not None and (slot.memory_mib or 0) > group.memory_mib:
+            problems.append(f"slots[{index}].memory_mib: {slot.memory_mib} MiB exceeds the "
+                            f"budget of group {group.name!r} ({group.memory_mib} MiB)")
+    # `always` slots are loaded for good (never evicted): they alone must fit.
+    pinned = [slot for _, slot in members if not slot.on_demand]
+    if group.max_loaded is not None and len(pinned) > group.max_loaded:
+        problems.append(f"{where}.max_loaded: {group.max_loaded} is fewer than its "
+                        f"{len(pinned)} slots with start = 'always'")
+    pinned_mib = sum(slot.memory_mib or 0 for slot in pinned)
+    if group.memory_mib is not None and pinned_mib > group.memory_mib:
+        problems.append(f"{where}.memory_mib: {group.memory_mib} MiB is less than the "
+                        f"{pinned_mib} MiB of its slots with start = 'always'")
 
 
 def _check_models(raw: Any, slots: tuple[SlotConfig, ...], problems: list[str]) -> dict[str, str]:
@@ -295,7 +403,7 @@ def _access_keys(server: dict[str, Any], base_dir: Path, problems: list[str]) ->
 def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     """Validate a decoded TOML document; raise ConfigError listing every problem."""
     problems: list[str] = []
-    known = {"server", "dispatcher", "slots", "models", "metrics", "logging"}
+    known = {"server", "dispatcher", "slots", "groups", "models", "metrics", "logging"}
     for key in raw:
         if key not in known:
             problems.append(f"{key}: unknown section (known: {', '.join(sorted(known))})")
@@ -310,6 +418,7 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     if logging_.get("format", "auto") not in _LOG_FORMATS:
         problems.append(f"logging.format: {logging_['format']!r} is not one of {_LOG_FORMATS}")
     slots = _check_slots(raw.get("slots", []), problems)
+    groups = _check_groups(raw.get("groups", {}), slots, problems)
     models = _check_models(raw.get("models", {}), slots, problems)
     for pattern in models:
         if not any(ch in pattern for ch in "*?[") and any(pattern in s.models for s in slots):
@@ -320,6 +429,7 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         server=ServerConfig(**server),
         dispatcher=DispatcherConfig(**dispatcher),
         slots=slots,
+        groups=groups,
         models=models,
         metrics=MetricsConfig(**metrics),
         logging=LoggingConfig(**logging_),
@@ -358,10 +468,24 @@ def to_dict(config: Config) -> dict[str, Any]:
         "metrics": table(config.metrics),
         "logging": table(config.logging),
     }
+    if config.groups:
+        doc["groups"] = {
+            name: {k: v for k, v in table(group).items() if k != "name"}
+            for name, group in config.groups.items()
+        }
     if config.models:
         doc["models"] = dict(config.models)
-    doc["slots"] = [table(slot) for slot in config.slots]
+    doc["slots"] = [slot_table(slot, table(slot)) for slot in config.slots]
     return doc
+
+
+def slot_table(slot: SlotConfig, keys: dict[str, Any]) -> dict[str, Any]:
+    """A slot's keys as print-config shows them: the lifecycle keys only where they can apply
+    (a slot without a command refuses them, so the output must parse again)."""
+    if not slot.command:
+        for key in LIFECYCLE_KEYS:
+            keys.pop(key, None)
+    return keys
 
 
 def to_toml(config: Config) -> str:

@@ -36,6 +36,7 @@ import base64
 import hashlib
 import itertools
 import struct
+import sys
 import time
 import uuid
 import zlib
@@ -609,7 +610,24 @@ def make_stub_app(log_path: Path | None = None, delay: float = 0.02) -> web.Appl
     return app
 
 
-def run_stub(host: str, port: int, log_path: Path | None, delay: float) -> None:
+def run_stub(
+    host: str,
+    port: int,
+    log_path: Path | None,
+    delay: float,
+    *,
+    startup_delay: float = 0.0,
+    fail_start: str | None = None,
+) -> int:
+    """Serve until stopped. `startup_delay`: seconds before listening, as a model server loads its
+    weights first. `fail_start`: after the delay, print this line and exit 1 instead of serving,
+    as a model server does when its model file is missing or does not fit."""
+    if startup_delay > 0:
+        print(f"stub: loading for {startup_delay:g} s", flush=True)
+        time.sleep(startup_delay)
+    if fail_start is not None:
+        print(fail_start, file=sys.stderr, flush=True)
+        return 1
     web.run_app(
         make_stub_app(log_path, delay),
         host=host,
@@ -618,3 +636,4 @@ def run_stub(host: str, port: int, log_path: Path | None, delay: float) -> None:
         access_log=None,
         print=None,
     )
+    return 0

@@ -1,0 +1,105 @@
+"""The model-lifecycle keys: `start`, `idle_unload_s`, `load_timeout_s`, `group`, `memory_mib` on
+a slot, and `[groups.NAME]`; each impossible combination named by its key path."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from hal0d import config
+from tests.test_config import hal0d_cli, write
+
+
+def slot(name: str, *, command: bool = True, **keys: object) -> str:
+    lines = [f'[[slots]]\nname = "{name}"\nupstream = "http://127.0.0.1:9"\n'
+             f'models = ["{name}-model"]\n']
+    if command:
+        lines.append('command = ["llama-server", "--port", "9"]\n')
+    for key, value in keys.items():
+        lines.append(f"{key} = {value!r}\n".replace("'", '"'))
+    return "".join(lines)
+
+
+GPU = '[groups.gpu0]\nmax_loaded = 1\nmemory_mib = 10240\n'
+
+
+@pytest.mark.parametrize(
+    ("toml", "problem"),
+    [
+        (slot("a", start="sometimes"), "slots[0].start: 'sometimes' is not one of"),
+        (slot("a", command=False, start="on_demand"),
+         "slots[0].start: 'on_demand' needs a command"),
+        (slot("a", command=False, idle_unload_s=60),
+         "slots[0].idle_unload_s: only for a slot with a command"),
+        (GPU + slot("a", command=False, group="gpu0", memory_mib=100),
+         "slots[0].group: only for a slot with a command"),
+        (slot("a", idle_unload_s=-1), "slots[0].idle_unload_s: -1.0 is outside"),
+        (slot("a", load_timeout_s=0), "slots[0].load_timeout_s: 0.0 is outside"),
+        (slot("a", group="gpu9"), "slots[0].group: 'gpu9' is not a [groups] table"),
+        (GPU + slot("a", group="gpu0"),
+         "slots[0].memory_mib: is required in group 'gpu0'"),
+        (GPU + slot("a", group="gpu0", memory_mib=12000, start="on_demand"),
+         "slots[0].memory_mib: 12000 MiB exceeds the budget of group 'gpu0' (10240 MiB)"),
+        (GPU + slot("a"), "groups.gpu0: no slot names this group"),
+        (GPU + slot("a", group="gpu0", memory_mib=4096)
+         + slot("b", group="gpu0", memory_mib=4096),
+         "groups.gpu0.max_loaded: 1 is fewer than its 2 slots with start = 'always'"),
+        ('[groups.gpu0]\nmemory_mib = 10240\n' + slot("a", group="gpu0", memory_mib=6144)
+         + slot("b", group="gpu0", memory_mib=6144),
+         "groups.gpu0.memory_mib: 10240 MiB is less than the 12288 MiB"),
+        ('[groups.gpu0]\nfree_memory_command = []\n' + slot("a", group="gpu0", memory_mib=1),
+         "groups.gpu0.free_memory_command: must be a non-empty list"),
+        ('[groups.gpu0]\nmax_loaded = 0\n' + slot("a", group="gpu0"),
+         "groups.gpu0.max_loaded: 0 is outside 1-4096"),
+        ('[groups.gpu0]\nslots = 1\n' + slot("a", group="gpu0"),
+         "groups.gpu0.slots: unknown key"),
+    ],
+)
+def test_impossible_lifecycle_settings_are_named_by_key_path(
+    tmp_path: Path, toml: str, problem: str
+) -> None:
+    with pytest.raises(config.ConfigError) as caught:
+        config.load(write(tmp_path, toml))
+    assert any(problem in p for p in caught.value.problems), caught.value.problems
+
+
+ONE_GPU = (
+    '[groups.gpu0]\nmax_loaded = 2\nmemory_mib = 10240\n'
+    'free_memory_command = ["nvidia-smi", "--query-gpu=memory.free"]\n'
+    + slot("a", group="gpu0", memory_mib=4096, start="on_demand", idle_unload_s=0.5)
+    + slot("b", group="gpu0", memory_mib=4096, start="on_demand", load_timeout_s=30)
+    + slot("c", group="gpu0", memory_mib=2048)
+    + slot("plain", command=False)
+)
+
+
+def test_a_one_gpu_config_loads_with_its_defaults(tmp_path: Path) -> None:
+    loaded = config.load(write(tmp_path, ONE_GPU))
+    a, b, c, plain = loaded.slots
+    assert (a.on_demand, a.idle_unload_s, a.load_timeout_s) == (True, 0.5, 600.0)
+    assert (b.on_demand, b.load_timeout_s) == (True, 30.0)
+    assert (c.on_demand, c.start, c.idle_unload_s) == (False, "always", 0.0)
+    assert (plain.on_demand, plain.group) == (False, None)
+    assert loaded.groups["gpu0"] == config.GroupConfig(
+        "gpu0", 2, 10240, ("nvidia-smi", "--query-gpu=memory.free")
+    )
+
+
+def test_a_slot_larger_than_its_groups_budget_fails_check_config(tmp_path: Path) -> None:
+    path = write(tmp_path, GPU + slot("a", group="gpu0", memory_mib=12000, start="on_demand"))
+    result = hal0d_cli("check-config", "--config", str(path))
+    assert result.returncode == 1
+    assert "slots[0].memory_mib: 12000 MiB exceeds the budget of group 'gpu0'" in result.stderr
+
+
+def test_print_config_shows_groups_and_lifecycle_keys_and_round_trips(tmp_path: Path) -> None:
+    path = write(tmp_path, ONE_GPU)
+    result = hal0d_cli("print-config", "--config", str(path))
+    assert result.returncode == 0, result.stderr
+    printed = tomllib.loads(result.stdout)
+    assert printed["groups"]["gpu0"]["max_loaded"] == 2
+    assert printed["slots"][0]["start"] == "on_demand"
+    assert "idle_unload_s" not in printed["slots"][3]  # no command: the key cannot apply
+    assert config.load(write(tmp_path, result.stdout)) == config.load(path)
