@@ -8,6 +8,7 @@
      ├── PayloadTooLarge           413     invalid_request_error / request.too_large request_too_large
      ├── QueueFull                 429     rate_limit_error / slot.queue_full       rate_limit_error
      ├── SlotLoading               503     slot_loading / slot.loading              overloaded_error
+     ├── SlotLoadFailed            503     slot_load_failed / slot.load_failed      overloaded_error
      ├── FdExhausted               503     server_overloaded / server.fd_exhausted  overloaded_error
      ├── UpstreamUnavailable       502     upstream_unavailable / dispatch.upstream_unavailable  api_error
      │    └── UpstreamInvalid      502     upstream_invalid / dispatch.upstream_invalid  api_error
@@ -105,6 +106,16 @@ class SlotLoading(Hal0Error):
     status = 503
     openai_type = "slot_loading"
     code = "slot.loading"
+    anthropic_type = "overloaded_error"
+
+
+class SlotLoadFailed(Hal0Error):
+    """The slot's model could not be loaded (its process exited, or did not answer within
+    load_timeout_s, or its group had no room); the message says why."""
+
+    status = 503
+    openai_type = "slot_load_failed"
+    code = "slot.load_failed"
     anthropic_type = "overloaded_error"
 
 

@@ -27,6 +27,16 @@ States and the transitions allowed between them (``TRANSITIONS``; anything else 
     error     ready     a probe succeeded again and nothing is in flight
     error     serving   ... and leases are in flight
     error     starting  the process is restarted
+    offline   stopped   an on-demand slot at start: not loaded, loads on demand
+    stopped   starting  a request (or the API) asked for it: the load begins
+    starting  stopped   the load failed (the reason says why)
+    ready     stopping  an unload begins (idle, evicted, api, reload)
+    serving   stopping  ... while requests are in flight: it drains, admitting nothing new
+    error     stopping  ... from error
+    starting  stopping  ... during a load (the API or a reload)
+    stopping  stopped   the process is gone (its memory is free only now)
+    ready     stopped   an on-demand slot's process exited on its own with nothing to do
+    error     stopped   ... the same, from error
     (any)     offline   shutdown
 
 Semantics worth knowing:
@@ -38,10 +48,17 @@ Semantics worth knowing:
 * Leases are granted in READY, SERVING and ERROR. ERROR is still tried because the probe may be
   stale; a lease granted in ERROR leaves the state alone, and releasing the last one leaves it
   in ERROR. Releasing the last lease in STARTING or OFFLINE leaves those alone too.
-* In STARTING, callers wait in the same FIFO queue and go, in order, once the slot is READY (or
-  ERROR). A waiter still waiting when ``queue_timeout_s`` runs out gets ``SlotLoading`` (503)
-  if the slot is still starting, else ``QueueFull`` (429). A full queue answers the same way:
-  ``SlotLoading`` when the slot is starting -- the honest reason -- else ``QueueFull``.
+* In STARTING, STOPPED and STOPPING, callers wait in the same FIFO queue and go, in order, once
+  the slot is READY (or ERROR). A waiter that finds the slot STOPPED asks for a load
+  (``wants_load``, set by the loader on an on-demand slot); while such a slot loads, a wait is
+  bounded by ``load_timeout_s`` when that is longer than ``queue_timeout_s``. A waiter still waiting when
+  its bound runs out gets ``SlotLoading`` (503) if the slot is still loading, else ``QueueFull``
+  (429). A full queue answers the same way: ``SlotLoading`` while loading -- the honest reason
+  -- else ``QueueFull``. A failed load fails every waiter at once with ``SlotLoadFailed``
+  (``fail_load``) and refuses new requests the same way until its backoff has passed.
+* STOPPED holds nothing in flight (a transition into it with leases in flight is an
+  ``IllegalTransition``); STOPPING admits nothing new and drains what is in flight
+  (``drained()``), so an unload never cuts a request.
 * OFFLINE means nobody is bringing the slot up (not yet probed, or shut down): ``lease()`` fails
   at once with ``SlotLoading``, and going offline fails every queued waiter the same way. The
   supervisor is expected to mark a slot starting/ready before traffic arrives. Coming back from
@@ -69,7 +86,7 @@ from typing import Any, Final, Protocol
 
 import structlog
 
-from hal0d.errors import QueueFull, SlotLoading
+from hal0d.errors import Hal0Error, QueueFull, SlotLoadFailed, SlotLoading
 
 # Retry-After hints: a queue usually moves within a couple of seconds, a model load takes longer.
 QUEUE_RETRY_AFTER_S: Final = 2.0
@@ -80,10 +97,12 @@ log = structlog.get_logger(__name__)
 
 class SlotState(enum.StrEnum):
     OFFLINE = "offline"
+    STOPPED = "stopped"
     STARTING = "starting"
     READY = "ready"
     SERVING = "serving"
     ERROR = "error"
+    STOPPING = "stopping"
 
 
 _S = SlotState
@@ -104,13 +123,27 @@ TRANSITIONS: Final[Mapping[tuple[SlotState, SlotState], str]] = {
     (_S.ERROR, _S.READY): "probe ok again",
     (_S.ERROR, _S.SERVING): "probe ok again, leases in flight",
     (_S.ERROR, _S.STARTING): "process restart",
+    (_S.OFFLINE, _S.STOPPED): "on-demand slot at start",
+    (_S.STOPPED, _S.STARTING): "load requested",
+    (_S.STARTING, _S.STOPPED): "load failed",
+    (_S.READY, _S.STOPPING): "unload",
+    (_S.SERVING, _S.STOPPING): "unload, draining the requests in flight",
+    (_S.ERROR, _S.STOPPING): "unload from error",
+    (_S.STARTING, _S.STOPPING): "unload during a load",
+    (_S.STOPPING, _S.STOPPED): "process gone",
+    (_S.READY, _S.STOPPED): "process exited on its own while idle",
+    (_S.ERROR, _S.STOPPED): "process exited on its own while idle, from error",
     (_S.STARTING, _S.OFFLINE): "shutdown",
     (_S.READY, _S.OFFLINE): "shutdown",
     (_S.SERVING, _S.OFFLINE): "shutdown",
     (_S.ERROR, _S.OFFLINE): "shutdown",
+    (_S.STOPPED, _S.OFFLINE): "shutdown",
+    (_S.STOPPING, _S.OFFLINE): "shutdown",
 }
 
 _GRANTABLE: Final = frozenset({SlotState.READY, SlotState.SERVING, SlotState.ERROR})
+# The states in which a request waits for a model to be (re)loaded rather than for capacity.
+LOADING: Final = frozenset({SlotState.STOPPED, SlotState.STARTING, SlotState.STOPPING})
 
 
 class IllegalTransition(RuntimeError):
@@ -132,6 +165,8 @@ class SlotLimits(Protocol):
     def max_queue(self) -> int: ...
     @property
     def queue_timeout_s(self) -> float: ...
+    @property
+    def load_timeout_s(self) -> float: ...
 
 
 StateListener = Callable[["Slot", SlotState, SlotState, "str | None"], None]
@@ -141,6 +176,7 @@ StateListener = Callable[["Slot", SlotState, SlotState, "str | None"], None]
 class Lease:
     slot: Slot
     queue_ms: float
+    load_ms: float = 0.0  # the part of queue_ms spent waiting for the slot's model to load
 
 
 class Slot:
@@ -157,6 +193,13 @@ class Slot:
         self.reason: str | None = None
         self.in_flight = 0
         self.on_change = on_change
+        # Further listeners (the loader, the event feed), told after on_change.
+        self.watchers: list[StateListener] = []
+        # Set by the loader on an on-demand slot: asked for a load when a request finds it stopped.
+        self.wants_load: Callable[[Slot], None] | None = None
+        # After a failed load: (monotonic time before which no new load is tried, its cause).
+        self.load_refused: tuple[float, str] | None = None
+        self._drained: list[asyncio.Future[None]] = []
         # Only pending futures, oldest first; a future leaves the deque before it is resolved,
         # except a cancelled one, which lingers until its task runs or the pump skips it.
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
@@ -177,8 +220,8 @@ class Slot:
             raise IllegalTransition(self.name, old, new, "not in the transition table")
         if new is SlotState.SERVING and self.in_flight == 0:
             raise IllegalTransition(self.name, old, new, "serving with nothing in flight")
-        if new is SlotState.READY and self.in_flight > 0:
-            raise IllegalTransition(self.name, old, new, f"ready with {self.in_flight} in flight")
+        if new in (SlotState.READY, SlotState.STOPPED) and self.in_flight > 0:
+            raise IllegalTransition(self.name, old, new, f"{new} with {self.in_flight} in flight")
         self.state = new
         self.reason = reason
         self._notify(old, new, reason)
@@ -209,13 +252,40 @@ class Slot:
         self.transition(SlotState.OFFLINE)
 
     def _notify(self, old: SlotState, new: SlotState, reason: str | None) -> None:
-        if self.on_change is None:
+        listeners = [self.on_change, *self.watchers] if self.on_change else self.watchers
+        for listener in listeners:
+            # A broken hook must not wedge admission halfway through a grant or a release.
+            try:
+                listener(self, old, new, reason)
+            except Exception:
+                log.exception("slot.listener_failed", slot=self.name, old=old, new=new)
+
+    # -- the model lifecycle (driven by the loader) -----------------------------------------
+
+    def fail_load(self, cause: str, retry_after_s: float) -> None:
+        """A load failed: every waiter gets SlotLoadFailed with `cause` at once, and so do new
+        requests until the backoff has passed (the loader moves the slot to STOPPED first)."""
+        self.load_refused = (time.monotonic() + retry_after_s, cause)
+        self.fail_waiters(SlotLoadFailed(self._load_failure(cause), retry_after=retry_after_s))
+
+    def _load_failure(self, cause: str) -> str:
+        return f"slot {self.name!r} could not load its model: {cause}"
+
+    def fail_waiters(self, error: Hal0Error) -> None:
+        """Every queued request gets `error` (a forced unload)."""
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_exception(error)
+
+    async def drained(self) -> None:
+        """Returns once nothing is in flight (an unload waits for this before it stops the
+        process: in-flight requests are never cut to make room)."""
+        if self.in_flight == 0:
             return
-        # A broken metrics hook must not wedge admission halfway through a grant or a release.
-        try:
-            self.on_change(self, old, new, reason)
-        except Exception:
-            log.exception("slot.listener_failed", slot=self.name, old=old, new=new)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._drained.append(fut)
+        await fut
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -233,6 +303,11 @@ class Slot:
 
     def _release(self) -> None:
         self.in_flight -= 1
+        if self.in_flight == 0 and self._drained:
+            for fut in self._drained:
+                if not fut.done():
+                    fut.set_result(None)
+            self._drained.clear()
         # Hand the unit on before looking at the state, so a busy slot does not flap
         # serving -> ready -> serving between two requests.
         self._pump()
@@ -253,9 +328,10 @@ class Slot:
             self._take()
 
     def _refusal(self, what: str) -> QueueFull | SlotLoading:
-        if self.state is SlotState.STARTING:
+        if self.state in LOADING:
             return SlotLoading(
-                f"slot {self.name!r} is still starting", retry_after=LOADING_RETRY_AFTER_S
+                f"slot {self.name!r} is still loading ({self.state}): {what}",
+                retry_after=LOADING_RETRY_AFTER_S,
             )
         return QueueFull(f"slot {self.name!r}: {what}", retry_after=QUEUE_RETRY_AFTER_S)
 
@@ -270,6 +346,12 @@ class Slot:
         if not self._waiters and self._can_grant():
             self._take()
             return
+        if self.state is SlotState.STOPPED and self.load_refused is not None:
+            not_before, cause = self.load_refused
+            if time.monotonic() < not_before:
+                raise SlotLoadFailed(
+                    self._load_failure(cause), retry_after=not_before - time.monotonic()
+                )
         if len(self._waiters) >= self.config.max_queue:
             raise self._refusal(f"queue is full ({self.config.max_queue} waiting)")
         loop = asyncio.get_running_loop()
@@ -278,7 +360,13 @@ class Slot:
         # Normally a no-op (units are handed over on release); it only matters if cancelled
         # futures still linger at the head while a unit is free, which must not strand us.
         self._pump()
-        timer = loop.call_later(self.config.queue_timeout_s, self._expire, fut)
+        timeout_s = self.config.queue_timeout_s
+        if self.state in LOADING and self.wants_load is not None:
+            # An on-demand slot: the request waits for the load it asks for (or joins).
+            timeout_s = max(timeout_s, self.config.load_timeout_s)
+            if self.state is SlotState.STOPPED:
+                self.wants_load(self)
+        timer = loop.call_later(timeout_s, self._expire, fut, timeout_s)
         try:
             await fut
         except asyncio.CancelledError:
@@ -291,11 +379,11 @@ class Slot:
         finally:
             timer.cancel()
 
-    def _expire(self, fut: asyncio.Future[None]) -> None:
+    def _expire(self, fut: asyncio.Future[None], timeout_s: float) -> None:
         if fut.done():
             return
         self._discard(fut)
-        fut.set_exception(self._refusal(f"no capacity within {self.config.queue_timeout_s:g}s"))
+        fut.set_exception(self._refusal(f"no capacity within {timeout_s:g}s"))
 
     def _discard(self, fut: asyncio.Future[None]) -> None:
         with contextlib.suppress(ValueError):
@@ -330,9 +418,11 @@ class _LeaseContext:
         self._held = False
 
     async def __aenter__(self) -> Lease:
+        loading = self._slot.state in LOADING
         await self._slot._acquire()
         self._held = True
-        return Lease(self._slot, (time.monotonic() - self._started) * 1000.0)
+        waited_ms = (time.monotonic() - self._started) * 1000.0
+        return Lease(self._slot, waited_ms, waited_ms if loading else 0.0)
 
     async def __aexit__(
         self,

@@ -9,24 +9,16 @@ the server listens at once and requests for a starting slot queue until it is re
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
-import os
-import resource
-import shutil
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
-from pathlib import Path
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import aiohttp
 from aiohttp import hdrs, web
 
-from hal0d import USER_AGENT, descriptors
+from hal0d import USER_AGENT
 from hal0d.appkeys import RUNTIME, SESSION, SLOTS, SUPERVISOR
+from hal0d.child import Child, LaunchFailed, resolve_program
 from hal0d.config import SlotConfig
 from hal0d.logs import get_logger
 from hal0d.slots import Slot, SlotState, SlotTable
@@ -36,102 +28,9 @@ log = get_logger()
 PROBE_INTERVAL_S = 10.0
 PROBE_TIMEOUT_S = 5.0
 STARTUP_POLL_S = 0.2
-STARTUP_TIMEOUT_S = 600.0  # a big model can take minutes to load
-STOP_GRACE_S = 10.0
-OUTPUT_BLOCK = 65536
-MAX_LOGGED_LINE = 16384  # a longer line is logged cut, with the count of what was left out
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
 HEALTHY_RUN_S = 60.0  # a process that ran this long restarts from the first backoff step again
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-# What a slot process gets when hal0d dies without stopping it (kill -9, OOM killer, a crash).
-# SIGTERM, not SIGKILL: the parent-death signal reaches only the direct child, and hal0d's group
-# kill died with hal0d, so only a process allowed to shut down takes its own children along
-# (vLLM's engine workers, a wrapper script's server), as hal0d's own stop() asks it to first.
-# Model servers end promptly on SIGTERM; one that ignores it is left to the service manager
-# (the unit's KillMode=mixed ends whatever is left in hal0d's cgroup).
-PARENT_DEATH_SIGNAL = signal.SIGTERM
-
-
-def load_prctl() -> Callable[..., int] | None:
-    """libc's prctl, looked up once in the parent (nothing should be loaded between fork and
-    exec); None where there is no such call, and slot processes start without a death signal."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return prctl
-
-
-PRCTL = load_prctl()
-
-
-def die_with_hal0d() -> Callable[[], None] | None:
-    """A preexec_fn that makes the child get PARENT_DEATH_SIGNAL when hal0d dies, however it dies.
-
-    Both loops run it between fork and exec, and keep start_new_session too: asyncio's loop hands
-    both to subprocess.Popen, and uvloop calls it from its fork handler before libuv's child setup
-    calls setsid() for the detached flag (tests/test_process_hygiene.py checks both on both loops).
-
-    The signal is tied to the *thread* that forked, not the process (prctl(2)): it fires when that
-    thread ends. Both loops fork in the thread that runs them, synchronously inside
-    create_subprocess_exec, and hal0d runs its loop in the main thread for its whole life
-    (server.serve), so the thread ends only with the process. A loop run in a side thread would
-    take its slot processes along when that thread ends, which is right too: nobody supervises
-    them any more.
-
-    hal0d has other threads (the history writer, to_thread), so the hook does only what cannot
-    wait for a lock one of them held at the fork: a foreign call loaded beforehand, getppid, exit.
-    """
-    prctl = PRCTL
-    if prctl is None:
-        return None
-    hal0d = os.getpid()  # before the fork: in the child this is the parent it must still have
-
-    def set_parent_death_signal() -> None:
-        if prctl(PR_SET_PDEATHSIG, int(PARENT_DEATH_SIGNAL), 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-        if os.getppid() != hal0d:
-            # hal0d died between the fork and the prctl, so the signal will never come: the
-            # child is already an orphan and must not go on to start a model server.
-            os._exit(1)
-
-    return set_parent_death_signal
-
-
-def child_setup() -> Callable[[], None] | None:
-    """The preexec_fn of a slot process: the parent-death signal, and the open-files limit hal0d
-    was started with (hal0d raised its own for its sockets; the model server raises its own if
-    it needs to)."""
-    die = die_with_hal0d()
-    limit = descriptors.limit_for_children()
-    if limit is None:
-        return die
-
-    def setup() -> None:
-        if die is not None:
-            die()
-        resource.setrlimit(resource.RLIMIT_NOFILE, limit)  # one system call: safe after fork
-
-    return setup
-
-
-def resolve_program(argv: tuple[str, ...]) -> list[str]:
-    """A bare program name is looked up beside hal0d's own Python first (its virtualenv), then
-    on PATH, so `command = ["hal0d", "stub", ...]` works however hal0d was installed."""
-    program = argv[0]
-    if os.sep not in program:
-        beside = Path(sys.executable).parent / program
-        if beside.exists():
-            return [str(beside), *argv[1:]]
-        found = shutil.which(program)
-        if found:
-            return [found, *argv[1:]]
-    return list(argv)
-
-
 def log_state_change(slot: Slot, old: SlotState, new: SlotState, reason: str | None) -> None:
     if new == SlotState.SERVING or (old == SlotState.SERVING and new == SlotState.READY):
         return  # every lease would log twice; in_flight is in /api/slots and /metrics instead
@@ -161,18 +60,22 @@ async def probe(session: aiohttp.ClientSession, config: SlotConfig) -> str | Non
 
 
 class SlotProcess:
-    """Runs one slot's command, restarting it with backoff while hal0d runs."""
+    """Runs one `always` slot's command, restarting it with backoff while hal0d runs."""
 
     def __init__(self, slot: Slot, config: SlotConfig, session: aiohttp.ClientSession) -> None:
         self.slot = slot
         self.config = config
         self.session = session
-        self.process: asyncio.subprocess.Process | None = None
+        self.child: Child | None = None
         self.restarts = 0
         self._stopping = False
         # Why the last launch failed before any process existed (a missing program): the
         # slot's reason says so, not a meaningless exit code.
         self.launch_error: str | None = None
+
+    @property
+    def process(self) -> asyncio.subprocess.Process | None:
+        return self.child.process if self.child is not None else None
 
     async def run(self) -> None:
         backoff = BACKOFF_FIRST_S
@@ -199,92 +102,51 @@ class SlotProcess:
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
     async def _run_once(self) -> int | None:
-        argv = resolve_program(self.config.command or ())
-        launching = "launching " + " ".join(argv)
+        command = self.config.command or ()
+        launching = "launching " + " ".join(resolve_program(command))
         if self.launch_error is not None:
             launching += f" (the last attempt failed: {self.launch_error})"
         self.slot.mark_starting(launching)
         try:
-            self.process = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,  # its own process group: stop() ends its children too
-                preexec_fn=child_setup(),  # and a kill -9 of hal0d ends the process itself
-            )
-        except (OSError, subprocess.SubprocessError) as exc:
-            self.launch_error = f"cannot start {argv[0]!r}: {getattr(exc, 'strerror', None) or exc}"
-            log.error("slot.process_failed", slot=self.slot.name, argv=argv, error=str(exc),
-                      reason=self.launch_error, restarts=self.restarts)
+            child = self.child = await Child.start(self.slot.name, command)
+        except LaunchFailed as exc:
+            self.launch_error = str(exc)
             return None
         self.launch_error = None
-        log.info("slot.process_started", slot=self.slot.name, pid=self.process.pid, argv=argv)
-        output = asyncio.create_task(self._log_output(self.process))
         waiting = asyncio.create_task(self._await_ready())
         try:
             if self._stopping:
                 # stop() ran while the process was being created, and found none to stop.
                 await self.stop()
-            await self.process.wait()
+            return await child.wait()
         finally:
             waiting.cancel()
-            if self.process.returncode is None:
-                # Cancelled (hal0d is going away) with the process still running: it must
-                # not outlive us, and its output will not end while it runs.
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                output.cancel()
-            await asyncio.gather(output, waiting, return_exceptions=True)
-        return self.process.returncode
+            await child.abandon()
+            await asyncio.gather(waiting, return_exceptions=True)
 
     async def _await_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if await probe(self.session, self.config) is None:
-                self.slot.mark_ready()
-                return
-            await asyncio.sleep(STARTUP_POLL_S)
-        self.slot.mark_error(f"not answering after {STARTUP_TIMEOUT_S:g} s")
-
-    async def _log_output(self, process: asyncio.subprocess.Process) -> None:
-        """Every line of the process's output, logged. Read in blocks and split here: readline()
-        gives up on a line over 64 KiB (vLLM logs whole prompts), and a pipe nobody reads any
-        more blocks the process on its next write."""
-        assert process.stdout is not None
-        pending = b""
-        while block := await process.stdout.read(OUTPUT_BLOCK):
-            *lines, pending = (pending + block).split(b"\n")
-            if len(pending) > MAX_LOGGED_LINE:
-                lines.append(pending)
-                pending = b""
-            for line in lines:
-                self._log_line(line)
-        self._log_line(pending)
-
-    def _log_line(self, line: bytes) -> None:
-        text = line[:MAX_LOGGED_LINE].decode("utf-8", "replace").rstrip()
-        if len(line) > MAX_LOGGED_LINE:
-            text += f" [... {len(line) - MAX_LOGGED_LINE} more bytes]"
-        if text:
-            log.info("slot.process_output", slot=self.slot.name, line=text)
+        timeout_s = self.config.load_timeout_s
+        if await answers_within(self.session, self.config, timeout_s):
+            self.slot.mark_ready()
+        else:
+            self.slot.mark_error(f"not answering after {timeout_s:g} s")
 
     async def stop(self) -> None:
         self._stopping = True
-        process = self.process
-        if process is None or process.returncode is not None:
-            return  # none yet: _run_once stops it as soon as it exists
-        try:
-            os.killpg(process.pid, signal.SIGTERM)
-            async with asyncio.timeout(STOP_GRACE_S):
-                await process.wait()
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            await process.wait()
-        except ProcessLookupError:
-            pass
-        log.info("slot.process_stopped", slot=self.slot.name, code=process.returncode)
+        if self.child is not None:
+            await self.child.stop()  # none yet: _run_once stops it as soon as it exists
+
+
+async def answers_within(
+    session: aiohttp.ClientSession, config: SlotConfig, timeout_s: float
+) -> bool:
+    """Probes until the upstream answers (True) or `timeout_s` has passed (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await probe(session, config) is None:
+            return True
+        await asyncio.sleep(STARTUP_POLL_S)
+    return False
 
 
 class Supervisor:

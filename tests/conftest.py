@@ -21,9 +21,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from hal0d.app import make_app
+from hal0d.child import PRCTL
 from hal0d.config import Config, DispatcherConfig, MetricsConfig, SlotConfig
 from hal0d.stub import make_stub_app
-from hal0d.supervisor import PRCTL
 
 ROLE_CHUNK = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}\n\n'
 STUB_MODELS = ("reasoning", "chat", "think-only", "tool", "stall", "chatty", "broken")

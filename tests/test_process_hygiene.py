@@ -27,9 +27,10 @@ import pytest
 import uvloop
 from structlog.testing import capture_logs
 
+from hal0d.child import PARENT_DEATH_SIGNAL, PRCTL
 from hal0d.config import SlotConfig
 from hal0d.slots import Slot
-from hal0d.supervisor import PARENT_DEATH_SIGNAL, PRCTL, SlotProcess
+from hal0d.supervisor import SlotProcess
 from tests.conftest import free_port, kill_with_its_group, process_state, running
 
 pytestmark = pytest.mark.skipif(PRCTL is None, reason="parent-death signals are Linux's prctl")
@@ -89,7 +90,7 @@ def test_a_slot_process_gets_the_parent_death_signal_and_a_session_of_its_own(
 # then runs the hook, as a slot process would had hal0d died between its fork and the prctl.
 ORPHANED_BEFORE_THE_HOOK = textwrap.dedent("""
     import os, sys, time
-    from hal0d.supervisor import die_with_hal0d
+    from hal0d.child import die_with_hal0d
     hook = die_with_hal0d()
     parent = os.getpid()
     if os.fork():

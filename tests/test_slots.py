@@ -27,6 +27,7 @@ class Cfg:
     max_concurrent: int = 1
     max_queue: int = 32
     queue_timeout_s: float = 5.0
+    load_timeout_s: float = 30.0
     upstream: str = "http://127.0.0.1:8080"
     models: tuple[str, ...] = ("qwen",)
 

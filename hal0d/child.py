@@ -1,0 +1,220 @@
+"""A slot's process: started in a process group of its own that dies with hal0d, its output
+logged line by line, stopped gracefully (SIGTERM to the group, SIGKILL after a grace).
+
+Both kinds of slot run their command through `Child`: the supervisor's `always` slots, which it
+restarts when they exit, and the loader's `on_demand` slots, which it starts for a request and
+stops when idle or evicted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from hal0d import descriptors
+from hal0d.logs import get_logger
+
+log = get_logger()
+
+STOP_GRACE_S = 10.0
+OUTPUT_BLOCK = 65536
+MAX_LOGGED_LINE = 16384  # a longer line is logged cut, with the count of what was left out
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# What a slot process gets when hal0d dies without stopping it (kill -9, OOM killer, a crash).
+# SIGTERM, not SIGKILL: the parent-death signal reaches only the direct child, and hal0d's group
+# kill died with hal0d, so only a process allowed to shut down takes its own children along
+# (vLLM's engine workers, a wrapper script's server), as hal0d's own stop() asks it to first.
+# Model servers end promptly on SIGTERM; one that ignores it is left to the service manager
+# (the unit's KillMode=mixed ends whatever is left in hal0d's cgroup).
+PARENT_DEATH_SIGNAL = signal.SIGTERM
+
+
+def load_prctl() -> Callable[..., int] | None:
+    """libc's prctl, looked up once in the parent (nothing should be loaded between fork and
+    exec); None where there is no such call, and slot processes start without a death signal."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return prctl
+
+
+PRCTL = load_prctl()
+
+
+def die_with_hal0d() -> Callable[[], None] | None:
+    """A preexec_fn that makes the child get PARENT_DEATH_SIGNAL when hal0d dies, however it dies.
+
+    Both loops run it between fork and exec, and keep start_new_session too: asyncio's loop hands
+    both to subprocess.Popen, and uvloop calls it from its fork handler before libuv's child setup
+    calls setsid() for the detached flag (tests/test_process_hygiene.py checks both on both loops).
+
+    The signal is tied to the *thread* that forked, not the process (prctl(2)): it fires when that
+    thread ends. Both loops fork in the thread that runs them, synchronously inside
+    create_subprocess_exec, and hal0d runs its loop in the main thread for its whole life
+    (server.serve), so the thread ends only with the process. A loop run in a side thread would
+    take its slot processes along when that thread ends, which is right too: nobody supervises
+    them any more.
+
+    hal0d has other threads (the history writer, to_thread), so the hook does only what cannot
+    wait for a lock one of them held at the fork: a foreign call loaded beforehand, getppid, exit.
+    """
+    prctl = PRCTL
+    if prctl is None:
+        return None
+    hal0d = os.getpid()  # before the fork: in the child this is the parent it must still have
+
+    def set_parent_death_signal() -> None:
+        if prctl(PR_SET_PDEATHSIG, int(PARENT_DEATH_SIGNAL), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != hal0d:
+            # hal0d died between the fork and the prctl, so the signal will never come: the
+            # child is already an orphan and must not go on to start a model server.
+            os._exit(1)
+
+    return set_parent_death_signal
+
+
+def child_setup() -> Callable[[], None] | None:
+    """The preexec_fn of a slot process: the parent-death signal, and the open-files limit hal0d
+    was started with (hal0d raised its own for its sockets; the model server raises its own if
+    it needs to)."""
+    die = die_with_hal0d()
+    limit = descriptors.limit_for_children()
+    if limit is None:
+        return die
+
+    def setup() -> None:
+        if die is not None:
+            die()
+        resource.setrlimit(resource.RLIMIT_NOFILE, limit)  # one system call: safe after fork
+
+    return setup
+
+
+def resolve_program(argv: tuple[str, ...]) -> list[str]:
+    """A bare program name is looked up beside hal0d's own Python first (its virtualenv), then
+    on PATH, so `command = ["hal0d", "stub", ...]` works however hal0d was installed."""
+    program = argv[0]
+    if os.sep not in program:
+        beside = Path(sys.executable).parent / program
+        if beside.exists():
+            return [str(beside), *argv[1:]]
+        found = shutil.which(program)
+        if found:
+            return [found, *argv[1:]]
+    return list(argv)
+
+
+class LaunchFailed(Exception):
+    """The command could not be started at all (a missing program, a refused exec)."""
+
+
+class Child:
+    """One run of a slot's command."""
+
+    def __init__(self, slot: str, argv: list[str], process: asyncio.subprocess.Process) -> None:
+        self.slot = slot
+        self.argv = argv
+        self.process = process
+        self.pid = process.pid
+        self.last_line: str | None = None  # the last line it printed: a failed load names it
+        self._output = asyncio.create_task(self._log_output())
+
+    @classmethod
+    async def start(cls, slot: str, command: tuple[str, ...]) -> Child:
+        argv = resolve_program(command)
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,  # its own process group: stop() ends its children too
+                preexec_fn=child_setup(),  # and a kill -9 of hal0d ends the process itself
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            reason = f"cannot start {argv[0]!r}: {getattr(exc, 'strerror', None) or exc}"
+            log.error("slot.process_failed", slot=slot, argv=argv, error=str(exc), reason=reason)
+            raise LaunchFailed(reason) from None
+        log.info("slot.process_started", slot=slot, pid=process.pid, argv=argv)
+        return cls(slot, argv, process)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    async def wait(self) -> int:
+        """The exit code, once the process is gone and its last output is logged."""
+        code = await self.process.wait()
+        await asyncio.gather(self._output, return_exceptions=True)
+        return code
+
+    def exit_summary(self, code: int | None) -> str:
+        summary = f"process exited with code {code}"
+        return f"{summary}: {self.last_line}" if self.last_line else summary
+
+    async def stop(self, grace_s: float = STOP_GRACE_S) -> int | None:
+        """SIGTERM to its group, SIGKILL after `grace_s`; returns once it is gone."""
+        if self.process.returncode is None:
+            try:
+                os.killpg(self.pid, signal.SIGTERM)
+                async with asyncio.timeout(grace_s):
+                    await self.process.wait()
+            except TimeoutError:
+                self.kill()
+                await self.process.wait()
+            except ProcessLookupError:
+                pass
+        code = await self.wait()
+        log.info("slot.process_stopped", slot=self.slot, code=code)
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL to its group at once (hal0d is going away and cannot wait)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+
+    async def abandon(self) -> None:
+        """Cancelled with the process still running: it must not outlive hal0d, and its
+        output will not end while it runs."""
+        if self.process.returncode is None:
+            self.kill()
+            self._output.cancel()
+        await asyncio.gather(self._output, return_exceptions=True)
+
+    async def _log_output(self) -> None:
+        """Every line of the process's output, logged. Read in blocks and split here: readline()
+        gives up on a line over 64 KiB (vLLM logs whole prompts), and a pipe nobody reads any
+        more blocks the process on its next write."""
+        stdout = self.process.stdout
+        assert stdout is not None
+        pending = b""
+        while block := await stdout.read(OUTPUT_BLOCK):
+            *lines, pending = (pending + block).split(b"\n")
+            if len(pending) > MAX_LOGGED_LINE:
+                lines.append(pending)
+                pending = b""
+            for line in lines:
+                self._log_line(line)
+        self._log_line(pending)
+
+    def _log_line(self, line: bytes) -> None:
+        text = line[:MAX_LOGGED_LINE].decode("utf-8", "replace").rstrip()
+        if len(line) > MAX_LOGGED_LINE:
+            text += f" [... {len(line) - MAX_LOGGED_LINE} more bytes]"
+        if text:
+            self.last_line = text
+            log.info("slot.process_output", slot=self.slot, line=text)
