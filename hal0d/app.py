@@ -170,6 +170,8 @@ def make_app(config: Config) -> web.Application:
         router.add_post(path, anthropic.messages)
         router.add_post(f"{path}/count_tokens", anthropic.count_tokens)
     router.add_get("/api/slots", admin.slots)
+    router.add_post("/api/slots/{name}/load", admin.load_slot)
+    router.add_post("/api/slots/{name}/unload", admin.unload_slot)
     router.add_get("/api/slots/metrics", admin.slot_metrics)
     router.add_get("/api/requests", admin.requests)
     router.add_get("/metrics", admin.prometheus)

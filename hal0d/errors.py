@@ -5,6 +5,7 @@
      ├── Unauthorized              401     authentication_error / auth.invalid_key  authentication_error
      ├── NoRoute                   404     not_found_error / dispatch.no_route      not_found_error
      ├── MethodNotAllowed          405     invalid_request_error / request.method   invalid_request_error
+     ├── Conflict                  409     invalid_request_error / slot.conflict    invalid_request_error
      ├── PayloadTooLarge           413     invalid_request_error / request.too_large request_too_large
      ├── QueueFull                 429     rate_limit_error / slot.queue_full       rate_limit_error
      ├── SlotLoading               503     slot_loading / slot.loading              overloaded_error
@@ -85,6 +86,16 @@ class MethodNotAllowed(Hal0Error):
     status = 405
     openai_type = "invalid_request_error"
     code = "request.method_not_allowed"
+    anthropic_type = "invalid_request_error"
+
+
+class Conflict(Hal0Error):
+    """The request does not fit the slot's state: unloading a slot with requests queued, loading
+    one hal0d does not start."""
+
+    status = 409
+    openai_type = "invalid_request_error"
+    code = "slot.conflict"
     anthropic_type = "invalid_request_error"
 
 

@@ -386,7 +386,8 @@ class Daemon:
             logs.configure(effective.logging.level, effective.logging.format)
         logs.hide(known_secrets(effective))
         drain_s = drain_time(running)
-        changes = await self.app[SUPERVISOR].reload(effective.slots, drain_s=drain_s)
+        changes = await self.app[SUPERVISOR].reload(effective.slots, drain_s=drain_s,
+                                                     groups=effective.groups)
         # No await between the slot table change and this swap: see Supervisor.reload.
         self.app[RUNTIME].current = Runtime.build(effective)
         log.info(

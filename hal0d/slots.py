@@ -51,11 +51,12 @@ Semantics worth knowing:
 * In STARTING, STOPPED and STOPPING, callers wait in the same FIFO queue and go, in order, once
   the slot is READY (or ERROR). A waiter that finds the slot STOPPED asks for a load
   (``wants_load``, set by the loader on an on-demand slot); while such a slot loads, a wait is
-  bounded by ``load_timeout_s`` when that is longer than ``queue_timeout_s``. A waiter still waiting when
-  its bound runs out gets ``SlotLoading`` (503) if the slot is still loading, else ``QueueFull``
-  (429). A full queue answers the same way: ``SlotLoading`` while loading -- the honest reason
-  -- else ``QueueFull``. A failed load fails every waiter at once with ``SlotLoadFailed``
-  (``fail_load``) and refuses new requests the same way until its backoff has passed.
+  bounded by ``load_timeout_s`` when that is longer than ``queue_timeout_s``. A waiter still
+  waiting when its bound runs out gets ``SlotLoading`` (503) if the slot is still loading, else
+  ``QueueFull`` (429). A full queue answers the same way: ``SlotLoading`` while loading -- the
+  honest reason -- else ``QueueFull``. A failed load fails every waiter at once with
+  ``SlotLoadFailed`` (``fail_load``) and refuses new requests the same way until its backoff
+  has passed.
 * STOPPED holds nothing in flight (a transition into it with leases in flight is an
   ``IllegalTransition``); STOPPING admits nothing new and drains what is in flight
   (``drained()``), so an unload never cuts a request.

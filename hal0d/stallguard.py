@@ -46,7 +46,7 @@ STALL_MARKER = b'"x_hal0_stall"'
 
 @dataclass(frozen=True, slots=True)
 class StallTrip:
-    reason: str  # total | idle | read | shutdown
+    reason: str  # total | idle | read | shutdown | unloaded
     elapsed_s: float
     upstream: str
     total_s: float
@@ -68,6 +68,7 @@ class StallTrip:
             "idle": f"the upstream sent nothing for stream_idle_timeout_s = {self.idle_s:g} s",
             "read": "the upstream connection timed out on a read (direct_read_timeout_s)",
             "shutdown": "hal0d is shutting down",
+            "unloaded": "its slot was unloaded by force (POST /api/slots/NAME/unload?force=true)",
         }[self.reason]
         return (
             f"[hal0] stall guard: the answer was cut off after {self.elapsed_s:.1f} s because "

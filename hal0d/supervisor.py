@@ -10,24 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import aiohttp
-from aiohttp import hdrs, web
+from aiohttp import web
 
-from hal0d import USER_AGENT
-from hal0d.appkeys import RUNTIME, SESSION, SLOTS, SUPERVISOR
+from hal0d.appkeys import RUNTIME, SESSION, SLOTS, STREAMS, SUPERVISOR
 from hal0d.child import Child, LaunchFailed, resolve_program
-from hal0d.config import SlotConfig
+from hal0d.config import GroupConfig, SlotConfig
+from hal0d.loader import Loader, Model, UnloadReason
 from hal0d.logs import get_logger
+from hal0d.probe import STARTUP_POLL_S, answers_within, probe
 from hal0d.slots import Slot, SlotState, SlotTable
 
 log = get_logger()
 
 PROBE_INTERVAL_S = 10.0
-PROBE_TIMEOUT_S = 5.0
-STARTUP_POLL_S = 0.2
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
 HEALTHY_RUN_S = 60.0  # a process that ran this long restarts from the first backoff step again
@@ -36,27 +35,6 @@ def log_state_change(slot: Slot, old: SlotState, new: SlotState, reason: str | N
         return  # every lease would log twice; in_flight is in /api/slots and /metrics instead
     level = log.warning if new == SlotState.ERROR else log.info
     level("slot.state_changed", slot=slot.name, old=str(old), new=str(new), reason=reason)
-
-
-async def probe(session: aiohttp.ClientSession, config: SlotConfig) -> str | None:
-    """None when the upstream answers GET /v1/models, else why not."""
-    headers: dict[str, str] = {hdrs.USER_AGENT: USER_AGENT}
-    token = config.bearer_token()
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    try:
-        async with asyncio.timeout(PROBE_TIMEOUT_S):
-            async with session.get(config.upstream + "/v1/models", headers=headers) as resp:
-                await resp.read()
-                if resp.status >= 500:
-                    return f"GET /v1/models answered {resp.status}"
-                return None
-    except TimeoutError:
-        return f"GET /v1/models timed out after {PROBE_TIMEOUT_S:g} s"
-    except aiohttp.ClientConnectorError as exc:
-        return f"cannot connect ({exc.os_error.strerror or exc.os_error})"
-    except (aiohttp.ClientError, OSError) as exc:
-        return f"{type(exc).__name__}: {exc}"
 
 
 class SlotProcess:
@@ -137,29 +115,27 @@ class SlotProcess:
             await self.child.stop()  # none yet: _run_once stops it as soon as it exists
 
 
-async def answers_within(
-    session: aiohttp.ClientSession, config: SlotConfig, timeout_s: float
-) -> bool:
-    """Probes until the upstream answers (True) or `timeout_s` has passed (False)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await probe(session, config) is None:
-            return True
-        await asyncio.sleep(STARTUP_POLL_S)
-    return False
-
-
 class Supervisor:
     """All slot processes and the periodic probe of one application."""
 
-    def __init__(self, table: SlotTable, configs: tuple[SlotConfig, ...],
-                 session: aiohttp.ClientSession) -> None:
+    def __init__(
+        self,
+        table: SlotTable,
+        configs: tuple[SlotConfig, ...],
+        session: aiohttp.ClientSession,
+        *,
+        groups: dict[str, GroupConfig] | None = None,
+        end_streams: Callable[[str, str], int] = lambda slot, reason: 0,
+    ) -> None:
         self.table = table
         self.configs = {c.name: c for c in configs}
         self.session = session
         self.processes = {
-            c.name: SlotProcess(table[c.name], c, session) for c in configs if c.command
+            c.name: SlotProcess(table[c.name], c, session)
+            for c in configs if c.command and not c.on_demand
         }
+        # The on-demand slots' processes: started for a request, stopped when idle.
+        self.loader = Loader(table, configs, groups or {}, session, end_streams)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def probe_once(self, name: str) -> None:
@@ -168,6 +144,8 @@ class Supervisor:
             return  # removed by a reload while this probe round was starting
         if slot.state in (SlotState.STARTING, SlotState.OFFLINE) and name in self.processes:
             return  # the process's own startup wait owns these states
+        if name in self.loader.models and slot.state not in (SlotState.READY, SlotState.ERROR):
+            return  # the loader owns an on-demand slot's state until its model is loaded
         if name in self.processes and self.processes[name].launch_error is not None:
             return  # nothing could be started: "cannot connect" would hide the real cause
         if slot.in_flight:
@@ -180,6 +158,8 @@ class Supervisor:
             return  # a reload replaced the slot meanwhile: this answer is about the old one
         if slot.state is SlotState.STARTING and name in self.processes:
             return  # a reload is bringing up a new process; its own startup wait decides
+        if name in self.loader.models and slot.state not in (SlotState.READY, SlotState.ERROR):
+            return  # loaded or unloaded meanwhile
         if reason is None:
             slot.mark_ready()
         else:
@@ -188,7 +168,8 @@ class Supervisor:
     async def start(self) -> None:
         for process in self.processes.values():
             self._tasks.append(asyncio.create_task(process.run()))
-        plain = [name for name in self.configs if name not in self.processes]
+        plain = [name for name in self.configs
+                 if name not in self.processes and name not in self.loader.models]
         await asyncio.gather(*(self.probe_once(name) for name in plain))
         self._tasks.append(asyncio.create_task(self._probe_forever()))
 
@@ -198,7 +179,7 @@ class Supervisor:
             await asyncio.gather(*(self.probe_once(name) for name in self.configs))
 
     async def stop(self) -> None:
-        await asyncio.gather(*(p.stop() for p in self.processes.values()))
+        await asyncio.gather(self.loader.stop(), *(p.stop() for p in self.processes.values()))
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -206,7 +187,11 @@ class Supervisor:
             slot.mark_offline()
 
     async def reload(
-        self, configs: tuple[SlotConfig, ...], *, drain_s: float = 900.0
+        self,
+        configs: tuple[SlotConfig, ...],
+        *,
+        drain_s: float = 900.0,
+        groups: dict[str, GroupConfig] | None = None,
     ) -> dict[str, list[str]]:
         """Apply a reloaded [[slots]] list; returns the slot names added, removed and changed.
 
@@ -250,16 +235,20 @@ class Supervisor:
             self._tasks[:] = [task for task in self._tasks if not task.done()]
             self._tasks.append(asyncio.create_task(coro))
 
+        self.loader.set_groups(groups or {})
         for name in added:
             self.table.add(Slot(new[name], on_change=listener))
             self.configs[name] = new[name]
-            if new[name].command:
+            if new[name].on_demand:
+                self.loader.add(new[name])
+            elif new[name].command:
                 launched = SlotProcess(self.table[name], new[name], self.session)
                 self.processes[name] = launched
                 spawn(launched.run())
-        await asyncio.gather(
-            *(self.probe_once(name) for name in added if name not in self.processes)
-        )
+        await asyncio.gather(*(
+            self.probe_once(name) for name in added
+            if name not in self.processes and name not in self.loader.models
+        ))
 
         # From here to the return there is no await: the table and the caller's new Runtime
         # change in the same step of the event loop.
@@ -270,11 +259,17 @@ class Supervisor:
             process = self.processes.pop(name, None)
             if process is not None:
                 spawn(retire(slot, process, None, probe_after=False))
+            model = self.loader.retire(name)
+            if model is not None:
+                spawn(self._retire_model(slot, model, drain_s))
         for name in changed:
             before, after = self.configs[name], new[name]
             slot = self.table[name]
             slot.reconfigure(after)  # limits and the admin view; leases already held keep counting
             self.configs[name] = after
+            if before.on_demand or after.on_demand:
+                self._change_lifecycle(slot, before, after, drain_s, spawn)
+                continue
             process = self.processes.get(name)
             if (before.command, before.upstream) == (after.command, after.upstream):
                 if process is not None:
@@ -289,13 +284,87 @@ class Supervisor:
             spawn(retire(slot, process, successor, probe_after=successor is None))
         return {"added": added, "removed": removed, "changed": changed}
 
+    def _change_lifecycle(
+        self, slot: Slot, before: SlotConfig, after: SlotConfig, drain_s: float,
+        spawn: Callable[[Coroutine[Any, Any, None]], None],
+    ) -> None:
+        """A reloaded slot that is or becomes on demand. Its in-flight requests finish on the
+        old process; a changed command or upstream is loaded by the next request."""
+        name = slot.name
+        new_process = (before.command, before.upstream) != (after.command, after.upstream)
+        if before.on_demand and after.on_demand:
+            self.loader.reconfigure(after)
+            if new_process and slot.state in (SlotState.READY, SlotState.SERVING,
+                                              SlotState.ERROR, SlotState.STARTING):
+                self.loader.unload_soon(name, UnloadReason.RELOAD)
+            return
+        if after.on_demand:  # always -> on demand: drain the running process, then rest
+            process = self.processes.pop(name, None)
+            if slot.state not in (SlotState.STOPPED, SlotState.STOPPING, SlotState.OFFLINE):
+                slot.transition(SlotState.STOPPING, "reloaded: now started on demand")
+            self.loader.add(after)
+            spawn(self._rest_on_demand(slot, process, drain_s))
+            return
+        # on demand -> always: unload, then the supervisor runs and restarts the command.
+        model = self.loader.retire(name)
+        successor = SlotProcess(slot, after, self.session)
+        self.processes[name] = successor
+        if slot.state in (SlotState.READY, SlotState.SERVING, SlotState.ERROR):
+            slot.transition(SlotState.STOPPING, "reloaded: now started with hal0d")
+        spawn(self._start_always(slot, model, successor, drain_s))
+
+    async def _drain(self, slot: Slot, drain_s: float) -> None:
+        if slot.in_flight:
+            log.info("slot.draining", slot=slot.name, in_flight=slot.in_flight)
+        try:
+            async with asyncio.timeout(drain_s):
+                await slot.drained()
+        except TimeoutError:
+            log.warning("slot.drain_timeout", slot=slot.name, in_flight=slot.in_flight,
+                        drain_s=drain_s)
+
+    async def _retire_model(self, slot: Slot, model: Model, drain_s: float) -> None:
+        try:
+            await self._drain(slot, drain_s)
+        finally:
+            await self.loader.stop_model(model, UnloadReason.RELOAD)
+
+    async def _rest_on_demand(
+        self, slot: Slot, process: SlotProcess | None, drain_s: float
+    ) -> None:
+        await self._drain(slot, drain_s)
+        if process is not None:
+            await process.stop()
+        if slot.state is SlotState.STOPPING:
+            slot.transition(SlotState.STOPPED, "reloaded: loads on the next request")
+        self.loader.load_if_wanted(slot)
+
+    async def _start_always(
+        self, slot: Slot, model: Model | None, successor: SlotProcess, drain_s: float
+    ) -> None:
+        await self._drain(slot, drain_s)
+        if model is not None:
+            await self.loader.stop_model(model, UnloadReason.RELOAD)
+        if slot.state is SlotState.STOPPING:
+            slot.transition(SlotState.STOPPED, "reloaded")
+        await successor.run()
+
 
 async def slots_context(app: web.Application) -> AsyncIterator[None]:
     """cleanup_ctx: the slot table, its processes and its probe, stopped on shutdown."""
-    configs = app[RUNTIME].current.config.slots
-    table = SlotTable(configs, on_change=log_state_change)
+    config = app[RUNTIME].current.config
+    table = SlotTable(config.slots, on_change=log_state_change)
     app[SLOTS] = table
-    supervisor = Supervisor(table, configs, app[SESSION])
+    streams = app[STREAMS]
+
+    def end_streams(slot: str, reason: str) -> int:
+        ending = [guard for guard in streams if guard.upstream == slot]
+        for guard in ending:
+            guard.end_now(reason)
+        return len(ending)
+
+    supervisor = Supervisor(table, config.slots, app[SESSION], groups=config.groups,
+                            end_streams=end_streams)
     app[SUPERVISOR] = supervisor
     await supervisor.start()
     yield

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import time
+
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hal0d import __version__, access
-from hal0d.appkeys import RECORDER, RUNTIME, SLOTS
-from hal0d.errors import InvalidRequest
-from hal0d.slots import SlotState
+from hal0d.appkeys import RECORDER, RUNTIME, SLOTS, SUPERVISOR
+from hal0d.errors import Conflict, InvalidRequest, NoRoute
+from hal0d.loader import Loader, UnloadReason
+from hal0d.slots import Slot, SlotState
 
 MAX_HISTORY_ROWS = 1000
 # The states in which a slot takes a request without waiting for a start or a recovery.
@@ -30,7 +33,7 @@ async def readyz(request: web.Request) -> web.Response:
     """Readiness: 200 when at least one slot can take a request now, else 503, so a load
     balancer or `curl --fail` sends traffic only where it can be served."""
     table = request.app[SLOTS]
-    ready = any(slot.state in READY_STATES for slot in table)
+    ready = any(slot.state in READY_STATES or loadable(slot) for slot in table)
     detailed = access.may_see_details(request, request.app[RUNTIME].current.config.server)
     slots = [
         {"name": slot.name, "state": str(slot.state), "reason": slot.reason}
@@ -43,8 +46,68 @@ async def readyz(request: web.Request) -> web.Response:
     )
 
 
+def loadable(slot: Slot) -> bool:
+    """An on-demand slot at rest, not refusing loads after a failure: a request would load it."""
+    if slot.state is not SlotState.STOPPED or slot.wants_load is None:
+        return False
+    return slot.load_refused is None or slot.load_refused[0] <= time.monotonic()
+
+
 async def slots(request: web.Request) -> web.Response:
-    return json({"slots": request.app[SLOTS].snapshot()})
+    loader = request.app[SUPERVISOR].loader
+    views = []
+    for slot in request.app[SLOTS]:
+        view = slot.snapshot()
+        if slot.name in loader.models:
+            view.update(loader.snapshot(slot.name))
+        views.append(view)
+    return json({"slots": views})
+
+
+def on_demand_slot(request: web.Request) -> tuple[Loader, Slot]:
+    name = request.match_info["name"]
+    slot = request.app[SLOTS].get(name)
+    if slot is None:
+        raise NoRoute(f"no slot named {name!r}")
+    loader = request.app[SUPERVISOR].loader
+    if name not in loader.models:
+        raise Conflict(f"slot {name!r} is not start = 'on_demand': hal0d does not load or "
+                       "unload it")
+    return loader, slot
+
+
+def flag(request: web.Request, name: str, default: bool) -> bool:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    if raw.lower() not in ("true", "false", "1", "0"):
+        raise InvalidRequest(f"{name} must be true or false", field=name)
+    return raw.lower() in ("true", "1")
+
+
+async def load_slot(request: web.Request) -> web.Response:
+    """POST /api/slots/{name}/load: answers once the slot is ready (?wait=false: 202 at once)."""
+    loader, slot = on_demand_slot(request)
+    if not flag(request, "wait", True):
+        loader.request_load(slot.name)
+        return json({"slot": slot.name, "state": str(slot.state)}, status=202)
+    started = time.monotonic()
+    await loader.load(slot.name)
+    return json({"slot": slot.name, "state": str(slot.state),
+                 "waited_ms": round((time.monotonic() - started) * 1000, 1)})
+
+
+async def unload_slot(request: web.Request) -> web.Response:
+    """POST /api/slots/{name}/unload: drains, then stops the process. With requests queued it
+    refuses (409) unless ?force=true, which ends the in-flight streams with their terminal frame
+    and fails the queued with a 503."""
+    loader, slot = on_demand_slot(request)
+    force = flag(request, "force", False)
+    if slot.queued and not force:
+        raise Conflict(f"slot {slot.name!r} has {slot.queued} requests queued; "
+                       "?force=true fails them and ends the ones in flight")
+    await loader.unload(slot.name, UnloadReason.API, force=force)
+    return json({"slot": slot.name, "state": str(slot.state)})
 
 
 async def slot_metrics(request: web.Request) -> web.Response:

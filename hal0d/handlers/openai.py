@@ -205,8 +205,11 @@ async def answer_whole(
 
 async def list_models(request: web.Request) -> web.Response:
     config = request.app[RUNTIME].current.config
+    table = request.app[SLOTS]
+    # Every model, loaded or not; `state` tells a client whether the first request will load it.
     data = [
-        {"id": model, "object": "model", "created": 0, "owned_by": slot.name}
+        {"id": model, "object": "model", "created": 0, "owned_by": slot.name,
+         "state": str(table[slot.name].state) if slot.name in table else "offline"}
         for slot in config.slots
         for model in slot.models
     ]

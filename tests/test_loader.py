@@ -1,0 +1,419 @@
+"""On-demand slots over real sockets and real child processes: a model (the stub, started as the
+slot's command) is loaded by the first request, unloaded when idle, evicted to make room in its
+group, and loaded and unloaded through the admin API, without a request ever being cut."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Self
+
+import aiohttp
+from aiohttp.test_utils import TestServer
+from structlog.testing import capture_logs
+
+from hal0d.appkeys import SUPERVISOR
+from hal0d.config import Config, GroupConfig, MetricsConfig, SlotConfig
+from tests.conftest import free_port
+
+CHAT = "/v1/chat/completions"
+STARTUP_S = 15.0  # a Python process importing aiohttp, on a busy two-core box
+
+Start = Callable[..., Awaitable[TestServer]]
+
+
+def stub_command(port: int, log: Path, *extra: str) -> tuple[str, ...]:
+    return (sys.executable, "-m", "hal0d", "stub", "--port", str(port), "--log", str(log),
+            "--delay", "0.005", *extra)
+
+
+# Each test slot serves one of the stub's own models (the stub refuses names it does not know).
+MODEL = {"a": "chat", "b": "think-only", "c": "tool"}
+
+
+def on_demand(name: str, tmp_path: Path, *extra: str, **keys: Any) -> SlotConfig:
+    port = free_port()
+    keys.setdefault("models", (MODEL[name],))
+    return SlotConfig(name=name, upstream=f"http://127.0.0.1:{port}",
+                      command=stub_command(port, tmp_path / f"{name}.log", *extra),
+                      start="on_demand", **keys)
+
+
+def lifecycle_config(tmp_path: Path, *slots: SlotConfig,
+                     groups: dict[str, GroupConfig] | None = None) -> Config:
+    return Config(slots=slots, groups=groups or {},
+                  metrics=MetricsConfig(database=str(tmp_path / "history.sqlite3")),
+                  base_dir=tmp_path)
+
+
+async def start(start_hal0d: Start, config: Config) -> TestServer:
+    return await start_hal0d("http://unused", config=config)
+
+
+def body(model: str, text: str = "hi", **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": text}], **extra}
+
+
+async def views(http: aiohttp.ClientSession, hal0d: TestServer) -> dict[str, dict[str, Any]]:
+    async with http.get(hal0d.make_url("/api/slots")) as resp:
+        assert resp.status == 200
+        return {view["name"]: view for view in (await resp.json())["slots"]}
+
+
+async def until(condition: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        await asyncio.sleep(0.01)
+
+
+async def state_is(http: aiohttp.ClientSession, hal0d: TestServer, name: str, state: str,
+                   timeout: float = STARTUP_S) -> dict[str, Any]:
+    async def reached() -> bool:
+        return (await views(http, hal0d))[name]["state"] == state
+
+    await until(reached, timeout, f"slot {name} {state}")
+    return (await views(http, hal0d))[name]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def stub_pids(marker: str) -> set[int]:
+    """The living stub processes whose command line names `marker` (the test's tmp_path)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                argv = cmdline.read().split(b"\0")
+        except OSError:
+            continue
+        if b"stub" in argv and any(marker.encode() in arg for arg in argv) and alive(int(entry)):
+            found.add(int(entry))
+    return found
+
+
+class ProcessSampler(threading.Thread):
+    """Counts the living stub processes every 10 ms from a thread of its own, so a busy event
+    loop cannot make it miss an overlap."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__(daemon=True)
+        self.marker = marker
+        self.samples = 0
+        self.most_alive = 0
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.wait(0.01):
+            self.most_alive = max(self.most_alive, len(stub_pids(self.marker)))
+            self.samples += 1
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self.join()
+
+
+async def chat(http: aiohttp.ClientSession, hal0d: TestServer, model: str,
+               **extra: Any) -> tuple[int, Any]:
+    async with http.post(hal0d.make_url(CHAT), json=body(model, **extra)) as resp:
+        return resp.status, await resp.json()
+
+
+# -- load on demand --------------------------------------------------------------------------
+
+
+async def test_an_on_demand_slot_rests_stopped_and_lists_its_models_with_their_state(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, on_demand("a", tmp_path)))
+    view = (await views(http, hal0d))["a"]
+    assert (view["state"], view["pid"], view["start"]) == ("stopped", None, "on_demand")
+    async with http.get(hal0d.make_url("/v1/models")) as resp:
+        models = (await resp.json())["data"]
+    assert [(m["id"], m["state"]) for m in models] == [("chat", "stopped")]
+    async with http.get(hal0d.make_url("/readyz")) as resp:
+        assert resp.status == 200  # nothing loaded, but a request would load it
+
+
+async def test_twenty_requests_during_one_load_cause_one_load_and_are_served_in_arrival_order(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    slot = on_demand("a", tmp_path, "--startup-delay", "0.5", max_concurrent=1)
+    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, slot))
+    served: list[int] = []
+
+    async def one(i: int) -> None:
+        status, answer = await chat(http, hal0d, "chat", text=f"r{i}")
+        assert status == 200, answer
+        served.append(i)
+
+    with capture_logs() as logs:
+        tasks = []
+        for i in range(20):
+            tasks.append(asyncio.create_task(one(i)))
+
+            async def queued(n: int = i + 1) -> bool:
+                view = (await views(http, hal0d))["a"]
+                return view["queued"] + view["in_flight"] + len(served) >= n
+
+            await until(queued, STARTUP_S, f"request {i} queued")
+        await asyncio.gather(*tasks)
+    assert served == list(range(20))
+    events = [entry["event"] for entry in logs]
+    assert events.count("slot.load_started") == 1
+    assert events.count("slot.process_started") == 1
+    assert events.count("slot.loaded") == 1
+    assert (await views(http, hal0d))["a"]["state"] == "ready"
+
+
+async def test_a_failed_load_answers_every_waiter_with_its_cause_at_once_and_backs_off(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    slot = on_demand("a", tmp_path, "--startup-delay", "0.3", "--fail-start",
+                     "error: out of memory loading the model")
+    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, slot))
+    answered: list[float] = []
+
+    async def one() -> tuple[int, Any]:
+        status, answer = await chat(http, hal0d, "chat")
+        answered.append(time.monotonic())
+        return status, answer
+
+    with capture_logs() as logs:
+        results = await asyncio.gather(*(one() for _ in range(20)))
+        assert [status for status, _ in results] == [503] * 20
+        for _, answer in results:
+            assert answer["error"]["code"] == "slot.load_failed"
+            assert "exited with code 1" in answer["error"]["message"]
+            assert "out of memory loading the model" in answer["error"]["message"]
+        assert max(answered) - min(answered) < 1.0  # all at once, not one per timeout
+        # Within the backoff a request is refused at once, without a second load.
+        async with http.post(hal0d.make_url(CHAT), json=body("chat")) as resp:
+            assert resp.status == 503
+            assert int(resp.headers["Retry-After"]) >= 1
+            assert (await resp.json())["error"]["code"] == "slot.load_failed"
+    assert [entry["event"] for entry in logs].count("slot.load_started") == 1
+    view = (await views(http, hal0d))["a"]
+    assert view["state"] == "stopped" and "out of memory" in view["reason"]
+    assert (view["in_flight"], view["queued"]) == (0, 0)
+
+
+async def test_an_idle_slot_is_unloaded_and_the_next_request_loads_it_again(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    slot = on_demand("a", tmp_path, idle_unload_s=0.5)
+    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, slot))
+    async with http.post(hal0d.make_url(CHAT), json=body("chat", stream=True)) as resp:
+        assert resp.status == 200
+        pid = (await views(http, hal0d))["a"]["pid"]
+        assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+    ended = time.monotonic()
+
+    async def gone() -> bool:
+        return not alive(pid)
+
+    await until(gone, 1.5, "the idle slot's process gone")
+    assert time.monotonic() - ended < 1.5
+    view = await state_is(http, hal0d, "a", "stopped", timeout=1.0)
+    assert "idle" in view["reason"]
+    status, _ = await chat(http, hal0d, "chat")
+    assert status == 200
+    again = (await views(http, hal0d))["a"]
+    assert again["state"] == "ready" and again["pid"] not in (None, pid)
+
+
+async def test_a_process_that_exits_while_idle_leaves_its_slot_stopped_not_restarting(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, on_demand("a", tmp_path)))
+    assert (await chat(http, hal0d, "chat"))[0] == 200
+    pid = (await views(http, hal0d))["a"]["pid"]
+    os.kill(pid, 9)
+    view = await state_is(http, hal0d, "a", "stopped", timeout=5)
+    assert "exited" in view["reason"]
+    assert (await chat(http, hal0d, "chat"))[0] == 200  # loaded again on demand
+
+
+# -- making room -----------------------------------------------------------------------------
+
+
+async def test_max_loaded_1_swaps_models_and_never_runs_two_at_once(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    group = {"gpu0": GroupConfig("gpu0", max_loaded=1)}
+    slots = [on_demand(name, tmp_path, group="gpu0") for name in ("a", "b", "c")]
+    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, *slots, groups=group))
+    with ProcessSampler(str(tmp_path)) as sampler, capture_logs() as logs:
+        for model in ("chat", "think-only", "chat", "tool", "think-only"):
+            status, answer = await chat(http, hal0d, model)
+            assert status == 200, answer
+    assert sampler.samples > 50 and sampler.most_alive == 1
+    states = {name: view["state"] for name, view in (await views(http, hal0d)).items()}
+    assert states == {"a": "stopped", "b": "ready", "c": "stopped"}
+    assert [entry["event"] for entry in logs].count("slot.loaded") == 5  # one load per swap
+
+
+async def test_a_memory_budget_evicts_the_least_recently_used_and_free_memory_one_more(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    asked = tmp_path / "free-memory-asked"
+    # Reports 1000 MiB free the first time it is asked, then plenty: one eviction more.
+    free_memory = ("sh", "-c", f'if [ -e {asked} ]; then echo 99999; else touch {asked}; '
+                   'echo 1000; fi')
+    group = {"gpu0": GroupConfig("gpu0", memory_mib=10240)}
+    slots = [on_demand("a", tmp_path, group="gpu0", memory_mib=4096),
+             on_demand("b", tmp_path, group="gpu0", memory_mib=4096),
+             on_demand("c", tmp_path, group="gpu0", memory_mib=6144)]
+    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, *slots, groups=group))
+    for model in ("chat", "think-only"):
+        assert (await chat(http, hal0d, model))[0] == 200
+    assert {v["state"] for v in (await views(http, hal0d)).values()} == {"ready", "stopped"}
+    with capture_logs() as logs:
+        assert (await chat(http, hal0d, "tool"))[0] == 200  # 4 + 4 + 6 > 10: a goes
+    states = {name: view["state"] for name, view in (await views(http, hal0d)).items()}
+    assert states == {"a": "stopped", "b": "ready", "c": "ready"}
+    evicting = [entry for entry in logs if entry["event"] == "slot.evicting"]
+    assert [(e["slot"], e["for"]) for e in evicting] == [("a", "c")]
+
+    # Now with the free-memory command: a's 4 GiB evicts b (the budget), then c (free memory).
+    loader = hal0d.app[SUPERVISOR].loader
+    loader.set_groups({"gpu0": GroupConfig("gpu0", memory_mib=10240,
+                                           free_memory_command=free_memory)})
+    with capture_logs() as logs:
+        assert (await chat(http, hal0d, "chat"))[0] == 200
+    states = {name: view["state"] for name, view in (await views(http, hal0d)).items()}
+    assert states == {"a": "ready", "b": "stopped", "c": "stopped"}
+    evicting = [entry for entry in logs if entry["event"] == "slot.evicting"]
+    assert [e["slot"] for e in evicting] == ["b", "c"]
+    assert "free_memory_command" in evicting[1]["why"]
+
+
+async def test_a_busy_victim_drains_its_stream_before_it_is_evicted(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    group = {"gpu0": GroupConfig("gpu0", max_loaded=1)}
+    slots = [on_demand("a", tmp_path, group="gpu0", models=("reasoning",)),
+             on_demand("b", tmp_path, group="gpu0")]
+    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, *slots, groups=group))
+    long = body("reasoning", "long", stream=True, max_tokens=150)
+    async with http.post(hal0d.make_url(CHAT), json=long) as resp:
+        assert resp.status == 200
+        first = await resp.content.readany()
+        swap = asyncio.create_task(chat(http, hal0d, "think-only"))
+        await state_is(http, hal0d, "a", "stopping", timeout=5)
+        # A new request for the victim queues behind the swap instead of being admitted.
+        later = asyncio.create_task(chat(http, hal0d, "reasoning"))
+        rest = await resp.read()
+    whole = first + rest
+    assert whole.endswith(b"data: [DONE]\n\n") and b"x_hal0_stall" not in whole
+    assert (await swap)[0] == 200
+    assert (await later)[0] == 200  # it loaded a again, in its turn
+    states = {name: view["state"] for name, view in (await views(http, hal0d)).items()}
+    assert states == {"a": "ready", "b": "stopped"}
+
+
+# -- the admin API ---------------------------------------------------------------------------
+
+
+async def test_load_and_unload_through_the_api(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, on_demand("a", tmp_path)))
+    async with http.post(hal0d.make_url("/api/slots/a/load")) as resp:
+        assert resp.status == 200
+        assert (await resp.json())["state"] == "ready"
+    pid = (await views(http, hal0d))["a"]["pid"]
+    async with http.post(hal0d.make_url("/api/slots/a/unload")) as resp:
+        assert resp.status == 200
+        assert (await resp.json())["state"] == "stopped"
+    assert not alive(pid)  # stopped means the process is gone
+    async with http.post(hal0d.make_url("/api/slots/a/load?wait=false")) as resp:
+        assert resp.status == 202
+    await state_is(http, hal0d, "a", "ready")
+    async with http.post(hal0d.make_url("/api/slots/nope/load")) as resp:
+        assert resp.status == 404
+    async with http.post(hal0d.make_url("/api/slots/a/unload?force=maybe")) as resp:
+        assert resp.status == 400
+
+
+async def test_unload_drains_a_stream_refuses_with_requests_queued_and_force_ends_them(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    slot = on_demand("a", tmp_path, models=("reasoning",), max_concurrent=1)
+    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, slot))
+    long = body("reasoning", "long", stream=True, max_tokens=100)
+
+    # Drain: the unload waits for the stream, which ends whole.
+    async with http.post(hal0d.make_url(CHAT), json=long) as resp:
+        assert resp.status == 200
+        unload = asyncio.create_task(http.post(hal0d.make_url("/api/slots/a/unload")))
+        streamed = await resp.read()
+    assert streamed.endswith(b"data: [DONE]\n\n") and b"x_hal0_stall" not in streamed
+    async with await unload as done:
+        assert done.status == 200 and (await done.json())["state"] == "stopped"
+
+    # Queued: 409 naming the count; force ends the stream with its frame and fails the queued.
+    async with http.post(hal0d.make_url(CHAT), json=long) as resp:
+        assert resp.status == 200
+        await resp.content.readany()
+        queued = asyncio.create_task(chat(http, hal0d, "reasoning"))
+
+        async def one_queued() -> bool:
+            return (await views(http, hal0d))["a"]["queued"] == 1
+
+        await until(one_queued, 5, "a request queued")
+        async with http.post(hal0d.make_url("/api/slots/a/unload")) as refused:
+            assert refused.status == 409
+            assert "1 requests queued" in (await refused.json())["error"]["message"]
+        async with http.post(hal0d.make_url("/api/slots/a/unload?force=true")) as forced:
+            assert forced.status == 200
+        cut = await resp.read()
+    assert b'"reason":"unloaded"' in cut and cut.endswith(b"data: [DONE]\n\n")
+    status, answer = await queued
+    assert status == 503 and "unloaded" in answer["error"]["message"]
+    view = (await views(http, hal0d))["a"]
+    assert (view["state"], view["in_flight"], view["queued"]) == ("stopped", 0, 0)
+
+
+async def test_a_forced_unload_ends_an_anthropic_stream_with_an_error_event(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    slot = on_demand("a", tmp_path, models=("reasoning",))
+    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, slot))
+    request = {"model": "reasoning", "max_tokens": 400, "stream": True,
+               "messages": [{"role": "user", "content": "long"}]}
+    async with http.post(hal0d.make_url("/llm/v1/messages"), json=request) as resp:
+        assert resp.status == 200
+        await resp.content.readany()
+        async with http.post(hal0d.make_url("/api/slots/a/unload?force=true")) as forced:
+            assert forced.status == 200
+        raw = await resp.read()
+    assert b"event: error" in raw and b"unloaded" in raw
+    assert b"event: message_stop" not in raw
+
+
+async def test_an_always_slot_cannot_be_unloaded_through_the_api(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    plain = SlotConfig(name="p", upstream=f"http://127.0.0.1:{free_port()}", models=("p",))
+    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, plain))
+    async with http.post(hal0d.make_url("/api/slots/p/unload")) as resp:
+        assert resp.status == 409
+        assert "not start = 'on_demand'" in (await resp.json())["error"]["message"]
