@@ -24,7 +24,7 @@ from hal0d.handlers.body import (
 )
 from hal0d.handlers.streaming import release_upstream, stream_through
 from hal0d.limits import MAX_MESSAGES, MAX_TOKENS_LIMIT
-from hal0d.relay import Passthrough
+from hal0d.openai.transform import Passthrough
 from hal0d.requestinfo import INFO, RequestInfo
 from hal0d.stallguard import guard_active
 from hal0d.upstream import open_upstream, read_whole, request_headers, response_headers
