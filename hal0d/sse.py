@@ -1,4 +1,4 @@
-"""The SSE room: bytes in, events out (an incremental decoder), and the one frame encoder.
+"""Server-sent events: bytes in, events out (an incremental decoder), and the one frame encoder.
 
 Pure in the h11 manner: no sockets, no event loop, nothing imported from asyncio or aiohttp. The
 relay feeds whatever `readany()` returned; chunk boundaries are not event boundaries, so the

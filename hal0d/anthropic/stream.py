@@ -1,4 +1,4 @@
-"""The Anthropic streaming room: OpenAI chat.completion.chunk dicts in, Anthropic events out.
+"""The Anthropic stream translator: OpenAI chat.completion.chunk dicts in, Anthropic events out.
 
 Sans-I/O in the manner of h11: the relay owns the sockets, the clocks and the JSON parsing of
 upstream frames; this module owns the protocol, so every rule is testable as "these chunks in,
@@ -281,7 +281,8 @@ class Translator:
                 self._open_tool = key
                 self._tool_keys.add(key)
             if arguments:
-                events.append(_delta(index, {"type": "input_json_delta", "partial_json": arguments}))
+                delta = {"type": "input_json_delta", "partial_json": arguments}
+                events.append(_delta(index, delta))
 
     def finish(self) -> list[Event]:
         """The upstream ended the stream ([DONE] or a clean EOF)."""

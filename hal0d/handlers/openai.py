@@ -1,7 +1,7 @@
 """The OpenAI surface: POST /v1/<endpoint> (and /llm/v1/<endpoint>) dispatched to a slot.
 
-The forward path follows the seed: open the upstream eagerly and wait for its headers before the
-client response starts (so a dead upstream is a clean 502), then relay the body byte for byte.
+The upstream is opened eagerly and its headers awaited before the client's response starts (so a
+dead upstream is a clean 502), then the body is relayed byte for byte.
 """
 
 from __future__ import annotations
