@@ -1,5 +1,6 @@
-"""What one request did, filled in as it walks through the rooms: the `request.done` line, the
-history row and the Prometheus figures are all read from it, once, when the request ends."""
+"""What one request did, filled in as it goes from the handler to the upstream and back: the
+`request.done` line, the history row and the Prometheus figures are all read from it, once, when
+the request ends."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Slots: the room where a request waits its turn for an upstream, and where upstream state lives.
+"""Slots: where a request waits its turn for an upstream, and where the upstream's state lives.
 
 A slot is one upstream (a llama-server, a vLLM, a remote provider) with a capacity. Handlers take a
 *lease* on it for as long as they use the upstream -- for a stream, until the client has drained

@@ -1,4 +1,4 @@
-"""The SSE room: bytes in, events out (an incremental decoder), and the one frame encoder.
+"""Server-sent events: bytes in, events out (an incremental decoder), and the one frame encoder.
 
 Pure in the h11 manner: no sockets, no event loop, nothing imported from asyncio or aiohttp. The
 relay feeds whatever `readany()` returned; chunk boundaries are not event boundaries, so the
@@ -62,6 +62,44 @@ class Decoder:
         self._invalid_utf8 = False
 
     def feed(self, data: bytes) -> list[Event]:
+        events: list[Event] = []
+        for line in self._lines(data):
+            if not line:
+                if self._data:
+                    events.append(
+                        Event(self._event, "\n".join(self._data), self._last_id, self._invalid_utf8)
+                    )
+                    self._invalid_utf8 = False
+                    self._data = []
+                self._event = None
+                continue
+            if line[0] == _COLON:
+                continue
+            colon = line.find(b":")
+            if colon < 0:
+                name = line
+                value = ""
+            else:
+                name = line[:colon]
+                start = colon + 1
+                if line[start : start + 1] == b" ":
+                    start += 1
+                try:
+                    value = line[start:].decode()
+                except UnicodeDecodeError:
+                    self._invalid_utf8 = True
+                    value = line[start:].decode("utf-8", "replace")
+            if name == b"data":
+                self._data.append(value)
+            elif name == b"event":
+                self._event = value or None
+            elif name == b"id" and "\x00" not in value:
+                self._last_id = value
+            # "retry" and unknown fields are ignored: the relay does not reconnect.
+        return events
+
+    def _lines(self, data: bytes) -> list[bytes]:
+        """The lines this read completed, without their breaks; the unterminated rest is kept."""
         if not data:
             return []
         if self._cr_pending:
@@ -75,7 +113,6 @@ class Decoder:
             data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         lines = data.split(b"\n")
         rest = lines.pop()
-        events: list[Event] = []
         if lines:
             if self._tail:
                 self._tail.append(lines[0])
@@ -85,47 +122,9 @@ class Decoder:
                 self._bom_pending = False
                 if lines[0].startswith(_BOM):
                     lines[0] = lines[0][3:]
-            for line in lines:
-                if not line:
-                    if self._data:
-                        events.append(
-                            Event(
-                                self._event,
-                                "\n".join(self._data),
-                                self._last_id,
-                                self._invalid_utf8,
-                            )
-                        )
-                        self._invalid_utf8 = False
-                        self._data = []
-                    self._event = None
-                    continue
-                if line[0] == _COLON:
-                    continue
-                colon = line.find(b":")
-                if colon < 0:
-                    name = line
-                    value = ""
-                else:
-                    name = line[:colon]
-                    start = colon + 1
-                    if line[start : start + 1] == b" ":
-                        start += 1
-                    try:
-                        value = line[start:].decode()
-                    except UnicodeDecodeError:
-                        self._invalid_utf8 = True
-                        value = line[start:].decode("utf-8", "replace")
-                if name == b"data":
-                    self._data.append(value)
-                elif name == b"event":
-                    self._event = value or None
-                elif name == b"id" and "\x00" not in value:
-                    self._last_id = value
-                # "retry" and unknown fields are ignored: the relay does not reconnect.
         if rest:
             self._tail.append(rest)
-        return events
+        return lines
 
     def close(self) -> list[Event]:
         """End of stream. An event without its closing blank line is discarded, as the spec says."""

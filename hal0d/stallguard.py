@@ -1,4 +1,4 @@
-"""The stall guard: two bounds on every relayed stream, and the frames that say it tripped.
+"""The stall guard: two bounds on every relayed stream, and the StallTrip that says it tripped.
 
 A chatty upstream that never finishes resets every per-read timer, and a silent one leaves the
 client on a socket that never closes. The guard owns the body of a stream instead:
@@ -20,88 +20,27 @@ A client that takes no bytes for `max(stream_idle_timeout_s, direct_read_timeout
 (its connection aborted, error_code client_stalled): otherwise a client that stops reading but
 keeps its socket open would hold a slot and an upstream generation for as long as it likes.
 
-The synthetic frame is written by the relay after the loop and never passes through the metrics
-tap, so it is never counted as a token or a TTFT sample; its `x_hal0_stall` marker also lets the
-tap skip it should a hal0d stand in front of another hal0d.
+The guard knows no surface: it hands the relay a StallTrip (reason, elapsed time, slot, the
+notice a person reads), and the stream's transform renders it as its own surface's last frame.
+That frame is written by the relay after the loop and never passes through the metrics tap, so it
+is never counted as a token or a TTFT sample; its STALL_MARKER also lets the tap skip it should a
+hal0d stand in front of another hal0d.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
-
-import orjson
+from typing import Protocol
 
 from hal0d.config import DispatcherConfig
 from hal0d.logs import get_logger
+from hal0d.transform import STALL_KEY, StallTrip
 
 log = get_logger()
 
-STALL_ID = "hal0-stall-guard"
-STALL_MARKER = b'"x_hal0_stall"'
-
-
-@dataclass(frozen=True, slots=True)
-class StallTrip:
-    reason: str  # total | idle | read | shutdown | unloaded
-    elapsed_s: float
-    upstream: str
-    total_s: float
-    idle_s: float
-
-    def details(self) -> dict[str, Any]:
-        return {
-            "reason": self.reason,
-            "elapsed_s": round(self.elapsed_s, 3),
-            "upstream": self.upstream,
-            "stream_total_timeout_s": self.total_s,
-            "stream_idle_timeout_s": self.idle_s,
-        }
-
-    def notice(self) -> str:
-        """The sentence a person reads where the answer stopped."""
-        why = {
-            "total": f"the stream ran longer than stream_total_timeout_s = {self.total_s:g} s",
-            "idle": f"the upstream sent nothing for stream_idle_timeout_s = {self.idle_s:g} s",
-            "read": "the upstream connection timed out on a read (direct_read_timeout_s)",
-            "shutdown": "hal0d is shutting down",
-            "unloaded": "its slot was unloaded by force (POST /api/slots/NAME/unload?force=true)",
-        }[self.reason]
-        return (
-            f"[hal0] stall guard: the answer was cut off after {self.elapsed_s:.1f} s because "
-            f"{why} (upstream {self.upstream!r}, reason {self.reason})."
-        )
-
-
-def sse_frame(trip: StallTrip, *, legacy_completion: bool, model: str | None) -> bytes:
-    """The terminal event for an OpenAI SSE stream, then [DONE].
-
-    It opens with a blank line so it parses as its own event even when the upstream stalled in
-    the middle of a `data:` line.
-    """
-    text = "\n\n" + trip.notice()
-    if legacy_completion:
-        choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": "length"}
-        kind = "text_completion"
-    else:
-        choice = {
-            "index": 0,
-            "delta": {"role": "assistant", "content": text},
-            "finish_reason": "length",
-        }
-        kind = "chat.completion.chunk"
-    chunk = {
-        "id": STALL_ID,
-        "object": kind,
-        "created": int(time.time()),
-        "model": model or "",
-        "choices": [choice],
-        "x_hal0_stall": trip.details(),
-    }
-    return b"\n\ndata: " + orjson.dumps(chunk) + b"\n\ndata: [DONE]\n\n"
+# What the metrics tap looks for to skip the stall frame of a hal0d standing upstream of this one.
+STALL_MARKER = f'"{STALL_KEY}"'.encode()
 
 
 def guard_active(timeouts: DispatcherConfig) -> bool:

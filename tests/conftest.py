@@ -4,15 +4,17 @@ the whole run: no process a test started may outlive the tests."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
+import inspect
 import os
 import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
@@ -27,6 +29,62 @@ from hal0d.stub import make_stub_app
 
 ROLE_CHUNK = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}\n\n'
 STUB_MODELS = ("reasoning", "chat", "think-only", "tool", "stall", "chatty", "broken")
+
+
+T = TypeVar("T")
+POLL_S = 0.02  # how often `eventually` asks: small against every deadline the tests give it
+
+
+def _last_answer(result: object, failure: AssertionError | None) -> str:
+    return f"last check failed: {failure}" if failure is not None else f"last answer: {result!r}"
+
+
+async def eventually(condition: Callable[[], T] | Callable[[], Awaitable[T]], timeout: float,
+                     what: str) -> T:
+    """Wait for an event instead of sleeping a fixed time: ask `condition` (a plain or an async
+    function) every POLL_S until it returns something truthy, and return that.
+
+    An AssertionError raised by `condition` means "not yet", so a condition can hold the test's
+    own asserts and their messages. After `timeout` seconds the test fails with an AssertionError
+    naming `what` and the last answer (or the last failed assert). The condition is always asked
+    once more after the deadline, so a loop that fell behind cannot fail an event that came.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        past = time.monotonic() > deadline
+        failure: AssertionError | None = None
+        result: Any = None
+        try:
+            result = condition()
+            if inspect.isawaitable(result):
+                result = await result
+        except AssertionError as exc:
+            failure = exc
+        if failure is None and result:
+            return result  # type: ignore[no-any-return]
+        if past:
+            raise AssertionError(f"not within {timeout} s: {what}; "
+                                 f"{_last_answer(result, failure)}") from failure
+        await asyncio.sleep(POLL_S)
+
+
+def eventually_sync(condition: Callable[[], T], timeout: float, what: str) -> T:
+    """`eventually` for tests without an event loop (subprocesses, files, /proc)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        past = time.monotonic() > deadline
+        failure: AssertionError | None = None
+        result: Any = None
+        try:
+            result = condition()
+        except AssertionError as exc:
+            failure = exc
+        if failure is None and result:
+            return result  # type: ignore[no-any-return]
+        if past:
+            raise AssertionError(f"not within {timeout} s: {what}; "
+                                 f"{_last_answer(result, failure)}") from failure
+        time.sleep(POLL_S)
 
 
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>

@@ -3,27 +3,26 @@
 hal0d sits in front of the stub upstream; the SDK is pointed at `<hal0d>/llm` exactly as a user
 would point it (it appends /v1/messages itself). What the SDK ends up with is compared to what the
 stub generated (hal0d.stub.REASONING_TEXT / CONTENT_TEXT), not to anything hal0d computed.
+
+The SDK is imported where it is used, not at the top: importing it costs about a second, which
+every `pytest` run would pay at collection, whichever tests it runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import anthropic
 import pytest
 from aiohttp.test_utils import TestServer
-from anthropic import AsyncAnthropic
 
 from hal0d.config import ServerConfig
 from hal0d.stub import CONTENT_TEXT, LONG_WORDS, REASONING_TEXT, words
 from tests.conftest import Stub, make_config
 
-try:
-    import httpx2 as httpx
-except ModuleNotFoundError:  # the SDK built on httpx before it moved to httpx2
-    import httpx  # type: ignore[no-redef,import-not-found,unused-ignore]
+if TYPE_CHECKING:
+    from anthropic import AsyncAnthropic
 
 HI = [{"role": "user", "content": "hi"}]
 WEATHER_TOOL = {
@@ -44,6 +43,8 @@ async def hal0d(stub: Stub, start_hal0d: Any) -> TestServer:
 
 @pytest.fixture
 async def client(hal0d: TestServer) -> AsyncIterator[AsyncAnthropic]:
+    from anthropic import AsyncAnthropic
+
     async with AsyncAnthropic(
         base_url=str(hal0d.make_url("/llm")), api_key="x", max_retries=0, timeout=10.0
     ) as sdk:
@@ -151,6 +152,8 @@ async def test_sdk_stream_cut_by_max_tokens_says_max_tokens(client: AsyncAnthrop
 async def test_sdk_stream_raises_on_upstream_reset_instead_of_returning_truncated(
     client: AsyncAnthropic,
 ) -> None:
+    import anthropic
+
     seen: list[str] = []
     with pytest.raises(anthropic.APIStatusError) as raised:
         async with client.messages.stream(model="broken", max_tokens=64, messages=HI) as stream:
@@ -246,6 +249,8 @@ async def test_sdk_count_tokens_returns_the_upstream_tokenize_count(
 
 
 async def test_sdk_unknown_model_raises_not_found(client: AsyncAnthropic) -> None:
+    import anthropic
+
     with pytest.raises(anthropic.NotFoundError) as raised:
         await client.messages.create(model="gpt-9", max_tokens=64, messages=HI)
     assert raised.value.status_code == 404
@@ -260,6 +265,13 @@ async def test_sdk_unknown_model_raises_not_found(client: AsyncAnthropic) -> Non
 async def test_sdk_missing_max_tokens_raises_bad_request_naming_the_field(
     client: AsyncAnthropic,
 ) -> None:
+    import anthropic
+
+    try:
+        import httpx2 as httpx
+    except ModuleNotFoundError:  # the SDK built on httpx before it moved to httpx2
+        import httpx  # type: ignore[no-redef,import-not-found,unused-ignore]
+
     with pytest.raises(anthropic.BadRequestError) as raised:
         await client.post(
             "/v1/messages",
@@ -275,16 +287,22 @@ async def test_sdk_missing_max_tokens_raises_bad_request_naming_the_field(
 async def test_sdk_api_key_is_sent_as_x_api_key_and_checked_by_hal0d(
     stub: Stub, start_hal0d: Any, tmp_path: Any
 ) -> None:
+    import anthropic
+
     config = make_config(stub.url, tmp_path=tmp_path)
     config = dataclasses.replace(
         config, server=ServerConfig(api_keys=("sk-local",), accepted_keys=frozenset({"sk-local"}))
     )
     hal0d = await start_hal0d(stub.url, config=config)
     base_url = str(hal0d.make_url("/llm"))
-    async with AsyncAnthropic(base_url=base_url, api_key="sk-local", max_retries=0) as sdk:
+    async with anthropic.AsyncAnthropic(
+        base_url=base_url, api_key="sk-local", max_retries=0
+    ) as sdk:
         _, final = await stream_final(sdk, model="chat", max_tokens=64, messages=HI)
         assert final.content[0].text == CONTENT_TEXT
-    async with AsyncAnthropic(base_url=base_url, api_key="sk-wrong", max_retries=0) as sdk:
+    async with anthropic.AsyncAnthropic(
+        base_url=base_url, api_key="sk-wrong", max_retries=0
+    ) as sdk:
         with pytest.raises(anthropic.AuthenticationError) as raised:
             await stream_final(sdk, model="chat", max_tokens=64, messages=HI)
     assert raised.value.status_code == 401

@@ -6,9 +6,8 @@ Events are written in a short form (see `short`) so each case reads as the strea
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import anthropic
 import orjson
 import pytest
 from hypothesis import given, settings
@@ -23,17 +22,15 @@ from hal0d.anthropic.stream import (
     encode_events,
 )
 from hal0d.sse import Decoder
-
-try:
-    import httpx2 as httpx
-except ModuleNotFoundError:  # the SDK built on httpx before it moved to httpx2
-    import httpx  # type: ignore[no-redef,import-not-found,unused-ignore]
 from tests.anthropic_rules import (
     assemble,
     assert_valid_anthropic_stream,
     events_from_sse,
 )
 from tests.fixtures_util import fixture_path
+
+if TYPE_CHECKING:
+    import anthropic
 
 DONE = "[DONE]"
 
@@ -733,6 +730,14 @@ def test_llama_cpp_python_capture_translates() -> None:
 
 
 def _sdk_client(body: bytes) -> anthropic.Anthropic:
+    # The SDK is imported by the two tests that use it: it would cost every collection ~1 s.
+    import anthropic
+
+    try:
+        import httpx2 as httpx
+    except ModuleNotFoundError:  # the SDK built on httpx before it moved to httpx2
+        import httpx  # type: ignore[no-redef,import-not-found,unused-ignore]
+
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
 
@@ -769,6 +774,8 @@ def test_anthropic_sdk_accepts_the_stream() -> None:
 
 
 def test_anthropic_sdk_raises_on_a_failed_stream() -> None:
+    import anthropic
+
     translator = Translator("client-model")
     events = translator.feed(say("partial")) + translator.fail("upstream went away")
     client = _sdk_client(encode_events(events))

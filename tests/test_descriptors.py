@@ -27,7 +27,7 @@ import pytest
 
 from hal0d import config
 from hal0d.server import keep_restart_keys, restart_needed, somaxconn
-from tests.conftest import Stub, StubFactory, chat_body, free_port
+from tests.conftest import Stub, StubFactory, chat_body, eventually, free_port
 from tests.test_server import Hal0d, config_text
 
 STUB_DELAY_S = 0.05  # "chatty" streams a token every 50 ms, forever: a stream stays open
@@ -100,14 +100,6 @@ def open_fds(pid: int) -> int:
 def cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-async def until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        await asyncio.sleep(0.02)
 
 
 # -- the limit -------------------------------------------------------------------------------
@@ -216,7 +208,7 @@ class Holders:
     async def open_idle(self) -> None:
         before = open_fds(self.hal0d.process.pid)
         self.idle.append(socket.create_connection(("127.0.0.1", self.hal0d.port), timeout=5))
-        await until(lambda: open_fds(self.hal0d.process.pid) > before, SETTLE_S,
+        await eventually(lambda: open_fds(self.hal0d.process.pid) > before, SETTLE_S,
                     "hal0d accepted the idle connection")
 
     async def fill_to(self, free: int) -> None:
@@ -294,7 +286,7 @@ async def test_out_of_descriptors_a_request_gets_503_in_its_envelope_logged_once
     ):
         answers.append((path, *await refused(hal0d.url + path, body)))
         # hal0d closes its end of that connection: the last descriptor is free again.
-        await until(lambda: exhausted.free() == 1, SETTLE_S, "the refused connection closed")
+        await eventually(lambda: exhausted.free() == 1, SETTLE_S, "the refused connection closed")
 
     for path, status, headers, body in answers:
         assert status == 503, (path, body)
@@ -312,16 +304,13 @@ async def test_out_of_descriptors_a_request_gets_503_in_its_envelope_logged_once
     assert lines[0]["where"] == "upstream_connect"
 
     await exhausted.release()
-    await until(lambda: len(hal0d.named("server.fd_exhausted")) == 2, REPORT_WINDOW_S + 5,
+    await eventually(lambda: len(hal0d.named("server.fd_exhausted")) == 2, REPORT_WINDOW_S + 5,
                 "the burst's follow-up line")
     follow_up = hal0d.named("server.fd_exhausted")[1]
     assert (follow_up["refused"], follow_up["refused_total"]) == (2, 3)
     assert "request_id" not in follow_up  # about the burst, not one request
 
-    deadline = time.monotonic() + SETTLE_S
-    while not await slots_idle(hal0d.url):
-        assert time.monotonic() < deadline, "a slot stayed busy"
-        await asyncio.sleep(0.05)
+    await eventually(lambda: slots_idle(hal0d.url), SETTLE_S, "every slot idle again")
     async with aiohttp.ClientSession() as http:
         async with http.post(f"{hal0d.url}/v1/chat/completions",
                              json=chat_body("chat")) as response:
@@ -361,7 +350,7 @@ async def test_a_connection_hal0d_cannot_accept_is_closed_unanswered_without_a_s
     assert cpu_used < 0.5 * wall, f"hal0d used {cpu_used:.2f} s of CPU in {wall:.2f} s"
 
     await exhausted.release()
-    await until(lambda: open_fds(pid) < LOW_LIMIT - 4, SETTLE_S, "descriptors given back")
+    await eventually(lambda: open_fds(pid) < LOW_LIMIT - 4, SETTLE_S, "descriptors given back")
     async with aiohttp.ClientSession() as http, http.get(f"{hal0d.url}/healthz") as response:
         assert response.status == 200
     assert hal0d.process.returncode is None

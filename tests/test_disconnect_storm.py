@@ -14,7 +14,6 @@ import sqlite3
 import struct
 import time
 from collections import Counter
-from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,7 +27,7 @@ from aiohttp.test_utils import TestServer
 from structlog.testing import capture_logs
 
 from hal0d.stub import make_stub_app
-from tests.conftest import chat_body, free_port
+from tests.conftest import chat_body, eventually, free_port
 
 STREAMS = 500
 SEED = 8_2026
@@ -52,13 +51,20 @@ def stub_generations(log: Path) -> dict[str, list[str]]:
     return seen
 
 
-async def settle(condition: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.05)
-    return True
+def server_connections() -> int:
+    """Connections hal0d and the stub still serve: aiohttp runs one task for each, and it ends
+    only after the connection's request handler has returned."""
+    return sum(1 for task in asyncio.all_tasks()
+               if getattr(task.get_coro(), "__qualname__", "") == "RequestHandler.start")
+
+
+async def history_rows(hal0d: TestServer) -> list[dict[str, Any]]:
+    """GET /api/requests, which flushes the history writer first: every request whose handler
+    has returned is in the file once this returns."""
+    async with aiohttp.ClientSession() as http, http.get(
+        hal0d.make_url("/api/requests?limit=1")
+    ) as resp:
+        return list((await resp.json())["requests"])
 
 
 def storm_rows(path: Path) -> dict[int, dict[str, Any]]:
@@ -103,7 +109,12 @@ async def test_disconnect_storm_cancels_every_dropped_generation_and_leaks_nothi
     )
     url = hal0d.make_url("/v1/chat/completions")
     assert (await one_normal_stream(hal0d)).endswith(b"data: [DONE]\n\n")  # warm-up
-    await asyncio.sleep(0.3)
+    # The baseline is taken once the warm-up is over everywhere: its row written, its
+    # generation ended, every connection (the row's read included) closed.
+    await eventually(lambda: history_rows(hal0d), 5.0, "the warm-up's history row")
+    await eventually(lambda: server_connections() == 0 and all(
+        len(events) == 2 for events in stub_generations(log).values()), 5.0,
+        "the warm-up's generation ended and its connections closed")
     # SQLite keeps a reader's descriptor open while another connection holds the file's locks:
     # read once now so that descriptor is in the baseline too.
     storm_rows(tmp_path / "history.sqlite3")
@@ -184,7 +195,7 @@ async def test_disconnect_storm_cancels_every_dropped_generation_and_leaks_nothi
             gens = list(stub_generations(log).values())[generations_before:]
             return all(len(events) == 2 for events in gens)
 
-        assert await settle(accounted, 10.0), "a generation neither ended nor was cancelled"
+        await eventually(accounted, 10.0, "every generation ended or cancelled")
         generations = list(stub_generations(log).values())[generations_before:]
         outcome = Counter(events[1] for events in generations)
         reached = len(generations) - len(kept)
@@ -197,15 +208,16 @@ async def test_disconnect_storm_cancels_every_dropped_generation_and_leaks_nothi
             slots = await slot_snapshot(http, hal0d)
             return all(s["in_flight"] == 0 and s["queued"] == 0 for s in slots)
 
-        deadline = time.monotonic() + 5.0
-        while not await idle():
-            assert time.monotonic() < deadline, await slot_snapshot(http, hal0d)
-            await asyncio.sleep(0.05)
+        async def idle_now() -> bool:
+            assert await idle(), await slot_snapshot(http, hal0d)
+            return True
+
+        await eventually(idle_now, 5.0, "every slot idle after the storm")
 
     # The history says what each client did: every kept stream ok, every dropped one that
     # reached hal0d a client_disconnect; those that never got a lease were dropped in the queue.
-    await settle(lambda: kept <= set(storm_rows(tmp_path / "history.sqlite3")), 5.0)
-    await asyncio.sleep(0.3)
+    await eventually(lambda: server_connections() == 0, 10.0, "every storm connection closed")
+    await history_rows(hal0d)  # every handler has returned: this flushes the last of their rows
     rows = storm_rows(tmp_path / "history.sqlite3")
     assert kept <= set(rows)
     wrong = [(i, row["ok"], row["error_code"]) for i, row in rows.items()
@@ -225,12 +237,19 @@ async def test_disconnect_storm_cancels_every_dropped_generation_and_leaks_nothi
     def tasks_back() -> bool:
         return len({t for t in asyncio.all_tasks() if t is not current}) <= len(baseline_tasks)
 
-    tasks_ok = await settle(tasks_back, 5.0)
-    leftover = {t for t in asyncio.all_tasks() if t is not current} - baseline_tasks
-    assert tasks_ok, [t.get_coro() for t in leftover][:10]
+    def no_task_left() -> bool:
+        leftover = {t for t in asyncio.all_tasks() if t is not current} - baseline_tasks
+        assert tasks_back(), [t.get_coro() for t in leftover][:10]
+        return True
+
+    await eventually(no_task_left, 5.0, "the task count back at its baseline")
     tasks_after = len({t for t in asyncio.all_tasks() if t is not current})
-    fds_ok = await settle(lambda: open_fds() <= baseline_fds + 1, 5.0)
-    assert fds_ok, (baseline_fds, open_fds())
+
+    def no_fd_left() -> bool:
+        assert open_fds() <= baseline_fds + 1, (baseline_fds, open_fds())
+        return True
+
+    await eventually(no_fd_left, 5.0, "the descriptor count back at its baseline")
     fds_after = open_fds()
 
     # And the daemon serves the next request normally.
@@ -256,11 +275,13 @@ async def test_a_client_leaving_as_the_upstream_answers_is_a_client_disconnect_n
 
     async def upstream(request: web.Request) -> web.StreamResponse:
         await request.read()
-        await asyncio.sleep(0.05)  # the Anthropic surface's token count answers first
+        # Upstream pacing, not a wait for an event: the Anthropic surface's token count (a
+        # request of its own, none on the OpenAI surface) answers first.
+        await asyncio.sleep(0.05)
         response = web.StreamResponse(headers={hdrs.CONTENT_TYPE: "text/event-stream"})
         await response.prepare(request)
         client["socket"].close()  # no await in between: both land before hal0d's next poll
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # the upstream's stream stays open and silent after it
         return response
 
     async def tokenize(request: web.Request) -> web.Response:
@@ -278,10 +299,11 @@ async def test_a_client_leaving_as_the_upstream_answers_is_a_client_disconnect_n
             f"POST {path} HTTP/1.1\r\nHost: hal0d\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nX-Request-Id: leaves\r\n\r\n".encode() + body
         )
-        deadline = time.monotonic() + 3.0
-        while not any(e["event"] == "request.done" for e in events):
-            assert time.monotonic() < deadline, events
-            await asyncio.sleep(0.02)
+        def done() -> bool:
+            assert any(e["event"] == "request.done" for e in events), events
+            return True
+
+        await eventually(done, 3.0, "request.done logged")
     done = next(e for e in events if e["event"] == "request.done")
     failed = [e for e in events if e["event"] == "request.failed"]
     assert (done["ok"], done["error_code"]) == (False, "client_disconnect") and not failed, (

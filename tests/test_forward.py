@@ -9,7 +9,7 @@ import aiohttp
 import orjson
 from aiohttp import hdrs, web
 
-from tests.conftest import chat_body, free_port, read_http_chunks
+from tests.conftest import chat_body, eventually, free_port, read_http_chunks
 from tests.fixtures_util import fixture_path
 
 
@@ -112,10 +112,11 @@ async def test_client_disconnect_closes_the_upstream_within_a_second(stub, start
     resp = await http.post(hal0d.make_url("/v1/chat/completions"), json=body)
     await resp.content.readline()  # the stream is flowing
     resp.close()  # the client goes away mid-stream
-    gone = time.monotonic()
-    while not any("cancelled" in line for line in stub.lines()):
-        assert time.monotonic() - gone < 1.0, stub.lines()
-        await asyncio.sleep(0.02)
+    def cancelled() -> bool:
+        assert any("cancelled" in line for line in stub.lines()), stub.lines()
+        return True
+
+    await eventually(cancelled, 1.0, "the stub's generation cancelled")
 
 
 async def test_unknown_model_is_404_listing_served_models(stub, start_hal0d, http):
@@ -238,7 +239,7 @@ async def test_header_wait_of_a_guarded_stream_is_bounded_by_direct_read_timeout
     upstream_app, start_hal0d, http
 ):
     async def slow_headers(request: web.Request) -> web.Response:
-        await asyncio.sleep(5)
+        await asyncio.sleep(5)  # an upstream slow to answer: the behaviour under test
         return web.Response(text="late")
 
     url = await upstream_app({"POST /v1/chat/completions": slow_headers})
@@ -267,7 +268,7 @@ async def test_an_upstream_that_stalls_inside_an_answer_it_did_not_stream_is_a_c
         )
         await response.prepare(request)
         await response.write(b'{"error":')  # 9 of the 100 bytes promised, then nothing
-        await asyncio.sleep(30)
+        await asyncio.sleep(30)  # the body stalls: the behaviour under test
         return response
 
     url = await upstream_app({"POST /v1/chat/completions": stalled_body})

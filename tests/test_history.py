@@ -3,7 +3,6 @@ loses none."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import sqlite3
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from hal0d.metrics.history import HistoryWriter, RequestRecord
+from tests.conftest import eventually
 
 REPO = Path(__file__).resolve().parent.parent
 DAY = 86400.0
@@ -149,9 +149,7 @@ async def test_pruning_recurs_even_when_idle(tmp_path: Path) -> None:
     await w.flush()
     with closing(sqlite3.connect(path)) as conn, conn:
         conn.execute("UPDATE requests SET ts = ?", (time.time() - 2 * DAY,))
-    deadline = time.monotonic() + 2.0
-    while count_rows(path) and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
+    await eventually(lambda: count_rows(path) == 0, 2.0, "the old row pruned while idle")
     assert count_rows(path) == 0
     await w.close()
 

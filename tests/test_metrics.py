@@ -23,7 +23,14 @@ from prometheus_client.samples import Sample
 
 from hal0d.appkeys import RUNTIME
 from hal0d.config import Config, MetricsConfig, SlotConfig
-from tests.conftest import ROLE_CHUNK, STUB_MODELS, chat_body, content_chunk, free_port
+from tests.conftest import (
+    ROLE_CHUNK,
+    STUB_MODELS,
+    chat_body,
+    content_chunk,
+    eventually,
+    free_port,
+)
 
 CHAT = "/v1/chat/completions"
 FINISH_CHUNK = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
@@ -65,43 +72,40 @@ async def slot_metrics(
     timeout: float = 2.0,
 ) -> dict[str, Any]:
     """The slot's /api/slots/metrics entry once it has recorded `requests` requests."""
-    deadline = time.monotonic() + timeout
-    while True:
+    async def recorded() -> dict[str, Any]:
         slots = (await get_json(http, hal0d, "/api/slots/metrics"))["slots"]
         entry = next(s for s in slots if s["name"] == name)
-        if entry["requests"] >= requests:
-            return entry
-        assert time.monotonic() < deadline, entry
-        await asyncio.sleep(0.01)
+        assert entry["requests"] >= requests, entry
+        return dict(entry)
+
+    return await eventually(recorded, timeout, f"{requests} requests recorded for {name!r}")
 
 
 async def api_row(
     http: aiohttp.ClientSession, hal0d: TestServer, request_id: str, timeout: float = 2.0
 ) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
+    async def written() -> dict[str, Any]:
         rows = (await get_json(http, hal0d, "/api/requests?limit=100"))["requests"]
-        for row in rows:
-            if row["request_id"] == request_id:
-                return row
-        assert time.monotonic() < deadline, rows
-        await asyncio.sleep(0.02)
+        found = [row for row in rows if row["request_id"] == request_id]
+        assert found, rows
+        return dict(found[0])
+
+    return await eventually(written, timeout, f"the history row of {request_id}")
 
 
 async def db_row(path: Path, request_id: str, timeout: float = 2.0) -> dict[str, Any]:
     """The row as the SQLite file holds it, read with a connection of our own once it is there."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if path.exists():
-            with closing(sqlite3.connect(path)) as conn:
-                conn.row_factory = sqlite3.Row
-                row = conn.execute(
-                    "SELECT * FROM requests WHERE request_id = ?", (request_id,)
-                ).fetchone()
-            if row is not None:
-                return dict(row)
-        assert time.monotonic() < deadline, f"no row for {request_id} in {path}"
-        await asyncio.sleep(0.02)
+    def written() -> dict[str, Any] | None:
+        if not path.exists():
+            return None
+        with closing(sqlite3.connect(path)) as conn:
+            conn.row_factory = sqlite3.Row
+            row = conn.execute(
+                "SELECT * FROM requests WHERE request_id = ?", (request_id,)
+            ).fetchone()
+        return dict(row) if row is not None else None
+
+    return await eventually(written, timeout, f"a row for {request_id} in {path}")
 
 
 async def scrape(http: aiohttp.ClientSession, hal0d: TestServer) -> dict[str, list[Sample]]:
@@ -543,14 +547,12 @@ async def test_metrics_slot_gauges_show_a_held_request_and_a_queued_one(
             return await resp.read()
 
     tasks = [asyncio.create_task(client())]
-    deadline = time.monotonic() + 1.0
-    while (await get_json(http, hal0d, "/api/slots"))["slots"][0]["in_flight"] < 1:
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.01)
+    async def slot_has(key: str) -> bool:
+        return bool((await get_json(http, hal0d, "/api/slots"))["slots"][0][key] >= 1)
+
+    await eventually(lambda: slot_has("in_flight"), 1.0, "the first request in flight")
     tasks.append(asyncio.create_task(client()))
-    while (await get_json(http, hal0d, "/api/slots"))["slots"][0]["queued"] < 1:
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.01)
+    await eventually(lambda: slot_has("queued"), 1.0, "the second request queued")
     samples = await scrape(http, hal0d)
     assert value(samples, "hal0d_slot_in_flight", slot="llm") == 1
     assert value(samples, "hal0d_slot_queued", slot="llm") == 1

@@ -23,7 +23,7 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.conftest import Stub, StubFactory, chat_body, free_port
+from tests.conftest import Stub, StubFactory, chat_body, eventually, free_port
 
 GRACE_S = 1.5
 TOKEN_DELAY_S = 0.02  # the stub's pace: 50 tokens a second per stream
@@ -81,12 +81,16 @@ class Hal0d:
         return [event for event in self.events() if event.get("event") == name]
 
     async def wait_for_event(self, name: str, timeout: float = 5.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if found := self.named(name):
-                return found[-1]
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"no {name} in hal0d's log:\n{self.log.read_text()}")
+        def logged() -> dict[str, Any]:
+            found = self.named(name)
+            assert found, f"no {name} in hal0d's log:\n{self.log.read_text()}"
+            return found[-1]
+
+        return await eventually(logged, timeout, f"{name} in hal0d's log")
+
+    async def wait_for_count(self, name: str, count: int, timeout: float = 5.0) -> None:
+        await eventually(lambda: len(self.named(name)) >= count, timeout,
+                         f"{count} {name} lines in hal0d's log")
 
     def send(self, signum: signal.Signals) -> None:
         self.process.send_signal(signum)
@@ -221,7 +225,18 @@ async def test_sigterm_drains_short_streams_and_ends_long_ones_with_a_terminal_f
 
     hal0d.send(signal.SIGTERM)
     sent = time.monotonic()
-    await asyncio.sleep(0.3)
+    await hal0d.wait_for_event("server.stopping")
+
+    async def refused() -> bool:
+        try:
+            async with http.get(f"{hal0d.url}/healthz"):
+                return False
+        except aiohttp.ServerDisconnectedError:
+            return False  # a pooled keep-alive connection the stop closed: ask again
+        except aiohttp.ClientConnectorError:
+            return True
+
+    await eventually(refused, GRACE_S, "the listener closed while the streams still run")
     with pytest.raises(aiohttp.ClientConnectorError):
         async with http.get(f"{hal0d.url}/healthz"):
             pass
@@ -330,9 +345,7 @@ async def test_sighup_with_a_broken_config_keeps_serving_on_the_old_one(
     # Not even a file that is not TOML any more takes it down.
     hal0d.config.write_text("[server\n")
     hal0d.send(signal.SIGHUP)
-    async with asyncio.timeout(5):
-        while len(hal0d.named("config.reload_failed")) < 2:
-            await asyncio.sleep(0.05)
+    await hal0d.wait_for_count("config.reload_failed", 2)
     assert "invalid TOML" in hal0d.named("config.reload_failed")[-1]["problems"][0]
     assert (await chat(http, hal0d.url, "chat"))[0] == 200
     assert hal0d.process.returncode is None
@@ -340,9 +353,7 @@ async def test_sighup_with_a_broken_config_keeps_serving_on_the_old_one(
     # Nor a valid file with nothing to serve: the rule `serve` and check-config apply at start.
     hal0d.config.write_text(good.split("[[slots]]")[0])
     hal0d.send(signal.SIGHUP)
-    async with asyncio.timeout(5):
-        while len(hal0d.named("config.reload_failed")) < 3:
-            await asyncio.sleep(0.05)
+    await hal0d.wait_for_count("config.reload_failed", 3)
     assert "hal0d would serve nothing" in hal0d.named("config.reload_failed")[-1]["problems"][0]
     assert await served_models(http, hal0d.url) == before
     assert (await chat(http, hal0d.url, "chat"))[0] == 200
@@ -421,9 +432,10 @@ async def test_a_reloaded_slot_command_replaces_its_process_once_its_streams_are
         async with http.get(f"{hal0d.url}/api/slots") as response:
             return str((await response.json())["slots"][0]["state"])
 
-    async with asyncio.timeout(15):
-        while await slot_state() != "ready":
-            await asyncio.sleep(0.05)
+    async def slot_ready() -> bool:
+        return await slot_state() == "ready"
+
+    await eventually(slot_ready, 15, "the slot process ready")
     running = Stream("on the old process")
     task = asyncio.create_task(open_stream(http, hal0d.url, running, chat_body(
         "reasoning", max_tokens=60)))  # about 1.2 s
@@ -442,9 +454,7 @@ async def test_a_reloaded_slot_command_replaces_its_process_once_its_streams_are
 
     await task
     assert running.finished_normally(), running.data[-2:]
-    async with asyncio.timeout(15):
-        while await slot_state() != "ready":
-            await asyncio.sleep(0.05)
+    await eventually(slot_ready, 15, "the slot process ready")
     status, answer = await chat(http, hal0d.url, "chat")
     assert status == 200, answer
     assert "start rid=" in new_log.read_text()  # served by the reloaded command

@@ -16,7 +16,7 @@ import structlog
 from aiohttp import hdrs, web
 
 from hal0d.sse import Decoder
-from tests.conftest import chat_body
+from tests.conftest import chat_body, eventually
 
 NOTICE = "\n\n[hal0] stall guard:"
 TRIPPED = "dispatch.stream_stall_guard_tripped"
@@ -87,10 +87,11 @@ def assert_chat_frame(frame: dict[str, Any], reason: str) -> None:
 
 
 async def wait_for_stub_line(stub: Any, word: str, within: float) -> None:
-    since = time.monotonic()
-    while not any(word in line for line in stub.lines()):
-        assert time.monotonic() - since < within, stub.lines()
-        await asyncio.sleep(0.02)
+    def logged() -> bool:
+        assert any(word in line for line in stub.lines()), stub.lines()
+        return True
+
+    await eventually(logged, within, f"{word!r} in the stub's log")
 
 
 def guard(total: float, idle: float, **more: float) -> dict[str, float]:
@@ -174,7 +175,7 @@ async def test_frame_after_a_half_written_data_line_parses_as_its_own_event_befo
         response = web.StreamResponse(headers={hdrs.CONTENT_TYPE: "text/event-stream"})
         await response.prepare(request)
         await response.write(complete)
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.02)  # upstream pacing: the half line comes as a read of its own
         await response.write(half)
         await asyncio.Event().wait()  # stalled in the middle of the line, socket open
         return response
@@ -322,7 +323,7 @@ async def test_guard_clocks_start_once_the_upstream_headers_arrive(
         await response.prepare(request)
         for event in events:
             await response.write(event)
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # an upstream that paces its tokens
         await response.write_eof()
         return response
 
@@ -363,10 +364,8 @@ async def test_each_trip_logs_one_line_with_reason_elapsed_and_upstream(
     hal0d = await start_hal0d(stub.url, dispatcher=guard(total=0, idle=0.3))
     with structlog.testing.capture_logs() as logs:
         got = await receive(http, hal0d.make_url("/v1/chat/completions"), chat_body("stall"))
-        since = time.monotonic()
-        while not any(e["event"] == "request.done" for e in logs):
-            assert time.monotonic() - since < 0.5, logs
-            await asyncio.sleep(0.01)
+        await eventually(lambda: any(e["event"] == "request.done" for e in logs), 0.5,
+                         "request.done logged")
 
     assert_chat_frame(stall_frame(got.raw), "idle")
     [tripped] = [e for e in logs if e["event"] == TRIPPED]
@@ -421,14 +420,13 @@ async def test_slot_is_released_after_a_trip(stub, start_hal0d, http):
         raw = await resp.read()
     assert b"x_hal0_stall" in raw
 
-    since = time.monotonic()
-    while True:
+    async def released() -> dict[str, Any]:
         async with http.get(hal0d.make_url("/api/slots")) as after:
             slot = llm_slot(await after.json())
-        if slot["in_flight"] == 0:
-            break
-        assert time.monotonic() - since < 0.2, slot
-        await asyncio.sleep(0.01)
+        assert slot["in_flight"] == 0, slot
+        return slot
+
+    slot = await eventually(released, 0.2, "the slot released after the trip")
     assert slot["queued"] == 0
     # The released slot serves the next request at once.
     got = await receive(http, hal0d.make_url("/v1/chat/completions"), chat_body("chat"))
@@ -460,13 +458,14 @@ async def test_a_client_that_stops_reading_is_cut_and_frees_its_slot(
     hal0d = await start_hal0d(stub.url, dispatcher=guard(0, 0, direct_read_timeout_s=0.5))
     _, writer = await open_raw_stream(hal0d, "chatty")
     started = time.monotonic()
-    while True:  # never reading: hal0d's write blocks, and the client bound ends it
+
+    async def released() -> bool:  # never reading: hal0d's write blocks, the client bound ends it
         async with http.get(hal0d.make_url("/api/slots")) as resp:
             slot = llm_slot(await resp.json())
-        if slot["in_flight"] == 0:
-            break
-        assert time.monotonic() - started < 3.0, slot
-        await asyncio.sleep(0.05)
+        assert slot["in_flight"] == 0, slot
+        return True
+
+    await eventually(released, 3.0, "the slot freed from the client that stopped reading")
     assert time.monotonic() - started >= 0.5
     row = await history_row(http, hal0d)
     assert (row["ok"], row["error_code"]) == (False, "client_stalled")
@@ -482,7 +481,9 @@ async def test_a_trip_while_the_client_is_slow_is_recorded_as_the_trip(
     stub = await start_stub(delay=0)
     hal0d = await start_hal0d(stub.url, dispatcher=guard(0.5, 0))
     reader, writer = await open_raw_stream(hal0d, "chatty")
-    await asyncio.sleep(1.0)  # past the total bound, with hal0d blocked on the full socket
+    # Kept: not reading for this long IS the slow client under test (the total bound runs out
+    # while hal0d's write is blocked; hal0d shows nothing of that until the write returns).
+    await asyncio.sleep(1.0)
     raw = b""
     async with asyncio.timeout(5):
         while not raw.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):  # chunked framing
@@ -490,7 +491,6 @@ async def test_a_trip_while_the_client_is_slow_is_recorded_as_the_trip(
             assert chunk, raw[-300:]
             raw += chunk
     assert b'"x_hal0_stall":{"reason":"total"' in raw
-    await asyncio.sleep(0.3)
-    row = await history_row(http, hal0d)
+    row = await eventually(lambda: history_row(http, hal0d), 5.0, "the stream's history row")
     assert (row["ok"], row["error_code"]) == (False, "stream_stall_total")
     writer.close()

@@ -20,7 +20,7 @@ from structlog.testing import capture_logs
 from hal0d.appkeys import SLOTS, SUPERVISOR
 from hal0d.stub import make_stub_app
 from hal0d.supervisor import SlotProcess
-from tests.conftest import chat_body, free_port
+from tests.conftest import chat_body, eventually, free_port
 
 CHAT = "/v1/chat/completions"
 STARTUP_S = 15.0  # a Python process importing aiohttp, on a busy two-core box
@@ -53,13 +53,12 @@ async def wait_slot(
     check: Callable[[dict[str, Any]], bool],
     timeout: float,
 ) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
+    async def matching() -> dict[str, Any]:
         view = await slot_view(http, hal0d)
-        if check(view):
-            return view
-        assert time.monotonic() < deadline, view
-        await asyncio.sleep(0.02)
+        assert check(view), view
+        return view
+
+    return await eventually(matching, timeout, "the slot in the awaited state")
 
 
 def slot_process(hal0d: TestServer) -> SlotProcess:
@@ -125,10 +124,12 @@ async def test_a_command_that_keeps_exiting_is_restarted_with_growing_backoff(st
     exits = (sys.executable, "-c", "raise SystemExit(3)")
     with capture_logs() as logs:
         hal0d = await start_hal0d(f"http://127.0.0.1:{free_port()}", slot={"command": exits})
-        deadline = time.monotonic() + 3.0 + STARTUP_S
-        while len(exited := [e for e in logs if e["event"] == "slot.process_exited"]) < 2:
-            assert time.monotonic() < deadline, exited
-            await asyncio.sleep(0.02)
+        def exited_twice() -> list[dict[str, Any]]:
+            exited = [e for e in logs if e["event"] == "slot.process_exited"]
+            assert len(exited) >= 2, exited
+            return exited
+
+        exited = await eventually(exited_twice, 3.0 + STARTUP_S, "two slot.process_exited")
         view = await slot_view(http, hal0d)
     assert view["state"] in ("error", "starting")
     first, second = exited[:2]
@@ -233,10 +234,8 @@ async def test_a_process_printing_a_line_over_64_kib_keeps_running_and_is_logged
              "[print('y' * 1000, flush=True) for _ in range(400)]; sys.exit(7)")
     with capture_logs() as logs:
         await start_hal0d(f"http://127.0.0.1:{free_port()}", slot={"command": noisy})
-        deadline = time.monotonic() + 10.0
-        while not [e for e in logs if e["event"] == "slot.process_exited"]:
-            assert time.monotonic() < deadline, "the process never got past its output"
-            await asyncio.sleep(0.05)
+        await eventually(lambda: [e for e in logs if e["event"] == "slot.process_exited"], 10.0,
+                         "the process got past its output and exited")
     exited = next(e for e in logs if e["event"] == "slot.process_exited")
     assert exited["code"] == 7
     lines = [e["line"] for e in logs if e["event"] == "slot.process_output"]

@@ -1,11 +1,14 @@
-"""The Anthropic request room: a Messages API body in, an OpenAI chat completions body out (pure).
+"""The Anthropic request: a Messages API body in, an OpenAI chat completions body out (pure).
 
-Two steps, so the handler can route before it translates:
+Two steps, so the handler can route before it translates (hal0d/handlers/anthropic.py):
 
-    req = parse_messages_request(body)        # validates; raises InvalidRequest naming the field
-    slot = route(req.model)                   # the client-sent model name
-    payload = to_openai(req, served_model=slot.served_name, max_output_tokens=slot.max_tokens)
-    Translator(req.model, stop_sequences=req.stop_sequences)   # when req.stream
+    req = parse_messages_request(body)    # validates; raises InvalidRequest naming the field
+    route = router.resolve(req.model)     # by the model name the client sent
+    payload = to_openai(
+        req, served_model=route.served_model, max_output_tokens=route.slot.max_output_tokens
+    )
+    # when req.stream: the stream's events are translated back by
+    Translator(req.model, input_tokens=input_tokens, stop_sequences=req.stop_sequences)
 
 Validation and the message translation happen in one walk inside `parse_messages_request`; the
 result holds OpenAI-shaped messages. Unknown top-level keys (thinking, cache hints, betas) and

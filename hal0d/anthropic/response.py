@@ -1,4 +1,4 @@
-"""The Anthropic response room: a non-streaming OpenAI chat.completion in, a Messages response out.
+"""The Anthropic response: a non-streaming OpenAI chat.completion in, a Messages response out.
 
 Pure. Blocks come in the order a streamed answer would have produced them: thinking, text,
 tool_use. A body that is not a chat completion is the upstream's fault, so it raises

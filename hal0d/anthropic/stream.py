@@ -1,4 +1,4 @@
-"""The Anthropic streaming room: OpenAI chat.completion.chunk dicts in, Anthropic events out.
+"""The Anthropic stream translator: OpenAI chat.completion.chunk dicts in, Anthropic events out.
 
 Sans-I/O in the manner of h11: the relay owns the sockets, the clocks and the JSON parsing of
 upstream frames; this module owns the protocol, so every rule is testable as "these chunks in,
@@ -33,6 +33,7 @@ from __future__ import annotations
 import enum
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -91,6 +92,21 @@ def new_tool_use_id() -> str:
 _ToolPiece = tuple[bool, object, str, str, str]
 
 
+# Not frozen: a frozen dataclass costs more to build, and one is built per upstream chunk.
+@dataclass(slots=True)
+class _Chunk:
+    """What one upstream chunk says, read and validated before it may change any state."""
+
+    choice: dict[str, Any] | None = None
+    content: str | None = None
+    reasoning: str | None = None
+    tools: list[_ToolPiece] | None = None
+    finish: str | None = None
+    has_usage: bool = False
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
 class Translator:
     __slots__ = (
         "_blocks",
@@ -141,10 +157,6 @@ class Translator:
         return self._state in (State.DONE, State.CLOSED, State.FAILED)
 
     @property
-    def message_id(self) -> str:
-        return self._message_id
-
-    @property
     def input_tokens(self) -> int:
         return self._input_tokens or 0
 
@@ -167,128 +179,110 @@ class Translator:
             return []
         if state is State.CLOSED or state is State.FAILED:
             raise TranslatorError(f"feed() after the stream was {state.value}")
-        if not isinstance(chunk, dict):
-            raise MalformedChunk("upstream chunk is not a JSON object")
-
-        choice: dict[str, Any] | None = None
-        content = reasoning = finish = None
-        tools: list[_ToolPiece] | None = None
-        choices = chunk.get("choices")
-        if choices:
-            if not isinstance(choices, list):
-                raise MalformedChunk("upstream chunk: choices is not a list")
-            choice = choices[0]
-            if not isinstance(choice, dict):
-                raise MalformedChunk("upstream chunk: choices[0] is not an object")
-            delta = choice.get("delta")
-            if delta:
-                if not isinstance(delta, dict):
-                    raise MalformedChunk("upstream chunk: delta is not an object")
-                content = delta.get("content")
-                if content is not None and not isinstance(content, str):
-                    raise MalformedChunk("upstream chunk: delta.content is not a string")
-                # vLLM renamed reasoning_content to reasoning; versions sending both send the same.
-                reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-                if reasoning is not None and not isinstance(reasoning, str):
-                    raise MalformedChunk("upstream chunk: delta reasoning is not a string")
-                raw_tools = delta.get("tool_calls")
-                if raw_tools:
-                    tools = self._tool_pieces(raw_tools, reopens=bool(content or reasoning))
-            finish = choice.get("finish_reason")
-            if finish is not None and not isinstance(finish, str):
-                raise MalformedChunk("upstream chunk: finish_reason is not a string")
-        elif choices is not None and not isinstance(choices, list):
-            raise MalformedChunk("upstream chunk: choices is not a list")
-        elif "error" in chunk or chunk.get("object") == "error":
-            raise MalformedChunk(f"upstream reported an error: {_error_message(chunk)}")
-
-        usage = chunk.get("usage")
-        prompt_tokens = completion_tokens = None
-        if usage is not None:
-            if not isinstance(usage, dict):
-                raise MalformedChunk("upstream chunk: usage is not an object")
-            prompt_tokens = usage.get("prompt_tokens")
-            completion_tokens = usage.get("completion_tokens")
-            if not _is_count(prompt_tokens) or not _is_count(completion_tokens):
-                raise MalformedChunk("upstream chunk: usage token counts are not integers")
-
-        generated = bool(content or reasoning or tools)
+        read = self._read(chunk)
+        generated = bool(read.content or read.reasoning or read.tools)
         if generated and state is State.STOPPING:
             raise MalformedChunk("upstream sent output after its finish_reason")
 
-        if prompt_tokens is not None:
-            self._input_tokens = prompt_tokens
-        if completion_tokens is not None:
-            self._upstream_output = completion_tokens
+        # Validated whole: from here on the chunk changes state and becomes events.
+        if read.prompt_tokens is not None:
+            self._input_tokens = read.prompt_tokens
+        if read.completion_tokens is not None:
+            self._upstream_output = read.completion_tokens
         events: list[Event] = []
         if state is State.IDLE:
             events.append(self._message_start())
             self._state = state = State.STREAMING
         if generated:
             self._fragments += 1
-            index = self._blocks - 1
-            if reasoning:
-                if self._open is not _THINKING:
-                    index = self._start(
-                        events, _THINKING, {"type": "thinking", "thinking": "", "signature": ""}
-                    )
-                events.append(
-                    (
-                        "content_block_delta",
-                        {
-                            "type": "content_block_delta",
-                            "index": index,
-                            "delta": {"type": "thinking_delta", "thinking": reasoning},
-                        },
-                    )
-                )
-            if content:
-                if self._open is not _TEXT:
-                    index = self._start(events, _TEXT, {"type": "text", "text": ""})
-                events.append(
-                    (
-                        "content_block_delta",
-                        {
-                            "type": "content_block_delta",
-                            "index": index,
-                            "delta": {"type": "text_delta", "text": content},
-                        },
-                    )
-                )
-            if tools:
-                for opens, key, call_id, name, arguments in tools:
-                    if opens:
-                        index = self._start(
-                            events,
-                            _TOOL_USE,
-                            {"type": "tool_use", "id": call_id, "name": name, "input": {}},
-                        )
-                        self._open_tool = key
-                        self._tool_keys.add(key)
-                    if arguments:
-                        events.append(
-                            (
-                                "content_block_delta",
-                                {
-                                    "type": "content_block_delta",
-                                    "index": index,
-                                    "delta": {
-                                        "type": "input_json_delta",
-                                        "partial_json": arguments,
-                                    },
-                                },
-                            )
-                        )
-        if finish is not None and state is State.STREAMING:
-            assert choice is not None
+            self._emit_output(events, read)
+        if read.finish is not None and state is State.STREAMING:
+            assert read.choice is not None
             self._stop_reason, self._stop_sequence = anthropic_stop(
-                choice, self._stop_sequences, used_tools=bool(self._tool_keys)
+                read.choice, self._stop_sequences, used_tools=bool(self._tool_keys)
             )
             self._close_block(events)
             self._state = state = State.STOPPING
-        if usage is not None and state is State.STOPPING:
+        if read.has_usage and state is State.STOPPING:
             self._end_message(events)
         return events
+
+    def _read(self, chunk: object) -> _Chunk:
+        """What one chunk says, every field checked; raises MalformedChunk, changes nothing."""
+        if not isinstance(chunk, dict):
+            raise MalformedChunk("upstream chunk is not a JSON object")
+        read = _Chunk()
+        choices = chunk.get("choices")
+        if choices:
+            if not isinstance(choices, list):
+                raise MalformedChunk("upstream chunk: choices is not a list")
+            self._read_choice(choices[0], read)
+        elif choices is not None and not isinstance(choices, list):
+            raise MalformedChunk("upstream chunk: choices is not a list")
+        elif "error" in chunk or chunk.get("object") == "error":
+            raise MalformedChunk(f"upstream reported an error: {_error_message(chunk)}")
+
+        usage = chunk.get("usage")
+        if usage is not None:
+            if not isinstance(usage, dict):
+                raise MalformedChunk("upstream chunk: usage is not an object")
+            read.has_usage = True
+            read.prompt_tokens = usage.get("prompt_tokens")
+            read.completion_tokens = usage.get("completion_tokens")
+            if not _is_count(read.prompt_tokens) or not _is_count(read.completion_tokens):
+                raise MalformedChunk("upstream chunk: usage token counts are not integers")
+        return read
+
+    def _read_choice(self, choice: object, read: _Chunk) -> None:
+        if not isinstance(choice, dict):
+            raise MalformedChunk("upstream chunk: choices[0] is not an object")
+        read.choice = choice
+        delta = choice.get("delta")
+        if delta:
+            if not isinstance(delta, dict):
+                raise MalformedChunk("upstream chunk: delta is not an object")
+            content = delta.get("content")
+            if content is not None and not isinstance(content, str):
+                raise MalformedChunk("upstream chunk: delta.content is not a string")
+            # vLLM renamed reasoning_content to reasoning; versions sending both send the same.
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if reasoning is not None and not isinstance(reasoning, str):
+                raise MalformedChunk("upstream chunk: delta reasoning is not a string")
+            read.content, read.reasoning = content, reasoning
+            raw_tools = delta.get("tool_calls")
+            if raw_tools:
+                read.tools = self._tool_pieces(raw_tools, reopens=bool(content or reasoning))
+        finish = choice.get("finish_reason")
+        if finish is not None and not isinstance(finish, str):
+            raise MalformedChunk("upstream chunk: finish_reason is not a string")
+        read.finish = finish
+
+    def _emit_output(self, events: list[Event], read: _Chunk) -> None:
+        """The chunk's generated output as block deltas, in the order thinking, text, tool calls;
+        each kind opens its block first unless that block is the open one."""
+        index = self._blocks - 1
+        if read.reasoning:
+            if self._open is not _THINKING:
+                index = self._start(
+                    events, _THINKING, {"type": "thinking", "thinking": "", "signature": ""}
+                )
+            events.append(_delta(index, {"type": "thinking_delta", "thinking": read.reasoning}))
+        if read.content:
+            if self._open is not _TEXT:
+                index = self._start(events, _TEXT, {"type": "text", "text": ""})
+            events.append(_delta(index, {"type": "text_delta", "text": read.content}))
+        for opens, key, call_id, name, arguments in read.tools or ():
+            if opens:
+                index = self._start(
+                    events,
+                    _TOOL_USE,
+                    {"type": "tool_use", "id": call_id, "name": name, "input": {}},
+                )
+                self._open_tool = key
+                self._tool_keys.add(key)
+            if arguments:
+                delta = {"type": "input_json_delta", "partial_json": arguments}
+                events.append(_delta(index, delta))
 
     def finish(self) -> list[Event]:
         """The upstream ended the stream ([DONE] or a clean EOF)."""
@@ -425,6 +419,10 @@ class Translator:
 def encode_events(events: list[Event]) -> bytes:
     """SSE frames with compact JSON, each with its event: line; empty bytes for no events."""
     return b"".join([encode(name, orjson.dumps(payload)) for name, payload in events])
+
+
+def _delta(index: int, delta: dict[str, Any]) -> Event:
+    return ("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
 
 
 def _error_event(message: str, error_type: str) -> Event:

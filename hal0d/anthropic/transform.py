@@ -2,6 +2,7 @@
 
 sse.Decoder splits the byte stream into events, Translator turns each OpenAI chunk into
 Anthropic events, encode_events frames them. `data: [DONE]` is consumed here, never forwarded.
+Pure like the rest of the package: it imports neither asyncio nor aiohttp (tests/test_purity.py).
 """
 
 from __future__ import annotations
@@ -9,11 +10,8 @@ from __future__ import annotations
 import orjson
 
 from hal0d.anthropic.stream import Event, MalformedChunk, Translator, encode_events
-from hal0d.relay import TransformFailed
 from hal0d.sse import Decoder
-from hal0d.stallguard import StallTrip
-
-OVERLOADED_STATUSES = (503, 529)
+from hal0d.transform import STALL_KEY, StallTrip, TransformFailed
 
 
 class AnthropicTransform:
@@ -24,6 +22,9 @@ class AnthropicTransform:
     def _failed(self, done: list[Event], error_code: str, message: str) -> TransformFailed:
         """What the good events of this read became, then the error frame: nothing is lost."""
         return TransformFailed(error_code, encode_events(done + self.translator.fail(message)))
+
+    def start(self) -> bytes:
+        return b""  # message_start waits for the first chunk, which may carry the prompt's usage
 
     def feed(self, chunk: bytes) -> bytes:
         translator = self.translator
@@ -67,7 +68,7 @@ class AnthropicTransform:
     def stalled(self, trip: StallTrip) -> bytes:
         if self.translator.done:
             return b""
-        details = orjson.dumps({"x_hal0_stall": trip.details()}).decode()
+        details = orjson.dumps({STALL_KEY: trip.details()}).decode()
         return encode_events(self.translator.fail(f"{trip.notice()} {details}"))
 
     def broken(self, message: str) -> bytes:

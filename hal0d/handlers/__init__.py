@@ -1,1 +1,2 @@
-"""HTTP handlers, one module per surface; they stay thin and hand work to the rooms behind."""
+"""HTTP handlers, one module per surface; they stay thin and hand the work to the modules behind
+them (routing, slots, upstream, relay, and the surface's own translation)."""

@@ -1,7 +1,7 @@
 """The OpenAI surface: POST /v1/<endpoint> (and /llm/v1/<endpoint>) dispatched to a slot.
 
-The forward path follows the seed: open the upstream eagerly and wait for its headers before the
-client response starts (so a dead upstream is a clean 502), then relay the body byte for byte.
+The upstream is opened eagerly and its headers awaited before the client's response starts (so a
+dead upstream is a clean 502), then the body is relayed byte for byte.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from hal0d.handlers.body import (
 )
 from hal0d.handlers.streaming import release_upstream, stream_through
 from hal0d.limits import MAX_MESSAGES, MAX_TOKENS_LIMIT
-from hal0d.relay import Passthrough
+from hal0d.openai.transform import Passthrough
 from hal0d.requestinfo import INFO, RequestInfo
 from hal0d.stallguard import guard_active
 from hal0d.upstream import open_upstream, read_whole, request_headers, response_headers

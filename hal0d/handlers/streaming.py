@@ -11,9 +11,10 @@ from aiohttp import web
 from hal0d.appkeys import STREAMS
 from hal0d.config import DispatcherConfig
 from hal0d.metrics.live import StreamTap
-from hal0d.relay import Transform, relay
+from hal0d.relay import relay
 from hal0d.requestinfo import INFO
 from hal0d.stallguard import StallGuard
+from hal0d.transform import Transform
 
 
 async def stream_through(

@@ -1,0 +1,103 @@
+"""The OpenAI transform of the relay: upstream bytes out exactly as they came in (pure).
+
+OpenAI-compatible upstreams already speak the client's protocol, so nothing is parsed on the way.
+hal0d writes frames of its own only where a stream ends badly: a `chat.completion.chunk` (or
+`text_completion`, for the legacy endpoint) with the stall guard's notice, and an error event when
+the upstream broke off or never sent `data: [DONE]`. The OpenAI SDKs raise on the error event, so
+a cut-off stream is never mistaken for a complete answer.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+
+from hal0d.transform import STALL_KEY, StallTrip, TransformFailed
+
+__all__ = ["STALL_ID", "Passthrough", "error_event", "stall_frame"]
+
+STALL_ID = "hal0-stall-guard"
+# How much of the stream's end Passthrough keeps, to find its `data: [DONE]`.
+TAIL_BYTES = 256
+
+
+def error_event(message: str, code: str) -> bytes:
+    """An OpenAI-style SSE error event, after a blank line in case a line was left half-written."""
+    error = {"error": {"message": message, "type": "upstream_error", "code": code}}
+    return b"\n\ndata: " + orjson.dumps(error) + b"\n\n"
+
+
+def stall_frame(trip: StallTrip, *, legacy_completion: bool, model: str | None) -> bytes:
+    """The terminal event for an OpenAI SSE stream the stall guard ended, then [DONE].
+
+    It opens with a blank line so it parses as its own event even when the upstream stalled in
+    the middle of a `data:` line.
+    """
+    text = "\n\n" + trip.notice()
+    if legacy_completion:
+        choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": "length"}
+        kind = "text_completion"
+    else:
+        choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": text},
+            "finish_reason": "length",
+        }
+        kind = "chat.completion.chunk"
+    chunk = {
+        "id": STALL_ID,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model or "",
+        "choices": [choice],
+        STALL_KEY: trip.details(),
+    }
+    return b"\n\ndata: " + orjson.dumps(chunk) + b"\n\ndata: [DONE]\n\n"
+
+
+class Passthrough:
+    """Bytes out exactly as they came in; frames only for hal0d's own endings.
+
+    The only thing it looks at is the end of a successful SSE stream: one without `data: [DONE]`
+    was cut short by the upstream, and the client is told so instead of being left to guess.
+    """
+
+    __slots__ = ("_tail", "expect_done", "legacy_completion", "model", "sse")
+
+    def __init__(
+        self, *, sse: bool, legacy_completion: bool, model: str | None, expect_done: bool
+    ) -> None:
+        self.sse = sse
+        self.legacy_completion = legacy_completion
+        self.model = model
+        self.expect_done = expect_done
+        self._tail = b""
+
+    def start(self) -> bytes:
+        return b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        # The stream's last TAIL_BYTES bytes, however the reads cut them; copies stay that small.
+        self._tail = (self._tail + chunk[-TAIL_BYTES:])[-TAIL_BYTES:]
+        return chunk
+
+    def end(self) -> bytes:
+        if not self.expect_done:
+            return b""
+        tail = self._tail.rstrip()
+        if tail.endswith(b"data: [DONE]") or tail.endswith(b"data:[DONE]"):
+            return b""
+        message = "the upstream ended the stream without data: [DONE]; the answer may be cut"
+        raise TransformFailed(
+            "upstream_incomplete", error_event(message, "dispatch.upstream_incomplete")
+        )
+
+    def stalled(self, trip: StallTrip) -> bytes:
+        if not self.sse:
+            return b""  # audio, images: cut off, nothing injected
+        return stall_frame(trip, legacy_completion=self.legacy_completion, model=self.model)
+
+    def broken(self, message: str) -> bytes:
+        return error_event(message, "dispatch.upstream_broken") if self.sse else b""

@@ -1,0 +1,89 @@
+"""What a surface plugs into the relay: the Transform protocol and the values that cross it.
+
+The relay (hal0d/relay.py) owns the sockets and the clocks and knows no surface; every byte it
+writes to the client comes from a Transform. Each surface brings its own: hal0d/openai/transform.py
+passes the upstream's bytes through, hal0d/anthropic/transform.py translates them. When the stall
+guard ends a stream it hands the transform a StallTrip, and the transform renders it in its own
+surface's frames.
+
+Pure: nothing here imports asyncio or aiohttp (tests/test_purity.py holds it to that), so the
+transforms built on it stay testable as "these bytes in, these bytes out".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+__all__ = ["STALL_KEY", "StallTrip", "Transform", "TransformFailed"]
+
+# The key under which every surface's stall frame carries StallTrip.details(); the metrics tap
+# looks for it to skip hal0d's own frame (hal0d.stallguard.STALL_MARKER).
+STALL_KEY = "x_hal0_stall"
+
+
+@dataclass(frozen=True, slots=True)
+class StallTrip:
+    """Why and when the stall guard ended a stream; each surface's transform renders it."""
+
+    reason: str  # total | idle | read | shutdown | unloaded
+    elapsed_s: float
+    upstream: str  # the slot's name
+    total_s: float
+    idle_s: float
+
+    def details(self) -> dict[str, Any]:
+        return {
+            "reason": self.reason,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "upstream": self.upstream,
+            "stream_total_timeout_s": self.total_s,
+            "stream_idle_timeout_s": self.idle_s,
+        }
+
+    def notice(self) -> str:
+        """The sentence a person reads where the answer stopped."""
+        why = {
+            "total": f"the stream ran longer than stream_total_timeout_s = {self.total_s:g} s",
+            "idle": f"the upstream sent nothing for stream_idle_timeout_s = {self.idle_s:g} s",
+            "read": "the upstream connection timed out on a read (direct_read_timeout_s)",
+            "shutdown": "hal0d is shutting down",
+            "unloaded": "its slot was unloaded by force (POST /api/slots/NAME/unload?force=true)",
+        }[self.reason]
+        return (
+            f"[hal0] stall guard: the answer was cut off after {self.elapsed_s:.1f} s because "
+            f"{why} (upstream {self.upstream!r}, reason {self.reason})."
+        )
+
+
+class TransformFailed(Exception):
+    """The transform cannot go on (a malformed upstream chunk); `frame` ends the client stream."""
+
+    def __init__(self, error_code: str, frame: bytes) -> None:
+        super().__init__(error_code)
+        self.error_code = error_code
+        self.frame = frame
+
+
+class Transform(Protocol):
+    """One stream's frames. Each method returns the bytes to write next (b"" for nothing)."""
+
+    def start(self) -> bytes:
+        """Before the first upstream chunk is read."""
+        ...
+
+    def feed(self, chunk: bytes) -> bytes:
+        """One upstream read, as it came. May raise TransformFailed."""
+        ...
+
+    def end(self) -> bytes:
+        """The upstream closed the body cleanly. May raise TransformFailed."""
+        ...
+
+    def stalled(self, trip: StallTrip) -> bytes:
+        """The stall guard ended the stream; the last frame the client gets."""
+        ...
+
+    def broken(self, message: str) -> bytes:
+        """The upstream connection broke mid-body; `message` says how."""
+        ...
