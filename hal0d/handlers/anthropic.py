@@ -1,8 +1,9 @@
 """The Anthropic surface: POST /llm/v1/messages (and /v1/messages), count_tokens.
 
 The request is translated to OpenAI chat completions and sent through the forward path
-(forward.py) like any other; a stream comes back through the relay's Anthropic transform. Before message_start every failure is
-a real HTTP status with Anthropic's error body; after it, one `event: error` frame ends the stream.
+(forward.py) like any other; a stream comes back through the relay's Anthropic transform. Before
+message_start every failure is a real HTTP status with Anthropic's error body; after it, one
+`event: error` frame ends the stream.
 """
 
 from __future__ import annotations
