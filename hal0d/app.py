@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 import re
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
 import structlog
 from aiohttp import web
 
 from hal0d import access
-from hal0d.appkeys import RECORDER, RUNTIME, STREAMS, Runtime, RuntimeRef
+from hal0d.appkeys import RECORDER, RUNTIME, SESSION, STREAMS, TOKEN_COUNTER, Runtime, RuntimeRef
 from hal0d.config import Config
 from hal0d.errors import Hal0Error, MethodNotAllowed, NoRoute
 from hal0d.handlers import admin, anthropic, openai
@@ -20,7 +20,8 @@ from hal0d.logs import get_logger
 from hal0d.metrics.recorder import recorder_context
 from hal0d.requestinfo import INFO, RequestInfo
 from hal0d.supervisor import slots_context
-from hal0d.upstream import session_context
+from hal0d.tokens import TokenCounter
+from hal0d.upstream import make_session
 
 log = get_logger()
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -126,6 +127,7 @@ def request_finished(app: web.Application, info: RequestInfo, method: str, path:
             ok=info.ok,
             error_code=info.error_code,
             queue_ms=None if info.queue_ms is None else round(info.queue_ms, 2),
+            load_ms=None if info.load_ms is None else round(info.load_ms, 2),
             ttft_ms=None if info.ttft_ms is None else round(info.ttft_ms, 2),
             duration_ms=round(info.total_ms, 2),
         )
@@ -145,6 +147,15 @@ async def warn_if_exposed(app: web.Application) -> None:
             host=server.host,
             hint="reachable beyond this machine with no [server].api_keys: anyone can use it",
         )
+
+
+async def session_context(app: web.Application) -> AsyncIterator[None]:
+    """cleanup_ctx: the one shared ClientSession for every upstream call, and the token counter
+    that asks through it."""
+    app[SESSION] = make_session(app[RUNTIME].current.config.dispatcher)
+    app[TOKEN_COUNTER] = TokenCounter(app[SESSION])
+    yield
+    await app[SESSION].close()
 
 
 def make_app(config: Config) -> web.Application:

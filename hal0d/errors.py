@@ -180,3 +180,17 @@ def anthropic_type_for_status(status: int) -> str:
         413: "request_too_large",
         429: "rate_limit_error",
     }.get(status, "api_error")
+
+
+def upstream_message(body: object) -> str | None:
+    """The message of an upstream's error body, however the server shapes it:
+    `{"error": {"message": ...}}` (OpenAI), `{"error": "..."}` or `{"message": ...}`."""
+    if not isinstance(body, dict):
+        return None
+    error = body.get("error")
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return str(error["message"])
+    if isinstance(error, str):
+        return error
+    message = body.get("message")
+    return message if isinstance(message, str) else None

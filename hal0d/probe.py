@@ -10,10 +10,9 @@ import asyncio
 import time
 
 import aiohttp
-from aiohttp import hdrs
 
-from hal0d import USER_AGENT
 from hal0d.config import SlotConfig
+from hal0d.upstream import TRANSPORT_ERRORS, own_headers, transport_reason
 
 PROBE_TIMEOUT_S = 5.0
 STARTUP_POLL_S = 0.2
@@ -21,23 +20,19 @@ STARTUP_POLL_S = 0.2
 
 async def probe(session: aiohttp.ClientSession, config: SlotConfig) -> str | None:
     """None when the upstream answers GET /v1/models, else why not."""
-    headers: dict[str, str] = {hdrs.USER_AGENT: USER_AGENT}
-    token = config.bearer_token()
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
     try:
         async with asyncio.timeout(PROBE_TIMEOUT_S):
-            async with session.get(config.upstream + "/v1/models", headers=headers) as resp:
+            async with session.get(
+                config.upstream + "/v1/models", headers=own_headers(config)
+            ) as resp:
                 await resp.read()
                 if resp.status >= 500:
                     return f"GET /v1/models answered {resp.status}"
                 return None
-    except TimeoutError:
-        return f"GET /v1/models timed out after {PROBE_TIMEOUT_S:g} s"
-    except aiohttp.ClientConnectorError as exc:
-        return f"cannot connect ({exc.os_error.strerror or exc.os_error})"
-    except (aiohttp.ClientError, OSError) as exc:
-        return f"{type(exc).__name__}: {exc}"
+    except TRANSPORT_ERRORS as exc:
+        # A reason, not an error: no request is waiting on the probe. A probe short of a
+        # descriptor is not counted as a refused request either.
+        return transport_reason(exc, "waiting for GET /v1/models")
 
 
 async def answers_within(

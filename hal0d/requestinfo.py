@@ -28,6 +28,7 @@ class RequestInfo:
     ok: bool = True
     error_code: str | None = None
     queue_ms: float | None = None
+    load_ms: float | None = None  # of queue_ms, the wait for the slot's model to load
     ttft_ms: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None

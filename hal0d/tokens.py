@@ -21,10 +21,10 @@ import aiohttp
 import orjson
 from aiohttp import hdrs
 
-from hal0d import USER_AGENT
 from hal0d.config import SlotConfig
-from hal0d.descriptors import exhausted, exhaustion_errno
+from hal0d.errors import UpstreamUnavailable
 from hal0d.logs import get_logger
+from hal0d.upstream import own_headers, upstream_errors
 
 log = get_logger()
 TOKENIZE_TIMEOUT_S = 2.0
@@ -63,12 +63,8 @@ class TokenCounter:
         self._ways: dict[tuple[str, str], str | None] = {}
 
     async def _ask(self, slot: SlotConfig, path: str, body: dict[str, Any]) -> int | None:
-        headers: dict[str, str] = {
-            hdrs.CONTENT_TYPE: "application/json", hdrs.USER_AGENT: USER_AGENT
-        }
-        token = slot.bearer_token()
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
+        headers = own_headers(slot)
+        headers[hdrs.CONTENT_TYPE] = "application/json"
         async with self.session.post(
             slot.upstream + path, data=orjson.dumps(body), headers=headers
         ) as resp:
@@ -98,18 +94,17 @@ class TokenCounter:
         known = self._ways.get(key, "unknown")
         ways = [TOKENIZE, EXTRAS] if known == "unknown" else [known] if known else []
         try:
-            async with asyncio.timeout(TOKENIZE_TIMEOUT_S):
-                for path in ways:
-                    count = await self._ask(slot, path, bodies[path])
-                    if count is not None:
-                        self._ways[key] = path
-                        return count, SOURCE[path]
-        except (TimeoutError, TryLater, aiohttp.ClientError, OSError) as exc:
-            if (code := exhaustion_errno(exc)) is not None:
-                # No descriptor for the count means none for the generation either: the
-                # request gets its 503 now rather than an estimate and then the same 503.
-                raise exhausted(code, "tokenizer", f"count tokens on slot {slot.name!r}") from None
-            log.debug("tokens.count_failed", slot=slot.name, error=f"{type(exc).__name__}: {exc}")
+            # No descriptor for the count means none for the generation either: FdExhausted
+            # passes, and the request gets its 503 now rather than an estimate and then the same.
+            with upstream_errors(slot, "counting tokens", refused_at="tokenizer"):
+                async with asyncio.timeout(TOKENIZE_TIMEOUT_S):
+                    for path in ways:
+                        count = await self._ask(slot, path, bodies[path])
+                        if count is not None:
+                            self._ways[key] = path
+                            return count, SOURCE[path]
+        except (UpstreamUnavailable, TryLater) as exc:
+            log.debug("tokens.count_failed", slot=slot.name, error=str(exc))
             return estimate(text), "estimate"  # a passing failure: try the tokenizer next time
         if known == "unknown":
             self._ways[key] = None

@@ -1,9 +1,12 @@
 """The upstream boundary: the one ClientSession, its timeouts, header filtering, the eager open.
 
-aiohttp's exceptions stop here: a failure to get an HTTP response at all becomes
-UpstreamUnavailable (a clean 502 before the client response has started), never a torn stream;
-a connect that fails because hal0d has no descriptor left (EMFILE, ENFILE) becomes FdExhausted
-(503, see descriptors.py): hal0d's capacity failed, not the upstream.
+aiohttp's exceptions stop here, mapped in one place (`upstream_errors`, after httpcore's
+`map_exceptions`): a failure to get an answer at all (a refused connect, a timeout, a reset, a
+broken framing) becomes UpstreamUnavailable, a clean 502 before the client response has started,
+never a torn stream; a socket hal0d cannot open because it has no descriptor left (EMFILE,
+ENFILE) becomes FdExhausted (503, see descriptors.py): hal0d's capacity failed, not the upstream.
+The one exception is the relay's loop (relay.py), where the client response has started and a
+break is an outcome written into the stream rather than an error status.
 
 Timeouts. aiohttp's client default is total=300 s, which silently kills long streams; the session
 has no total. `connect_timeout_s` bounds the TCP connect, `pool_timeout_s` the wait for a free
@@ -19,19 +22,28 @@ request bodies are small and go out in one write.)
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping, MutableMapping
+from types import TracebackType
 from typing import Any
 
 import aiohttp
-from aiohttp import hdrs, web
+from aiohttp import hdrs
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from hal0d import USER_AGENT
-from hal0d.appkeys import RUNTIME, SESSION, TOKEN_COUNTER
 from hal0d.config import DispatcherConfig, SlotConfig
 from hal0d.descriptors import exhausted, exhaustion_errno
 from hal0d.errors import UpstreamUnavailable
-from hal0d.tokens import TokenCounter
+
+# What a call to an upstream raises when it gets no usable answer: aiohttp's client errors (its
+# ServerTimeoutError is a TimeoutError too), asyncio's timeouts, the socket's own OSErrors, and
+# ValueError for a request aiohttp refuses to send (a URL or header it cannot encode).
+TRANSPORT_ERRORS: tuple[type[Exception], ...] = (
+    TimeoutError,
+    aiohttp.ClientError,
+    OSError,
+    ValueError,
+)
 
 # RFC 9110 7.6.1 hop-by-hop headers, plus the ones aiohttp recomputes for each side.
 HOP_BY_HOP = frozenset(
@@ -75,20 +87,100 @@ def request_headers(client: CIMultiDictProxy[str], slot: SlotConfig) -> CIMultiD
     # per-client behaviour see the real client. Without one, the request is hal0d's.
     if hdrs.USER_AGENT not in out:
         out[hdrs.USER_AGENT] = USER_AGENT
+    authorize(out, slot)
+    return out
+
+
+def authorize(headers: MutableMapping[str, str], slot: SlotConfig) -> None:
+    """The slot's own key, when it has one, as the bearer token of a request to it."""
     token = slot.bearer_token()
     if token:
-        out[hdrs.AUTHORIZATION] = f"Bearer {token}"
-    return out
+        headers[hdrs.AUTHORIZATION] = f"Bearer {token}"
+
+
+def own_headers(slot: SlotConfig) -> dict[str, str]:
+    """The headers of a request hal0d makes on its own account (a probe, a token count)."""
+    headers: dict[str, str] = {hdrs.USER_AGENT: USER_AGENT}
+    authorize(headers, slot)
+    return headers
+
+
+# Proxies and browsers must not hold SSE back, nor compress it.
+SSE_UNBUFFERED = {hdrs.CACHE_CONTROL: "no-cache", "X-Accel-Buffering": "no"}
+# The headers of an event stream hal0d writes itself (the Anthropic surface's translation).
+SSE_HEADERS = {hdrs.CONTENT_TYPE: "text/event-stream; charset=utf-8", **SSE_UNBUFFERED}
 
 
 def response_headers(upstream: CIMultiDictProxy[str]) -> CIMultiDict[str]:
     drop = DROP_RESPONSE | _connection_tokens(upstream)
     out = CIMultiDict((k, v) for k, v in upstream.items() if k.lower() not in drop)
     if out.get(hdrs.CONTENT_TYPE, "").startswith("text/event-stream"):
-        # Proxies and browsers must not hold SSE back, nor compress it.
-        out[hdrs.CACHE_CONTROL] = "no-cache"
-        out["X-Accel-Buffering"] = "no"
+        out.update(SSE_UNBUFFERED)
     return out
+
+
+def transport_reason(exc: BaseException, during: str) -> str:
+    """Why a call to an upstream got no answer, in words for a log line or a slot's reason.
+    `during`: what the call was waiting for, as in "timed out <during>"."""
+    if isinstance(exc, TimeoutError):
+        return f"timed out {during}"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"cannot connect ({exc.os_error.strerror or exc.os_error})"
+    detail = str(exc)
+    return f"{type(exc).__name__} {during}" + (f": {detail}" if detail else "")
+
+
+class upstream_errors:  # lower case: read as a `with` statement, as contextlib's helpers are
+    """`with upstream_errors(slot, during):` maps the transport exceptions raised inside it to
+    hal0d's error tree, the one place that does (as httpcore's `map_exceptions` does):
+
+        no descriptor left (EMFILE, ENFILE)  FdExhausted, when `refused_at` names the request's
+                                             step for the descriptors report; else as below
+        any other of TRANSPORT_ERRORS        UpstreamUnavailable naming the slot and the reason
+
+    `slot_reason`: why the slot is in error, if it is (a lease is granted in error, as the probe
+    may be stale); the message names it, since "cannot connect" alone hides the cause (a process
+    that could not be started). Everything else (CancelledError above all) passes untouched.
+    """
+
+    __slots__ = ("during", "refused_at", "slot", "slot_reason")
+
+    def __init__(
+        self,
+        slot: SlotConfig,
+        during: str,
+        *,
+        refused_at: str | None = None,
+        slot_reason: str | None = None,
+    ) -> None:
+        self.slot = slot
+        self.during = during
+        self.refused_at = refused_at
+        self.slot_reason = slot_reason
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None or not isinstance(exc, TRANSPORT_ERRORS):
+            return
+        slot = self.slot
+        if self.refused_at is not None and (code := exhaustion_errno(exc)) is not None:
+            # hal0d's own capacity failed, not the upstream: a 503 to retry, not a 502.
+            raise exhausted(
+                code, self.refused_at, f"reach slot {slot.name!r}"
+            ) from None
+        reason = transport_reason(exc, self.during)
+        if self.slot_reason:
+            reason += f"; the slot is in error: {self.slot_reason}"
+        raise UpstreamUnavailable(
+            f"slot {slot.name!r} at {slot.upstream} is unavailable: {reason}"
+        ) from None
 
 
 class HeaderDeadline:
@@ -133,14 +225,23 @@ def header_tracing() -> aiohttp.TraceConfig:
     return trace
 
 
+def client_timeout(
+    timeouts: DispatcherConfig, sock_read: float | None = None
+) -> aiohttp.ClientTimeout:
+    """aiohttp's timeouts from ours: no total (aiohttp's default of 300 s kills long streams),
+    the pool wait and the connect, and `sock_read` for every read when given."""
+    return aiohttp.ClientTimeout(
+        total=None,
+        connect=timeouts.pool_timeout_s + timeouts.connect_timeout_s,
+        sock_connect=timeouts.connect_timeout_s,
+        sock_read=sock_read,
+    )
+
+
 def make_session(timeouts: DispatcherConfig) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(
         trace_configs=[header_tracing()],
-        timeout=aiohttp.ClientTimeout(
-            total=None,
-            connect=timeouts.pool_timeout_s + timeouts.connect_timeout_s,
-            sock_connect=timeouts.connect_timeout_s,
-        ),
+        timeout=client_timeout(timeouts),
         connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
         auto_decompress=False,
         # readany() hands the relay what arrived, up to this much: 64 KiB reads keep per-read
@@ -150,14 +251,6 @@ def make_session(timeouts: DispatcherConfig) -> aiohttp.ClientSession:
         # Instead of aiohttp's own "Python/3.x aiohttp/3.x", on any request that sets none.
         headers={hdrs.USER_AGENT: USER_AGENT},
     )
-
-
-async def session_context(app: web.Application) -> AsyncIterator[None]:
-    """cleanup_ctx: the one shared ClientSession for every upstream call."""
-    app[SESSION] = make_session(app[RUNTIME].current.config.dispatcher)
-    app[TOKEN_COUNTER] = TokenCounter(app[SESSION])
-    yield
-    await app[SESSION].close()
 
 
 async def open_upstream(
@@ -176,13 +269,16 @@ async def open_upstream(
     """Send the request and wait for the response headers.
 
     `guarded`: the stall guard owns the body, so the per-read timeout is off for this request.
-    `slot_reason`: why the slot is in error, if it is (a lease is granted in error, as the probe
-    may be stale); a failed open names it, since "cannot connect" alone hides the cause (a
-    process that could not be started).
+    `slot_reason`: why the slot is in error, if it is; a failed open names it.
     """
     read_timeout = None if guarded else timeouts.direct_read_timeout_s
     deadline = HeaderDeadline(timeouts)
-    try:
+    with upstream_errors(
+        slot,
+        "waiting for the upstream's response headers",
+        refused_at="upstream_connect",
+        slot_reason=slot_reason,
+    ):
         async with deadline.timeout:
             return await session.request(
                 method,
@@ -190,37 +286,15 @@ async def open_upstream(
                 params=params,
                 data=body,
                 headers=headers,
-                timeout=aiohttp.ClientTimeout(
-                    total=None,
-                    connect=timeouts.pool_timeout_s + timeouts.connect_timeout_s,
-                    sock_connect=timeouts.connect_timeout_s,
-                    sock_read=read_timeout,
-                ),
+                timeout=client_timeout(timeouts, read_timeout),
                 allow_redirects=False,
                 trace_request_ctx=deadline,
             )
-    except (TimeoutError, aiohttp.ServerTimeoutError):
-        reason = "timed out waiting for the upstream's response headers"
-    except (aiohttp.ClientError, OSError, ValueError) as exc:
-        if (code := exhaustion_errno(exc)) is not None:
-            # hal0d's own capacity failed, not the upstream: a 503 to retry, not a 502.
-            raise exhausted(code, "upstream_connect", f"connect to slot {slot.name!r}") from None
-        if isinstance(exc, aiohttp.ClientConnectorError):
-            reason = f"cannot connect ({exc.os_error.strerror or exc.os_error})"
-        else:
-            reason = f"{type(exc).__name__}: {exc}"
-    if slot_reason:
-        reason += f"; the slot is in error: {slot_reason}"
-    raise UpstreamUnavailable(f"slot {slot.name!r} at {slot.upstream} is unavailable: {reason}")
 
 
-async def read_whole(upstream: aiohttp.ClientResponse, slot: str, timeout_s: float) -> bytes:
+async def read_whole(upstream: aiohttp.ClientResponse, slot: SlotConfig, timeout_s: float) -> bytes:
     """A whole (non-streamed) body within `timeout_s`. A reset, a stall or a broken framing is
     UpstreamUnavailable, a clean 502: nothing was sent to the client yet."""
-    try:
+    with upstream_errors(slot, "while sending its answer"):
         async with asyncio.timeout(timeout_s):
             return await upstream.read()
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise UpstreamUnavailable(
-            f"slot {slot!r} failed while sending its answer: {type(exc).__name__}"
-        ) from None

@@ -190,3 +190,44 @@ def test_committed_rows_survive_kill_9(tmp_path: Path) -> None:
     assert (tmp_path / "h.db-wal").exists()
     assert count_rows(path) == 50
     assert count_rows(path, "request_id = 'req-49'") == 1
+
+
+# The requests table as the version before model loading wrote it (no load_ms column).
+PREVIOUS_SCHEMA = """
+CREATE TABLE requests (
+    id INTEGER PRIMARY KEY, ts REAL NOT NULL, request_id TEXT NOT NULL, slot TEXT, model TEXT,
+    endpoint TEXT NOT NULL, stream INTEGER NOT NULL, status INTEGER NOT NULL, ok INTEGER NOT NULL,
+    error_code TEXT, queue_ms REAL, ttft_ms REAL, total_ms REAL, prompt_tokens INTEGER,
+    completion_tokens INTEGER
+);
+CREATE INDEX requests_ts ON requests (ts);
+"""
+
+
+async def test_a_database_of_the_previous_version_keeps_its_rows_and_gains_load_ms(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "old.db"
+    with closing(sqlite3.connect(path)) as conn:
+        conn.executescript(PREVIOUS_SCHEMA)
+        conn.executemany(
+            "INSERT INTO requests (ts, request_id, slot, model, endpoint, stream, status, ok) "
+            "VALUES (?, ?, 'llm', 'chat', '/v1/chat/completions', 0, 200, 1)",
+            [(time.time() - 60 + i, f"old-{i}") for i in range(3)],
+        )
+        conn.commit()
+    writer = HistoryWriter(path)
+    await writer.start()
+    try:
+        new = record(9)
+        new.load_ms = 812.5
+        writer.submit(new)
+        await writer.flush()
+        rows = await writer.recent(10)
+    finally:
+        await writer.close()
+    assert [row["request_id"] for row in rows][-3:] == ["old-2", "old-1", "old-0"]
+    assert [row["load_ms"] for row in rows] == [812.5, None, None, None]
+    with closing(sqlite3.connect(path)) as conn:
+        columns = [row[1] for row in conn.execute("PRAGMA table_info(requests)")]
+    assert columns[-1] == "load_ms" and columns.count("load_ms") == 1

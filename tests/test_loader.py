@@ -237,6 +237,12 @@ async def test_an_idle_slot_is_unloaded_and_the_next_request_loads_it_again(
     assert status == 200
     again = (await views(http, hal0d))["a"]
     assert again["state"] == "ready" and again["pid"] not in (None, pid)
+    assert (await chat(http, hal0d, "chat"))[0] == 200  # to a loaded slot: no load to wait for
+    async with http.get(hal0d.make_url("/api/requests?limit=3")) as resp:
+        rows = (await resp.json())["requests"]
+    loaded, reloaded, first = rows
+    assert first["load_ms"] > 0 and reloaded["load_ms"] > 0
+    assert loaded["load_ms"] == 0
 
 
 async def test_a_process_that_exits_while_idle_leaves_its_slot_stopped_not_restarting(

@@ -14,7 +14,7 @@ import orjson
 
 from hal0d.anthropic.stop import anthropic_stop
 from hal0d.anthropic.stream import new_message_id, new_tool_use_id
-from hal0d.errors import UpstreamUnavailable
+from hal0d.errors import UpstreamInvalid
 
 __all__ = ["to_anthropic"]
 
@@ -113,4 +113,4 @@ def _count(value: Any) -> int:
 
 
 def _malformed(problem: str) -> NoReturn:
-    raise UpstreamUnavailable(f"upstream sent a malformed chat completion: {problem}")
+    raise UpstreamInvalid(f"upstream sent a malformed chat completion: {problem}")

@@ -39,6 +39,7 @@ from typing import Any
 import orjson
 
 from hal0d.anthropic.stop import anthropic_stop
+from hal0d.errors import upstream_message
 from hal0d.sse import encode
 
 __all__ = [
@@ -438,10 +439,5 @@ def _is_str(value: object) -> bool:
 
 
 def _error_message(chunk: dict[str, Any]) -> str:
-    error = chunk.get("error")
-    if isinstance(error, dict) and isinstance(error.get("message"), str):
-        return str(error["message"])
-    if isinstance(error, str):
-        return error
-    message = chunk.get("message")
-    return message if isinstance(message, str) else "no message"
+    message = upstream_message(chunk)
+    return "no message" if message is None else message

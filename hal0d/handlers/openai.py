@@ -1,7 +1,7 @@
 """The OpenAI surface: POST /v1/<endpoint> (and /llm/v1/<endpoint>) dispatched to a slot.
 
-The upstream is opened eagerly and its headers awaited before the client's response starts (so a
-dead upstream is a clean 502), then the body is relayed byte for byte.
+The request is checked here and sent through the forward path (forward.py), which opens the
+upstream eagerly (so a dead upstream is a clean 502); the answer is relayed byte for byte.
 """
 
 from __future__ import annotations
@@ -10,24 +10,20 @@ from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp import hdrs, web
-from multidict import CIMultiDict
+from aiohttp import web
 
-from hal0d.appkeys import RUNTIME, SESSION, SLOTS
-from hal0d.config import DispatcherConfig, SlotConfig
+from hal0d.appkeys import RUNTIME, SLOTS
 from hal0d.errors import InvalidRequest, UpstreamInvalid
+from hal0d.forward import Forward, forward
 from hal0d.handlers.body import (
     multipart_field,
     parse_json_object,
     read_body,
     replace_multipart_field,
 )
-from hal0d.handlers.streaming import release_upstream, stream_through
 from hal0d.limits import MAX_MESSAGES, MAX_TOKENS_LIMIT
 from hal0d.openai.transform import Passthrough
-from hal0d.requestinfo import INFO, RequestInfo
-from hal0d.stallguard import guard_active
-from hal0d.upstream import open_upstream, read_whole, request_headers, response_headers
+from hal0d.upstream import response_headers
 
 ENDPOINTS = (
     "chat/completions",
@@ -88,15 +84,13 @@ def check_fields(endpoint: str, payload: dict[str, Any]) -> None:
             )
 
 
-async def requested_model(
-    request: web.Request, endpoint: str, body: bytes
-) -> tuple[str, bool, bytes]:
-    """The model name, whether the client asked for a stream, and the body to parse further."""
+async def requested_model(request: web.Request, endpoint: str, body: bytes) -> tuple[str, bool]:
+    """The model name, and whether the client asked for a stream."""
     if endpoint == "audio/transcriptions":
         model = await multipart_field(request, body, "model")
         if not model:
             raise InvalidRequest("multipart field 'model' is required", field="model")
-        return model, False, body
+        return model, False
     payload = parse_json_object(body)
     model = payload.get("model")
     if not isinstance(model, str) or not model:
@@ -105,16 +99,7 @@ async def requested_model(
     if not isinstance(stream, bool):
         raise InvalidRequest("'stream' must be a boolean", field="stream")
     check_fields(endpoint, payload)
-    return model, stream, body
-
-
-def upstream_headers(request: web.Request, endpoint: str, slot: SlotConfig) -> CIMultiDict[str]:
-    headers = request_headers(request.headers, slot)
-    if endpoint != "audio/transcriptions":
-        # The body was parsed as JSON; say so even when the client did not (`curl -d` sends
-        # a form content-type, which strict upstreams such as llama-cpp-python refuse).
-        headers[hdrs.CONTENT_TYPE] = "application/json"
-    return headers
+    return model, stream
 
 
 def with_model(body: bytes, served_model: str) -> bytes:
@@ -125,79 +110,59 @@ def with_model(body: bytes, served_model: str) -> bytes:
 
 async def dispatch(request: web.Request) -> web.StreamResponse:
     endpoint = request.match_info["endpoint"]
-    info = request[INFO]
-    runtime = request.app[RUNTIME].current
     body = await read_body(request)
-    model, stream, body = await requested_model(request, endpoint, body)
+    model, stream = await requested_model(request, endpoint, body)
     streaming = stream or endpoint in ALWAYS_STREAMING
-    info.model, info.stream = model, streaming
-    route = runtime.router.resolve(model)
-    if route.served_model != model:
+    fwd = forward(request, model, stream=streaming)
+    served_model = fwd.route.served_model
+    if served_model != model:
         if endpoint == "audio/transcriptions":
-            body = replace_multipart_field(body, "model", model, route.served_model)
+            body = replace_multipart_field(body, "model", model, served_model)
         else:
-            body = with_model(body, route.served_model)
-    info.served_model, info.slot = route.served_model, route.slot.name
-    timeouts = route.slot.timeouts(runtime.config.dispatcher)
-    async with request.app[SLOTS].lease(route.slot.name) as lease:
-        info.queue_ms = lease.queue_ms
-        upstream = await open_upstream(
-            request.app[SESSION],
-            route.slot,
-            timeouts,
-            method=hdrs.METH_POST,
-            path=f"/v1/{endpoint}",
+            body = with_model(body, served_model)
+    async with fwd:
+        upstream = await fwd.open(
+            f"/v1/{endpoint}",
+            body,
+            # Parsed as JSON: said so even when the client did not (`curl -d` sends a form
+            # content-type, which strict upstreams such as llama-cpp-python refuse).
+            json_body=endpoint != "audio/transcriptions",
             params=request.query,
-            headers=upstream_headers(request, endpoint, route.slot),
-            body=body,
-            guarded=streaming and guard_active(timeouts),
-            slot_reason=lease.slot.reason,
         )
-        try:
-            info.upstream_status(upstream.status)
-            if not streaming:
-                return await answer_whole(upstream, info, route.slot.name, timeouts)
-            if not_streamed(endpoint, upstream):
-                # Asked for a stream, answered with something else: relayed as it came (status
-                # and content-type are the upstream's), but recorded as the failure it is.
-                whole = await answer_whole(upstream, info, route.slot.name, timeouts)
-                info.fail("upstream_invalid")
-                return whole
-            response = web.StreamResponse(
-                status=upstream.status, headers=response_headers(upstream.headers)
-            )
-            sse = upstream.content_type == "text/event-stream"
-            transform = Passthrough(
-                sse=sse,
-                legacy_completion=endpoint == "completions",
-                model=model,
-                expect_done=sse and upstream.status == 200,
-            )
-            await stream_through(
-                request, upstream, response, transform, timeouts=timeouts, slot_name=route.slot.name
-            )
-            return response
-        finally:
-            release_upstream(upstream)
+        if not streaming:
+            return await copy_whole(fwd, upstream)
+        if not_streamed(endpoint, upstream):
+            # Asked for a stream, answered with something else: relayed as it came (status
+            # and content-type are the upstream's), but recorded as the failure it is.
+            whole = await copy_whole(fwd, upstream)
+            fwd.info.fail("upstream_invalid")
+            return whole
+        response = web.StreamResponse(
+            status=upstream.status, headers=response_headers(upstream.headers)
+        )
+        sse = upstream.content_type == "text/event-stream"
+        transform = Passthrough(
+            sse=sse,
+            legacy_completion=endpoint == "completions",
+            model=model,
+            expect_done=sse and upstream.status == 200,
+        )
+        await fwd.relay(response, transform)
+        return response
 
 
-async def answer_whole(
-    upstream: aiohttp.ClientResponse,
-    info: RequestInfo,
-    slot_name: str,
-    timeouts: DispatcherConfig,
-) -> web.Response:
-    """A non-streaming answer, copied through as it came."""
-    data = await read_whole(upstream, slot_name, timeouts.direct_read_timeout_s)
+async def copy_whole(fwd: Forward, upstream: aiohttp.ClientResponse) -> web.Response:
+    """A non-streaming answer, copied through as it came; its usage noted when it has one."""
+    data = await fwd.read_whole()
     if not data and upstream.status == 200:
-        raise UpstreamInvalid(f"slot {slot_name!r} answered 200 with an empty body")
+        raise UpstreamInvalid(f"slot {fwd.slot.name!r} answered 200 with an empty body")
     if upstream.content_type == "application/json" and b'"usage"' in data:
         try:
             parsed = orjson.loads(data)
         except orjson.JSONDecodeError:
             parsed = None
         if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
-            info.apply_usage(parsed["usage"])
+            fwd.info.apply_usage(parsed["usage"])
     return web.Response(
         body=data, status=upstream.status, headers=response_headers(upstream.headers)
     )

@@ -57,11 +57,3 @@ def abort_client(request: web.Request) -> Callable[[], None]:
 
     return abort
 
-
-def release_upstream(upstream: aiohttp.ClientResponse) -> None:
-    """Keep the connection for reuse when its body was read to the end; otherwise close it,
-    which is what tells the upstream to stop generating."""
-    if upstream.content.at_eof():
-        upstream.release()
-    else:
-        upstream.close()

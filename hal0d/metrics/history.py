@@ -49,6 +49,7 @@ class RequestRecord:
     total_ms: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    load_ms: float | None = None  # the part of queue_ms spent waiting for a model to load
 
 
 COLUMNS: Final[tuple[str, ...]] = tuple(f.name for f in dataclasses.fields(RequestRecord))
@@ -69,10 +70,14 @@ CREATE TABLE IF NOT EXISTS requests (
     ttft_ms REAL,
     total_ms REAL,
     prompt_tokens INTEGER,
-    completion_tokens INTEGER
+    completion_tokens INTEGER,
+    load_ms REAL
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 """
+# Columns later versions added, with their SQL type: a database an earlier version wrote gains
+# them in place at open (ALTER TABLE keeps every row; old rows read NULL there).
+_ADDED_COLUMNS: Final = (("load_ms", "REAL"),)
 
 _INSERT: Final = (
     f"INSERT INTO requests ({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)})"
@@ -238,6 +243,11 @@ class HistoryWriter:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.executescript(_SCHEMA)
+        have = {row[1] for row in conn.execute("PRAGMA table_info(requests)")}
+        for name, kind in _ADDED_COLUMNS:
+            if name not in have:
+                conn.execute(f"ALTER TABLE requests ADD COLUMN {name} {kind}")
+                log.info("history.migrated", path=str(self.path), added_column=name)
         self._conn = conn
 
     def _db(self) -> sqlite3.Connection:

@@ -42,6 +42,7 @@ class Recorder:
                 ok=info.ok,
                 error_code=info.error_code,
                 queue_ms=info.queue_ms,
+                load_ms=info.load_ms,
                 ttft_ms=info.ttft_ms,
                 total_ms=total_ms,
                 prompt_tokens=info.prompt_tokens,
