@@ -32,6 +32,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import aiohttp
 
@@ -48,6 +49,7 @@ LOAD_BACKOFF_FIRST_S = 1.0
 LOAD_BACKOFF_MAX_S = 60.0
 FREE_MEMORY_TIMEOUT_S = 10.0
 FORCED_RETRY_AFTER_S = 5.0
+LOAD_TICK_S = 1.0
 # The states in which a slot's process is alive (or being started): it occupies its device.
 _LOADED = frozenset({
     SlotState.STARTING, SlotState.READY, SlotState.SERVING, SlotState.ERROR, SlotState.STOPPING,
@@ -60,6 +62,57 @@ class UnloadReason(enum.StrEnum):
     API = "api"
     RELOAD = "reload"
     SHUTDOWN = "shutdown"
+
+
+class LoadPhase(enum.StrEnum):
+    WAITING_FOR_ROOM = "waiting_for_room"
+    STARTING = "starting"
+    PROBING = "probing"
+    READY = "ready"
+    FAILED = "failed"
+
+
+class LifecycleObserver(Protocol):
+    """Told what the loader does, for the event feed and the metrics (never the slot's own
+    state changes: those reach Slot.watchers)."""
+
+    def load_phase(self, slot: str, phase: LoadPhase, elapsed_s: float,
+                   reason: str | None) -> None:
+        """A load's phase; repeated every LOAD_TICK_S while it lasts."""
+
+    def unloaded(self, slot: str, reason: UnloadReason, loaded_s: float | None) -> None: ...
+
+
+class _Progress:
+    """A load's current phase, told to the observers at once and every LOAD_TICK_S."""
+
+    def __init__(self, loader: Loader, slot: str) -> None:
+        self.loader = loader
+        self.slot = slot
+        self.started = time.monotonic()
+        self.phase = LoadPhase.STARTING
+        self._ticker: asyncio.Task[None] | None = None
+
+    def elapsed(self) -> float:
+        return round(time.monotonic() - self.started, 3)
+
+    def enter(self, phase: LoadPhase, reason: str | None = None) -> None:
+        self.phase = phase
+        self.loader.tell_phase(self.slot, phase, self.elapsed(), reason)
+        if phase in (LoadPhase.READY, LoadPhase.FAILED):
+            self.stop()
+        elif self._ticker is None:
+            self._ticker = asyncio.create_task(self._tick())
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(LOAD_TICK_S)
+            self.loader.tell_phase(self.slot, self.phase, self.elapsed(), None)
+
+    def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            self._ticker = None
 
 
 class NoRoom(Exception):
@@ -148,6 +201,7 @@ class Loader:
         # unload); returns how many it ended.
         self.end_streams = end_streams
         self.models: dict[str, Model] = {}
+        self.observers: list[LifecycleObserver] = []
         self._stopping = False
         for config in configs:
             self.add(config)
@@ -214,31 +268,41 @@ class Loader:
             raise SlotLoadFailed(f"slot {name!r} did not load: {slot.reason}",
                                  retry_after=LOAD_BACKOFF_FIRST_S)
 
+    def tell_phase(self, slot: str, phase: LoadPhase, elapsed_s: float,
+                   reason: str | None) -> None:
+        for observer in self.observers:
+            observer.load_phase(slot, phase, elapsed_s, reason)
+
     async def _load(self, model: Model) -> None:
         slot = model.slot
-        started = time.monotonic()
+        progress = _Progress(self, model.name)
         log.info("slot.load_started", slot=model.name, queued=slot.queued)
         child: Child | None = None
         try:
-            async with self._turn(model):
+            cause = None
+            async with self._turn(model, progress):
+                progress.enter(LoadPhase.STARTING)
                 command = model.config.command or ()
                 argv = " ".join(resolve_program(command))
                 slot.transition(SlotState.STARTING, f"loading: {argv}")
                 child = await Child.start(model.name, command)
-                left_s = model.config.load_timeout_s - (time.monotonic() - started)
+                progress.enter(LoadPhase.PROBING)
+                left_s = model.config.load_timeout_s - progress.elapsed()
                 cause = await self._until_answering(model, child, left_s)
         except (LaunchFailed, NoRoom) as exc:
             cause = str(exc)
         except asyncio.CancelledError:
+            progress.stop()
             if child is not None:
                 await child.stop()
             if slot.state is SlotState.STARTING:
                 slot.transition(SlotState.STOPPED, "load cancelled")
             raise
-        elapsed = round(time.monotonic() - started, 3)
+        elapsed = progress.elapsed()
         if cause is not None:
             if child is not None:
                 await child.stop()
+            progress.enter(LoadPhase.FAILED, cause)
             self._load_failed(model, cause, elapsed)
             return
         assert child is not None
@@ -247,6 +311,7 @@ class Loader:
         model.watch_task = asyncio.create_task(self._watch(model, child))
         slot.load_refused = None
         log.info("slot.loaded", slot=model.name, elapsed_s=elapsed, pid=child.pid)
+        progress.enter(LoadPhase.READY)
         slot.mark_ready()
 
     async def _until_answering(self, model: Model, child: Child, timeout_s: float) -> str | None:
@@ -278,12 +343,13 @@ class Loader:
         slot.fail_load(cause, backoff)
 
     @contextlib.asynccontextmanager
-    async def _turn(self, model: Model) -> AsyncIterator[None]:
+    async def _turn(self, model: Model, progress: _Progress) -> AsyncIterator[None]:
         """The group's turn for this load, with room made for it; no group, no wait."""
         group = self.groups.get(model.config.group or "")
         if group is None:
             yield
             return
+        progress.enter(LoadPhase.WAITING_FOR_ROOM)
         async with group.lock:
             await self._make_room(group, model)
             yield
@@ -381,6 +447,8 @@ class Loader:
         if slot.state is SlotState.STOPPING:
             slot.transition(SlotState.STOPPED, f"unloaded ({reason})")
         log.info("slot.unloaded", slot=model.name, reason=str(reason), loaded_s=loaded_s)
+        for observer in self.observers:
+            observer.unloaded(model.name, reason, loaded_s)
         self.load_if_wanted(slot)
 
     def load_if_wanted(self, slot: Slot) -> None:
@@ -458,6 +526,8 @@ class Loader:
             await child.stop()
         if loaded and reason is not None:
             log.info("slot.unloaded", slot=model.name, reason=str(reason))
+            for observer in self.observers:
+                observer.unloaded(model.name, reason, None)
 
     async def stop(self) -> None:
         """hal0d is stopping: every loaded model's process is stopped (the server's shutdown
