@@ -67,7 +67,9 @@ def concrete_routes(app: web.Application) -> list[tuple[str, str]]:
             routes.append((route.method, info["path"]))
         else:
             formatter, pattern = info["formatter"], info["pattern"]
-            expanded = [formatter.replace("{endpoint}", endpoint) for endpoint in openai.ENDPOINTS]
+            # {endpoint}: each OpenAI endpoint; {name}: the test's slot (the admin slot routes).
+            expanded = {formatter.replace("{endpoint}", endpoint).replace("{name}", "llm")
+                        for endpoint in openai.ENDPOINTS}
             matching = [path for path in expanded if pattern.fullmatch(path)]
             assert len(matching) == 1, (formatter, pattern)
             routes.append((route.method, matching[0]))

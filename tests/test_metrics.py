@@ -517,7 +517,8 @@ async def test_metrics_parse_with_prometheus_client_and_cover_requests_slots_and
             for s in samples["hal0d_slot_state"]
             if s.labels["slot"] == slot
         }
-        assert set(states) == {"offline", "starting", "ready", "serving", "error"}
+        assert set(states) == {"offline", "stopped", "starting", "ready", "serving", "error",
+                               "stopping"}
         assert [name for name, v in states.items() if v == 1] == [state]
         assert sum(states.values()) == 1
         assert value(samples, "hal0d_slot_in_flight", slot=slot) == 0
