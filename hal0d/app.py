@@ -1,27 +1,25 @@
-"""make_app(config): routes, the request lifecycle middleware, and the cleanup contexts."""
+"""make_app(config): routes, the request lifecycle middleware, and the cleanup contexts
+(contexts.py) in the order they start."""
 
 from __future__ import annotations
 
 import asyncio
 import re
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import orjson
 import structlog
 from aiohttp import web
 
 from hal0d import access
-from hal0d.appkeys import RECORDER, RUNTIME, SESSION, STREAMS, TOKEN_COUNTER, Runtime, RuntimeRef
+from hal0d.appkeys import RECORDER, RUNTIME, STREAMS, Runtime, RuntimeRef
 from hal0d.config import Config
-from hal0d.errors import Hal0Error, MethodNotAllowed, NoRoute
+from hal0d.contexts import recorder_context, session_context, slots_context
+from hal0d.errors import ErrorCode, Hal0Error, MethodNotAllowed, NoRoute
 from hal0d.handlers import admin, anthropic, openai
 from hal0d.logs import get_logger
-from hal0d.metrics.recorder import recorder_context
 from hal0d.requestinfo import INFO, RequestInfo
-from hal0d.supervisor import slots_context
-from hal0d.tokens import TokenCounter
-from hal0d.upstream import make_session
 
 log = get_logger()
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -45,11 +43,6 @@ def error_response(exc: Hal0Error, path: str) -> web.Response:
         body=orjson.dumps(body), status=exc.status, headers=exc.headers(),
         content_type="application/json",
     )
-
-
-def error_code(exc: Hal0Error) -> str:
-    """The history row's error_code: `dispatch.upstream_unavailable` -> `upstream_unavailable`."""
-    return exc.code.rsplit(".", 1)[-1]
 
 
 def translate_http_exception(exc: web.HTTPException, request: web.Request) -> Hal0Error:
@@ -86,20 +79,20 @@ async def request_lifecycle(
         return response
     except Hal0Error as exc:
         info.status = exc.status
-        info.fail(error_code(exc))
+        info.fail(exc.error_code)
         return error_response(exc, request.path)
     except web.HTTPException as exc:
         error = translate_http_exception(exc, request)
         info.status = error.status
-        info.fail(error_code(error))
+        info.fail(error.error_code)
         return error_response(error, request.path)
     except asyncio.CancelledError:
-        info.fail("client_disconnect")
+        info.fail(ErrorCode.CLIENT_DISCONNECT)
         raise
     except Exception:
         log.exception("request.failed", path=request.path)
         info.status = 500
-        info.fail("internal")
+        info.fail(ErrorCode.INTERNAL)
         return error_response(Hal0Error("internal error in hal0d; see its log"), request.path)
     finally:
         structlog.contextvars.unbind_contextvars("request_id")
@@ -147,15 +140,6 @@ async def warn_if_exposed(app: web.Application) -> None:
             host=server.host,
             hint="reachable beyond this machine with no [server].api_keys: anyone can use it",
         )
-
-
-async def session_context(app: web.Application) -> AsyncIterator[None]:
-    """cleanup_ctx: the one shared ClientSession for every upstream call, and the token counter
-    that asks through it."""
-    app[SESSION] = make_session(app[RUNTIME].current.config.dispatcher)
-    app[TOKEN_COUNTER] = TokenCounter(app[SESSION])
-    yield
-    await app[SESSION].close()
 
 
 def make_app(config: Config) -> web.Application:

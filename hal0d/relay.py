@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from hal0d.errors import ErrorCode, stream_stall
 from hal0d.logs import get_logger
 from hal0d.metrics.live import StreamTap
 from hal0d.stallguard import StallGuard, StallTripped
@@ -34,6 +35,12 @@ class Outcome:
 
 class _ClientGone(Exception):
     pass
+
+
+def client_gone(guard: StallGuard) -> ErrorCode:
+    """How a stream whose client went away is recorded: cut by the guard for taking no bytes
+    (client_stalled), or left on its own (client_disconnect)."""
+    return ErrorCode.CLIENT_STALLED if guard.reason == "client" else ErrorCode.CLIENT_DISCONNECT
 
 
 async def _write(response: web.StreamResponse, data: bytes) -> None:
@@ -65,7 +72,7 @@ async def relay(
     except _ClientGone:
         upstream.close()
         outcome.ok = False
-        outcome.error_code = "client_stalled" if guard.reason == "client" else "client_disconnect"
+        outcome.error_code = client_gone(guard)
     finally:
         guard.stop()
     return outcome
@@ -102,7 +109,7 @@ async def _body(
         upstream.close()
         message = f"upstream {guard.upstream!r} broke the stream: {type(exc).__name__}"
         log.warning("dispatch.upstream_broken", upstream=guard.upstream, error=str(exc))
-        outcome.ok, outcome.error_code = False, "upstream_broken"
+        outcome.ok, outcome.error_code = False, ErrorCode.UPSTREAM_BROKEN
         return transform.broken(message)
     upstream.close()
     log.warning(
@@ -111,7 +118,7 @@ async def _body(
         elapsed_s=round(trip.elapsed_s, 3),
         upstream=trip.upstream,
     )
-    outcome.ok, outcome.error_code = False, f"stream_stall_{trip.reason}"
+    outcome.ok, outcome.error_code = False, stream_stall(trip.reason)
     outcome.stall = trip
     return transform.stalled(trip)
 

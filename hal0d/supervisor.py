@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
-from hal0d.appkeys import RUNTIME, SESSION, SLOTS, STREAMS, SUPERVISOR
 from hal0d.child import Child, LaunchFailed, resolve_program
 from hal0d.config import GroupConfig, SlotConfig
 from hal0d.loader import Loader, Model, UnloadReason
@@ -138,6 +136,10 @@ class Supervisor:
         self.loader = Loader(table, configs, groups or {}, session, end_streams)
         self._tasks: list[asyncio.Task[None]] = []
 
+    def restarts(self) -> dict[str, int]:
+        """How often each `always` slot's process was restarted since hal0d started."""
+        return {name: process.restarts for name, process in self.processes.items()}
+
     async def probe_once(self, name: str) -> None:
         slot = self.table.get(name)
         if slot is None:
@@ -207,7 +209,7 @@ class Supervisor:
         added = [name for name in new if name not in self.configs]
         removed = [name for name in self.configs if name not in new]
         changed = [name for name in new if name in self.configs and new[name] != self.configs[name]]
-        # Whatever listener slots_context wired into the first slots, new slots get it too.
+        # Whatever listener contexts.slots_context wired into the first slots, new slots get it.
         listener = next((slot.on_change for slot in self.table), log_state_change)
 
         async def retire(slot: Slot, old: SlotProcess | None, successor: SlotProcess | None,
@@ -349,23 +351,3 @@ class Supervisor:
             slot.transition(SlotState.STOPPED, "reloaded")
         await successor.run()
 
-
-async def slots_context(app: web.Application) -> AsyncIterator[None]:
-    """cleanup_ctx: the slot table, its processes and its probe, stopped on shutdown."""
-    config = app[RUNTIME].current.config
-    table = SlotTable(config.slots, on_change=log_state_change)
-    app[SLOTS] = table
-    streams = app[STREAMS]
-
-    def end_streams(slot: str, reason: str) -> int:
-        ending = [guard for guard in streams if guard.upstream == slot]
-        for guard in ending:
-            guard.end_now(reason)
-        return len(ending)
-
-    supervisor = Supervisor(table, config.slots, app[SESSION], groups=config.groups,
-                            end_streams=end_streams)
-    app[SUPERVISOR] = supervisor
-    await supervisor.start()
-    yield
-    await supervisor.stop()

@@ -3,11 +3,7 @@ and per-slot live metrics, all at once and off the stream's path."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
-from aiohttp import web
-
-from hal0d.appkeys import RECORDER, RUNTIME, SLOTS, SUPERVISOR
+from hal0d.errors import stall_reason
 from hal0d.metrics.history import HistoryWriter, RequestRecord
 from hal0d.metrics.live import SlotMetrics
 from hal0d.metrics.prometheus import PromMetrics
@@ -64,8 +60,8 @@ class Recorder:
             self.prom.ttft.labels(slot).observe(info.ttft_ms / 1000)
         if info.completion_tokens:
             self.prom.tokens.labels(slot, model).inc(info.completion_tokens)
-        if info.error_code and info.error_code.startswith("stream_stall_"):
-            self.prom.stall_trips.labels(slot, info.error_code.removeprefix("stream_stall_")).inc()
+        if (stall := stall_reason(info.error_code)) is not None:
+            self.prom.stall_trips.labels(slot, stall).inc()
         live = self.slot_metrics(slot)
         live.record(
             ok=info.ok,
@@ -76,21 +72,3 @@ class Recorder:
         if info.usage:
             live.record_flm(info.usage)
 
-
-async def recorder_context(app: web.Application) -> AsyncIterator[None]:
-    """cleanup_ctx: the history writer runs for the app's life and is flushed on shutdown."""
-    config = app[RUNTIME].current.config
-    history = HistoryWriter(config.database_path(), retention_days=config.metrics.retention_days)
-    await history.start()
-    recorder = Recorder(history, config.metrics.ttft_samples)
-
-    def restarts() -> dict[str, int]:
-        supervisor = app.get(SUPERVISOR)
-        if supervisor is None:
-            return {}
-        return {name: process.restarts for name, process in supervisor.processes.items()}
-
-    recorder.prom.watch_slots(lambda: app[SLOTS], recorder.live, restarts)
-    app[RECORDER] = recorder
-    yield
-    await history.close()
