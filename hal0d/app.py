@@ -7,6 +7,7 @@ import asyncio
 import re
 import secrets
 from collections.abc import Awaitable, Callable
+from typing import Final
 
 import orjson
 import structlog
@@ -19,6 +20,7 @@ from hal0d.contexts import recorder_context, session_context, slots_context
 from hal0d.errors import ErrorCode, Hal0Error, MethodNotAllowed, NoRoute
 from hal0d.handlers import admin, anthropic, openai
 from hal0d.logs import get_logger
+from hal0d.metrics.history import COLUMNS
 from hal0d.requestinfo import INFO, RequestInfo
 
 log = get_logger()
@@ -108,22 +110,21 @@ def request_finished(app: web.Application, info: RequestInfo, method: str, path:
     if is_dispatch_request(method, path) and (recorder := app.get(RECORDER)):
         recorder.record(info)
     if path not in ("/healthz", "/readyz"):  # polled by probes: noise in the log
-        log.info(
-            "request.done",
-            request_id=info.request_id,
-            method=method,
-            path=path,
-            slot=info.slot,
-            model=info.model,
-            stream=info.stream,
-            status=info.status,
-            ok=info.ok,
-            error_code=info.error_code,
-            queue_ms=None if info.queue_ms is None else round(info.queue_ms, 2),
-            load_ms=None if info.load_ms is None else round(info.load_ms, 2),
-            ttft_ms=None if info.ttft_ms is None else round(info.ttft_ms, 2),
-            duration_ms=round(info.total_ms, 2),
-        )
+        log.info("request.done", method=method, path=path, **done_fields(info))
+
+
+# The request.done line carries the history row's columns (metrics/history.py defines them) but
+# `ts` (the line has its own time), with total_ms under the name the line always used.
+_DONE_NAMES: Final = {name: "duration_ms" if name == "total_ms" else name
+                      for name in COLUMNS if name != "ts"}
+
+
+def done_fields(info: RequestInfo) -> dict[str, object]:
+    fields = {}
+    for column, name in _DONE_NAMES.items():
+        value = getattr(info, column)
+        fields[name] = round(value, 2) if isinstance(value, float) else value
+    return fields
 
 
 async def add_request_id(request: web.Request, response: web.StreamResponse) -> None:

@@ -4,7 +4,7 @@ and per-slot live metrics, all at once and off the stream's path."""
 from __future__ import annotations
 
 from hal0d.errors import stall_reason
-from hal0d.metrics.history import HistoryWriter, RequestRecord
+from hal0d.metrics.history import COLUMNS, HistoryWriter, RequestRecord
 from hal0d.metrics.live import SlotMetrics
 from hal0d.metrics.prometheus import PromMetrics
 from hal0d.requestinfo import RequestInfo
@@ -25,26 +25,9 @@ class Recorder:
         return metrics
 
     def record(self, info: RequestInfo) -> None:
-        total_ms = info.total_ms
-        self.history.submit(
-            RequestRecord(
-                ts=info.ts,
-                request_id=info.request_id,
-                slot=info.slot,
-                model=info.model,
-                endpoint=info.endpoint,
-                stream=info.stream,
-                status=info.status,
-                ok=info.ok,
-                error_code=info.error_code,
-                queue_ms=info.queue_ms,
-                load_ms=info.load_ms,
-                ttft_ms=info.ttft_ms,
-                total_ms=total_ms,
-                prompt_tokens=info.prompt_tokens,
-                completion_tokens=info.completion_tokens,
-            )
-        )
+        record = RequestRecord(**{name: getattr(info, name) for name in COLUMNS})
+        total_ms = record.total_ms or 0.0
+        self.history.submit(record)
         if self.history.dropped > self._dropped_seen:
             self.prom.history_dropped.inc(self.history.dropped - self._dropped_seen)
             self._dropped_seen = self.history.dropped
