@@ -51,8 +51,12 @@ _MIN_HIDDEN_LEN = 6  # shorter values would redact ordinary words
 
 
 def hide(values: Iterable[str]) -> None:
-    """Never log these exact strings (the upstream keys of the configured slots)."""
-    _hidden.update(value for value in values if len(value) >= _MIN_HIDDEN_LEN)
+    """Never log these exact strings (the secrets of the configuration now in force): they
+    replace the ones given before, so a reload does not make every string ever hidden cost
+    a search in every log line."""
+    current = {value for value in values if len(value) >= _MIN_HIDDEN_LEN}
+    _hidden.intersection_update(current)
+    _hidden.update(current)
 
 
 def scrub(text: str) -> str:

@@ -209,86 +209,105 @@ class Supervisor:
         added = [name for name in new if name not in self.configs]
         removed = [name for name in self.configs if name not in new]
         changed = [name for name in new if name in self.configs and new[name] != self.configs[name]]
-        # Whatever listener contexts.slots_context wired into the first slots, new slots get it.
-        listener = next((slot.on_change for slot in self.table), log_state_change)
-
-        async def retire(slot: Slot, old: SlotProcess | None, successor: SlotProcess | None,
-                         probe_after: bool) -> None:
-            if old is not None:
-                try:
-                    if slot.in_flight:
-                        log.info("slot.draining", slot=slot.name, in_flight=slot.in_flight)
-                    async with asyncio.timeout(drain_s):
-                        # Polled: a slot has no event for "last lease released" in STARTING.
-                        while slot.in_flight:  # noqa: ASYNC110
-                            await asyncio.sleep(STARTUP_POLL_S)
-                except TimeoutError:
-                    log.warning("slot.drain_timeout", slot=slot.name, in_flight=slot.in_flight,
-                                drain_s=drain_s)
-                finally:
-                    # Also when cancelled by stop(): the old process is in no table any more.
-                    await old.stop()
-            if successor is not None:
-                await successor.run()
-            elif probe_after:
-                await self.probe_once(slot.name)
-
-        def spawn(coro: Coroutine[Any, Any, None]) -> None:
-            self._tasks[:] = [task for task in self._tasks if not task.done()]
-            self._tasks.append(asyncio.create_task(coro))
-
         self.loader.set_groups(groups or {})
-        for name in added:
-            self.table.add(Slot(new[name], on_change=listener))
-            self.configs[name] = new[name]
-            if new[name].on_demand:
-                self.loader.add(new[name])
-            elif new[name].command:
-                launched = SlotProcess(self.table[name], new[name], self.session)
-                self.processes[name] = launched
-                spawn(launched.run())
-        await asyncio.gather(*(
-            self.probe_once(name) for name in added
-            if name not in self.processes and name not in self.loader.models
-        ))
-
+        await self._add_slots([new[name] for name in added])
         # From here to the return there is no await: the table and the caller's new Runtime
         # change in the same step of the event loop.
         for name in removed:
-            slot = self.table.remove(name)
-            del self.configs[name]
-            slot.mark_offline()
-            process = self.processes.pop(name, None)
-            if process is not None:
-                spawn(retire(slot, process, None, probe_after=False))
-            model = self.loader.retire(name)
-            if model is not None:
-                spawn(self._retire_model(slot, model, drain_s))
+            self._remove_slot(name, drain_s)
         for name in changed:
-            before, after = self.configs[name], new[name]
-            slot = self.table[name]
-            slot.reconfigure(after)  # limits and the admin view; leases already held keep counting
-            self.configs[name] = after
-            if before.on_demand or after.on_demand:
-                self._change_lifecycle(slot, before, after, drain_s, spawn)
-                continue
-            process = self.processes.get(name)
-            if (before.command, before.upstream) == (after.command, after.upstream):
-                if process is not None:
-                    process.config = after  # the probe's credentials
-                continue
-            successor = SlotProcess(slot, after, self.session) if after.command else None
-            if successor is not None:
-                self.processes[name] = successor
-                slot.mark_starting("reloaded: a new process for the changed command or upstream")
-            else:
-                self.processes.pop(name, None)
-            spawn(retire(slot, process, successor, probe_after=successor is None))
+            self._change_slot(new[name], drain_s)
         return {"added": added, "removed": removed, "changed": changed}
 
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run `coro` as one of the supervisor's tasks (stop() cancels them), forgetting the
+        ones that ended."""
+        self._tasks[:] = [task for task in self._tasks if not task.done()]
+        self._tasks.append(asyncio.create_task(coro))
+
+    async def _add_slots(self, configs: list[SlotConfig]) -> None:
+        """New slots join the table; plain ones are probed before this returns, commands are
+        launched."""
+        # Whatever listener contexts.slots_context wired into the first slots, new slots get it.
+        listener = next((slot.on_change for slot in self.table), log_state_change)
+        for config in configs:
+            name = config.name
+            self.table.add(Slot(config, on_change=listener))
+            self.configs[name] = config
+            if config.on_demand:
+                self.loader.add(config)
+            elif config.command:
+                launched = SlotProcess(self.table[name], config, self.session)
+                self.processes[name] = launched
+                self._spawn(launched.run())
+        await asyncio.gather(*(
+            self.probe_once(config.name) for config in configs
+            if config.name not in self.processes and config.name not in self.loader.models
+        ))
+
+    def _remove_slot(self, name: str, drain_s: float) -> None:
+        """The slot goes offline and leaves the table now; its process or model is stopped once
+        its leases are released."""
+        slot = self.table.remove(name)
+        del self.configs[name]
+        slot.mark_offline()
+        process = self.processes.pop(name, None)
+        if process is not None:
+            self._spawn(self._retire(slot, process, None, drain_s, probe_after=False))
+        model = self.loader.retire(name)
+        if model is not None:
+            self._spawn(self._retire_model(slot, model, drain_s))
+
+    def _change_slot(self, after: SlotConfig, drain_s: float) -> None:
+        name = after.name
+        before = self.configs[name]
+        slot = self.table[name]
+        slot.reconfigure(after)  # limits and the admin view; leases already held keep counting
+        self.configs[name] = after
+        if before.on_demand or after.on_demand:
+            self._change_lifecycle(slot, before, after, drain_s)
+            return
+        process = self.processes.get(name)
+        if (before.command, before.upstream) == (after.command, after.upstream):
+            if process is not None:
+                process.config = after  # the probe's credentials
+            return
+        successor = SlotProcess(slot, after, self.session) if after.command else None
+        if successor is not None:
+            self.processes[name] = successor
+            slot.mark_starting("reloaded: a new process for the changed command or upstream")
+        else:
+            self.processes.pop(name, None)
+        self._spawn(self._retire(slot, process, successor, drain_s,
+                                 probe_after=successor is None))
+
+    async def _retire(
+        self, slot: Slot, old: SlotProcess | None, successor: SlotProcess | None,
+        drain_s: float, *, probe_after: bool,
+    ) -> None:
+        """Stop a removed or replaced slot's old process once its leases are released (for at
+        most drain_s), then run its successor or probe the slot."""
+        if old is not None:
+            try:
+                if slot.in_flight:
+                    log.info("slot.draining", slot=slot.name, in_flight=slot.in_flight)
+                async with asyncio.timeout(drain_s):
+                    # Polled: a slot has no event for "last lease released" in STARTING.
+                    while slot.in_flight:  # noqa: ASYNC110
+                        await asyncio.sleep(STARTUP_POLL_S)
+            except TimeoutError:
+                log.warning("slot.drain_timeout", slot=slot.name, in_flight=slot.in_flight,
+                            drain_s=drain_s)
+            finally:
+                # Also when cancelled by stop(): the old process is in no table any more.
+                await old.stop()
+        if successor is not None:
+            await successor.run()
+        elif probe_after:
+            await self.probe_once(slot.name)
+
     def _change_lifecycle(
-        self, slot: Slot, before: SlotConfig, after: SlotConfig, drain_s: float,
-        spawn: Callable[[Coroutine[Any, Any, None]], None],
+        self, slot: Slot, before: SlotConfig, after: SlotConfig, drain_s: float
     ) -> None:
         """A reloaded slot that is or becomes on demand. Its in-flight requests finish on the
         old process; a changed command or upstream is loaded by the next request."""
@@ -305,7 +324,7 @@ class Supervisor:
             if slot.state not in (SlotState.STOPPED, SlotState.STOPPING, SlotState.OFFLINE):
                 slot.transition(SlotState.STOPPING, "reloaded: now started on demand")
             self.loader.add(after)
-            spawn(self._rest_on_demand(slot, process, drain_s))
+            self._spawn(self._rest_on_demand(slot, process, drain_s))
             return
         # on demand -> always: unload, then the supervisor runs and restarts the command.
         model = self.loader.retire(name)
@@ -313,7 +332,7 @@ class Supervisor:
         self.processes[name] = successor
         if slot.state in (SlotState.READY, SlotState.SERVING, SlotState.ERROR):
             slot.transition(SlotState.STOPPING, "reloaded: now started with hal0d")
-        spawn(self._start_always(slot, model, successor, drain_s))
+        self._spawn(self._start_always(slot, model, successor, drain_s))
 
     async def _drain(self, slot: Slot, drain_s: float) -> None:
         if slot.in_flight:

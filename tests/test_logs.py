@@ -179,3 +179,18 @@ async def test_a_request_carrying_api_keys_never_shows_them_in_the_log(
     assert {event["status"] for event in done} >= {200, 401, 404}
     assert CLIENT_KEY not in text and "sk-secret" not in text
     assert SLOT_KEY not in text
+
+
+def test_hide_holds_the_current_secrets_only() -> None:
+    """Each reload hands hide() the secrets now configured: a replaced key is no longer
+    searched for, the new one is redacted."""
+    saved = set(logs._hidden)
+    try:
+        logs.hide(["old-slot-key-Zp4", SLOT_KEY])
+        logs.hide([SLOT_KEY, "new-slot-key-Wq7"])
+        assert logs._hidden == {SLOT_KEY, "new-slot-key-Wq7"}
+        assert logs.scrub("key new-slot-key-Wq7") == f"key {logs.REDACTED}"
+        assert logs.scrub("key old-slot-key-Zp4") == "key old-slot-key-Zp4"
+    finally:
+        logs._hidden.clear()
+        logs._hidden.update(saved)
