@@ -34,7 +34,7 @@ def configure_logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     saved_root = (root.handlers[:], root.level)
     access = logging.getLogger("aiohttp.access")
     saved_access = access.disabled
-    saved_hidden = set(logs._hidden)
+    saved_hidden = logs._hidden
     streams: list[TextIO] = []
 
     def configure(fmt: str = "auto", level: str = "info", journal: str | None = None) -> Path:
@@ -56,8 +56,7 @@ def configure_logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     root.handlers[:] = saved_root[0]
     root.setLevel(saved_root[1])
     access.disabled = saved_access
-    logs._hidden.clear()
-    logs._hidden.update(saved_hidden)
+    logs.hide(saved_hidden)
     for stream in streams:
         stream.close()
 
@@ -184,7 +183,7 @@ async def test_a_request_carrying_api_keys_never_shows_them_in_the_log(
 def test_hide_holds_the_current_secrets_only() -> None:
     """Each reload hands hide() the secrets now configured: a replaced key is no longer
     searched for, the new one is redacted."""
-    saved = set(logs._hidden)
+    saved = logs._hidden
     try:
         logs.hide(["old-slot-key-Zp4", SLOT_KEY])
         logs.hide([SLOT_KEY, "new-slot-key-Wq7"])
@@ -192,5 +191,4 @@ def test_hide_holds_the_current_secrets_only() -> None:
         assert logs.scrub("key new-slot-key-Wq7") == f"key {logs.REDACTED}"
         assert logs.scrub("key old-slot-key-Zp4") == "key old-slot-key-Zp4"
     finally:
-        logs._hidden.clear()
-        logs._hidden.update(saved)
+        logs.hide(saved)
