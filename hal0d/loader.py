@@ -51,7 +51,7 @@ FREE_MEMORY_TIMEOUT_S = 10.0
 FORCED_RETRY_AFTER_S = 5.0
 LOAD_TICK_S = 1.0
 # The states in which a slot's process is alive (or being started): it occupies its device.
-_LOADED = frozenset({
+LOADED = frozenset({
     SlotState.STARTING, SlotState.READY, SlotState.SERVING, SlotState.ERROR, SlotState.STOPPING,
 })
 
@@ -359,7 +359,7 @@ class Loader:
         need = model.config.memory_mib or 0
         while True:
             loaded = [slot for slot in self._members(group) if slot.name != model.name
-                      and slot.state in _LOADED]
+                      and slot.state in LOADED]
             used = sum(self._memory(slot.name) for slot in loaded)
             short = None
             if limits.max_loaded is not None and len(loaded) + 1 > limits.max_loaded:

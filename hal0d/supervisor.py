@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from hal0d.appkeys import RUNTIME, SESSION, SLOTS, STREAMS, SUPERVISOR
+from hal0d.appkeys import RECORDER, RUNTIME, SESSION, SLOTS, STREAMS, SUPERVISOR
 from hal0d.child import Child, LaunchFailed, resolve_program
 from hal0d.config import GroupConfig, SlotConfig
 from hal0d.loader import Loader, Model, UnloadReason
@@ -365,6 +365,8 @@ async def slots_context(app: web.Application) -> AsyncIterator[None]:
 
     supervisor = Supervisor(table, config.slots, app[SESSION], groups=config.groups,
                             end_streams=end_streams)
+    if (recorder := app.get(RECORDER)) is not None:
+        supervisor.loader.observers.append(recorder.prom.lifecycle)
     app[SUPERVISOR] = supervisor
     await supervisor.start()
     yield

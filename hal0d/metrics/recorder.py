@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from hal0d.appkeys import RECORDER, RUNTIME, SLOTS, SUPERVISOR
+from hal0d.config import SlotConfig
 from hal0d.metrics.history import HistoryWriter, RequestRecord
 from hal0d.metrics.live import SlotMetrics
 from hal0d.metrics.prometheus import PromMetrics
@@ -90,7 +91,13 @@ async def recorder_context(app: web.Application) -> AsyncIterator[None]:
             return {}
         return {name: process.restarts for name, process in supervisor.processes.items()}
 
+    def placements() -> dict[str, SlotConfig]:
+        return {slot.name: slot for slot in app[RUNTIME].current.config.slots}
+
     recorder.prom.watch_slots(lambda: app[SLOTS], recorder.live, restarts)
+    recorder.prom.watch_lifecycle(
+        lambda: app[SLOTS], placements, lambda: iter(app[RUNTIME].current.config.groups)
+    )
     app[RECORDER] = recorder
     yield
     await history.close()
