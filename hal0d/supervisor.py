@@ -239,12 +239,11 @@ class Supervisor:
         for name in added:
             self.table.add(Slot(new[name], on_change=listener))
             self.configs[name] = new[name]
-            if new[name].on_demand:
-                self.loader.add(new[name])
-            elif new[name].command:
+            self.loader.add(new[name])  # an `always` one too: it counts in its group's limits
+            if new[name].command and not new[name].on_demand:
                 launched = SlotProcess(self.table[name], new[name], self.session)
                 self.processes[name] = launched
-                spawn(launched.run())
+                spawn(self._start_always(self.table[name], None, launched, drain_s))
         await asyncio.gather(*(
             self.probe_once(name) for name in added
             if name not in self.processes and name not in self.loader.models
@@ -270,6 +269,7 @@ class Supervisor:
             if before.on_demand or after.on_demand:
                 self._change_lifecycle(slot, before, after, drain_s, spawn)
                 continue
+            self.loader.reconfigure(after)  # its group and memory_mib count in its group's limits
             process = self.processes.get(name)
             if (before.command, before.upstream) == (after.command, after.upstream):
                 if process is not None:
@@ -307,6 +307,7 @@ class Supervisor:
             return
         # on demand -> always: unload, then the supervisor runs and restarts the command.
         model = self.loader.retire(name)
+        self.loader.reconfigure(after)  # pinned now: it counts in its group's limits
         successor = SlotProcess(slot, after, self.session)
         self.processes[name] = successor
         if slot.state in (SlotState.READY, SlotState.SERVING, SlotState.ERROR):
@@ -347,6 +348,8 @@ class Supervisor:
             await self.loader.stop_model(model, UnloadReason.RELOAD)
         if slot.state is SlotState.STOPPING:
             slot.transition(SlotState.STOPPED, "reloaded")
+        async with self.loader.room_for(successor.config):
+            slot.mark_starting("reloaded: now started with hal0d")
         await successor.run()
 
 
