@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from hal0d.appkeys import RECORDER, RUNTIME, SESSION, SLOTS, STREAMS, SUPERVISOR, TOKEN_COUNTER
+from hal0d.config import SlotConfig
 from hal0d.metrics.history import HistoryWriter
 from hal0d.metrics.recorder import Recorder
 from hal0d.slots import SlotTable
@@ -42,7 +43,13 @@ async def recorder_context(app: web.Application) -> AsyncIterator[None]:
         supervisor = app.get(SUPERVISOR)
         return {} if supervisor is None else supervisor.restarts()
 
+    def placements() -> dict[str, SlotConfig]:
+        return {slot.name: slot for slot in app[RUNTIME].current.config.slots}
+
     recorder.prom.watch_slots(lambda: app[SLOTS], recorder.live, restarts)
+    recorder.prom.watch_lifecycle(
+        lambda: app[SLOTS], placements, lambda: iter(app[RUNTIME].current.config.groups)
+    )
     app[RECORDER] = recorder
     yield
     await history.close()
@@ -63,6 +70,8 @@ async def slots_context(app: web.Application) -> AsyncIterator[None]:
 
     supervisor = Supervisor(table, config.slots, app[SESSION], groups=config.groups,
                             end_streams=end_streams)
+    if (recorder := app.get(RECORDER)) is not None:
+        supervisor.loader.observers.append(recorder.prom.lifecycle)
     app[SUPERVISOR] = supervisor
     await supervisor.start()
     yield

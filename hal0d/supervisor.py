@@ -210,7 +210,7 @@ class Supervisor:
         removed = [name for name in self.configs if name not in new]
         changed = [name for name in new if name in self.configs and new[name] != self.configs[name]]
         self.loader.set_groups(groups or {})
-        await self._add_slots([new[name] for name in added])
+        await self._add_slots([new[name] for name in added], drain_s)
         # From here to the return there is no await: the table and the caller's new Runtime
         # change in the same step of the event loop.
         for name in removed:
@@ -225,21 +225,20 @@ class Supervisor:
         self._tasks[:] = [task for task in self._tasks if not task.done()]
         self._tasks.append(asyncio.create_task(coro))
 
-    async def _add_slots(self, configs: list[SlotConfig]) -> None:
+    async def _add_slots(self, configs: list[SlotConfig], drain_s: float) -> None:
         """New slots join the table; plain ones are probed before this returns, commands are
-        launched."""
+        launched (an `always` one once its group has room)."""
         # Whatever listener contexts.slots_context wired into the first slots, new slots get it.
         listener = next((slot.on_change for slot in self.table), log_state_change)
         for config in configs:
             name = config.name
             self.table.add(Slot(config, on_change=listener))
             self.configs[name] = config
-            if config.on_demand:
-                self.loader.add(config)
-            elif config.command:
+            self.loader.add(config)  # an `always` one too: it counts in its group's limits
+            if config.command and not config.on_demand:
                 launched = SlotProcess(self.table[name], config, self.session)
                 self.processes[name] = launched
-                self._spawn(launched.run())
+                self._spawn(self._start_always(self.table[name], None, launched, drain_s))
         await asyncio.gather(*(
             self.probe_once(config.name) for config in configs
             if config.name not in self.processes and config.name not in self.loader.models
@@ -267,6 +266,7 @@ class Supervisor:
         if before.on_demand or after.on_demand:
             self._change_lifecycle(slot, before, after, drain_s)
             return
+        self.loader.reconfigure(after)  # its group and memory_mib count in its group's limits
         process = self.processes.get(name)
         if (before.command, before.upstream) == (after.command, after.upstream):
             if process is not None:
@@ -328,6 +328,7 @@ class Supervisor:
             return
         # on demand -> always: unload, then the supervisor runs and restarts the command.
         model = self.loader.retire(name)
+        self.loader.reconfigure(after)  # pinned now: it counts in its group's limits
         successor = SlotProcess(slot, after, self.session)
         self.processes[name] = successor
         if slot.state in (SlotState.READY, SlotState.SERVING, SlotState.ERROR):
@@ -368,5 +369,6 @@ class Supervisor:
             await self.loader.stop_model(model, UnloadReason.RELOAD)
         if slot.state is SlotState.STOPPING:
             slot.transition(SlotState.STOPPED, "reloaded")
+        async with self.loader.room_for(successor.config):
+            slot.mark_starting("reloaded: now started with hal0d")
         await successor.run()
-

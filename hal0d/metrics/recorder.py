@@ -54,4 +54,3 @@ class Recorder:
         )
         if info.usage:
             live.record_flm(info.usage)
-
