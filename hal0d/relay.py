@@ -22,6 +22,7 @@ from hal0d.logs import get_logger
 from hal0d.metrics.live import StreamTap
 from hal0d.stallguard import StallGuard, StallTripped
 from hal0d.transform import StallTrip, Transform, TransformFailed
+from hal0d.upstream import BODY_BROKEN, BODY_READ_TIMEOUT
 
 log = get_logger()
 
@@ -98,14 +99,14 @@ async def _body(
         return transform.end()
     except StallTripped as exc:
         trip = guard.trip(exc.reason)
-    except aiohttp.ServerTimeoutError:
+    except BODY_READ_TIMEOUT:
         # Only possible with both guard bounds 0: the transport's per-read backstop.
         trip = guard.trip("read")
     except TransformFailed as exc:
         upstream.close()
         outcome.ok, outcome.error_code = False, exc.error_code
         return exc.frame
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+    except BODY_BROKEN as exc:
         upstream.close()
         message = f"upstream {guard.upstream!r} broke the stream: {type(exc).__name__}"
         log.warning("dispatch.upstream_broken", upstream=guard.upstream, error=str(exc))
