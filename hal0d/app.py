@@ -12,9 +12,19 @@ import structlog
 from aiohttp import web
 
 from hal0d import access
-from hal0d.appkeys import RECORDER, RUNTIME, SESSION, STREAMS, TOKEN_COUNTER, Runtime, RuntimeRef
+from hal0d.appkeys import (
+    EVENTS,
+    RECORDER,
+    RUNTIME,
+    SESSION,
+    STREAMS,
+    TOKEN_COUNTER,
+    Runtime,
+    RuntimeRef,
+)
 from hal0d.config import Config
 from hal0d.errors import Hal0Error, MethodNotAllowed, NoRoute
+from hal0d.events import EventHub
 from hal0d.handlers import admin, anthropic, openai
 from hal0d.logs import get_logger
 from hal0d.metrics.recorder import recorder_context
@@ -158,12 +168,19 @@ async def session_context(app: web.Application) -> AsyncIterator[None]:
     await app[SESSION].close()
 
 
+async def close_events(app: web.Application) -> None:
+    """on_shutdown (before aiohttp waits for open connections): the event feeds end."""
+    app[EVENTS].close()
+
+
 def make_app(config: Config) -> web.Application:
     app = web.Application(
         middlewares=[request_lifecycle], client_max_size=config.server.max_body_bytes
     )
     app[RUNTIME] = RuntimeRef(Runtime.build(config))
     app[STREAMS] = set()
+    app[EVENTS] = EventHub()
+    app.on_shutdown.append(close_events)
     app.cleanup_ctx.append(session_context)
     app.cleanup_ctx.append(recorder_context)
     app.cleanup_ctx.append(slots_context)
@@ -184,6 +201,7 @@ def make_app(config: Config) -> web.Application:
     router.add_post("/api/slots/{name}/load", admin.load_slot)
     router.add_post("/api/slots/{name}/unload", admin.unload_slot)
     router.add_get("/api/slots/metrics", admin.slot_metrics)
+    router.add_get("/api/events", admin.events)
     router.add_get("/api/requests", admin.requests)
     router.add_get("/metrics", admin.prometheus)
     return app

@@ -16,9 +16,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from hal0d.appkeys import RUNTIME, SESSION, SLOTS, STREAMS, SUPERVISOR
+from hal0d.appkeys import EVENTS, RECORDER, RUNTIME, SESSION, SLOTS, STREAMS, SUPERVISOR
 from hal0d.child import Child, LaunchFailed, resolve_program
 from hal0d.config import GroupConfig, SlotConfig
+from hal0d.events import SlotFeed
 from hal0d.loader import Loader, Model, UnloadReason
 from hal0d.logs import get_logger
 from hal0d.probe import STARTUP_POLL_S, answers_within, probe
@@ -136,7 +137,19 @@ class Supervisor:
         }
         # The on-demand slots' processes: started for a request, stopped when idle.
         self.loader = Loader(table, configs, groups or {}, session, end_streams)
+        # Told of each slot a reload adds, once the loader has it (the event feed watches it).
+        self.slot_added: list[Callable[[Slot], None]] = []
         self._tasks: list[asyncio.Task[None]] = []
+
+    def slot_view(self, slot: Slot) -> dict[str, Any]:
+        """A slot as /api/slots and the event feed show it."""
+        view = slot.snapshot()
+        config = self.configs.get(slot.name)
+        view["group"] = config.group if config else None
+        view["memory_mib"] = config.memory_mib if config else None
+        if slot.name in self.loader.models:
+            view.update(self.loader.snapshot(slot.name))
+        return view
 
     async def probe_once(self, name: str) -> None:
         slot = self.table.get(name)
@@ -245,6 +258,8 @@ class Supervisor:
                 launched = SlotProcess(self.table[name], new[name], self.session)
                 self.processes[name] = launched
                 spawn(launched.run())
+            for tell in self.slot_added:
+                tell(self.table[name])
         await asyncio.gather(*(
             self.probe_once(name) for name in added
             if name not in self.processes and name not in self.loader.models
@@ -366,6 +381,13 @@ async def slots_context(app: web.Application) -> AsyncIterator[None]:
     supervisor = Supervisor(table, config.slots, app[SESSION], groups=config.groups,
                             end_streams=end_streams)
     app[SUPERVISOR] = supervisor
+    feed = SlotFeed(app[EVENTS], supervisor.slot_view,
+                    lambda: [supervisor.slot_view(slot) for slot in table])
+    for slot in table:
+        feed.watch(slot)
+    supervisor.slot_added.append(feed.watch)
+    supervisor.loader.observers.append(feed)
+    app[RECORDER].listeners.append(feed.request_finished)
     await supervisor.start()
     yield
     await supervisor.stop()

@@ -3,7 +3,7 @@ and per-slot live metrics, all at once and off the stream's path."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
@@ -21,6 +21,8 @@ class Recorder:
         self.live: dict[str, SlotMetrics] = {}
         self._ttft_samples = ttft_samples
         self._dropped_seen = 0
+        # Told each history row as its request ends (the event feed).
+        self.listeners: list[Callable[[RequestRecord], None]] = []
 
     def slot_metrics(self, slot: str) -> SlotMetrics:
         metrics = self.live.get(slot)
@@ -30,25 +32,26 @@ class Recorder:
 
     def record(self, info: RequestInfo) -> None:
         total_ms = info.total_ms
-        self.history.submit(
-            RequestRecord(
-                ts=info.ts,
-                request_id=info.request_id,
-                slot=info.slot,
-                model=info.model,
-                endpoint=info.endpoint,
-                stream=info.stream,
-                status=info.status,
-                ok=info.ok,
-                error_code=info.error_code,
-                queue_ms=info.queue_ms,
-                load_ms=info.load_ms,
-                ttft_ms=info.ttft_ms,
-                total_ms=total_ms,
-                prompt_tokens=info.prompt_tokens,
-                completion_tokens=info.completion_tokens,
-            )
+        row = RequestRecord(
+            ts=info.ts,
+            request_id=info.request_id,
+            slot=info.slot,
+            model=info.model,
+            endpoint=info.endpoint,
+            stream=info.stream,
+            status=info.status,
+            ok=info.ok,
+            error_code=info.error_code,
+            queue_ms=info.queue_ms,
+            load_ms=info.load_ms,
+            ttft_ms=info.ttft_ms,
+            total_ms=total_ms,
+            prompt_tokens=info.prompt_tokens,
+            completion_tokens=info.completion_tokens,
         )
+        self.history.submit(row)
+        for listener in self.listeners:
+            listener(row)
         if self.history.dropped > self._dropped_seen:
             self.prom.history_dropped.inc(self.history.dropped - self._dropped_seen)
             self._dropped_seen = self.history.dropped
