@@ -4,6 +4,7 @@ requests, and --version. The operator's commands talk to a running daemon throug
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,8 @@ def run_client(args: argparse.Namespace) -> int:
     try:
         daemon = client.locate(args.config, args.url, DEFAULT_CONFIG)
         if args.command == "status" and args.watch:
+            # Ctrl-C ends it even when started from a shell that ignores SIGINT (a background job).
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             try:
                 client.watch(daemon)
             except KeyboardInterrupt:

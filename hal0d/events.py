@@ -129,22 +129,17 @@ class SlotFeed:
     """Publishes `slot`, `load`, `unload` and `request` events on a hub.
 
     Each `slot` event carries the slot's whole /api/slots view (`view`), so a reader can keep a
-    page up to date from the events alone; `hello` gives every view at once."""
+    page up to date from the events alone (the feed's handler starts it with every view)."""
 
-    def __init__(self, hub: EventHub, view: SlotView, views: Callable[[], list[dict[str, Any]]]
-                 ) -> None:
+    def __init__(self, hub: EventHub, view: SlotView) -> None:
         self.hub = hub
         self.view = view
-        self.views = views
 
     def watch(self, slot: Slot) -> None:
         """Publish the slot's state changes (told after the loader's own listener, so the view
         already holds what the loader makes of the change)."""
         if self.slot_changed not in slot.watchers:
             slot.watchers.append(self.slot_changed)
-
-    def hello(self) -> dict[str, Any]:
-        return {"ts": time.time(), "slots": self.views()}
 
     def slot_changed(self, slot: Slot, old: SlotState, new: SlotState, reason: str | None
                      ) -> None:

@@ -381,8 +381,7 @@ async def slots_context(app: web.Application) -> AsyncIterator[None]:
     supervisor = Supervisor(table, config.slots, app[SESSION], groups=config.groups,
                             end_streams=end_streams)
     app[SUPERVISOR] = supervisor
-    feed = SlotFeed(app[EVENTS], supervisor.slot_view,
-                    lambda: [supervisor.slot_view(slot) for slot in table])
+    feed = SlotFeed(app[EVENTS], supervisor.slot_view)
     for slot in table:
         feed.watch(slot)
     supervisor.slot_added.append(feed.watch)
