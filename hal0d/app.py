@@ -14,10 +14,11 @@ import structlog
 from aiohttp import web
 
 from hal0d import access
-from hal0d.appkeys import RECORDER, RUNTIME, STREAMS, Runtime, RuntimeRef
+from hal0d.appkeys import EVENTS, RECORDER, RUNTIME, STREAMS, Runtime, RuntimeRef
 from hal0d.config import Config
 from hal0d.contexts import recorder_context, session_context, slots_context
 from hal0d.errors import ErrorCode, Hal0Error, MethodNotAllowed, NoRoute
+from hal0d.events import EventHub
 from hal0d.handlers import admin, anthropic, openai
 from hal0d.logs import get_logger
 from hal0d.metrics.history import COLUMNS
@@ -143,12 +144,19 @@ async def warn_if_exposed(app: web.Application) -> None:
         )
 
 
+async def close_events(app: web.Application) -> None:
+    """on_shutdown (before aiohttp waits for open connections): the event feeds end."""
+    app[EVENTS].close()
+
+
 def make_app(config: Config) -> web.Application:
     app = web.Application(
         middlewares=[request_lifecycle], client_max_size=config.server.max_body_bytes
     )
     app[RUNTIME] = RuntimeRef(Runtime.build(config))
     app[STREAMS] = set()
+    app[EVENTS] = EventHub()
+    app.on_shutdown.append(close_events)
     app.cleanup_ctx.append(session_context)
     app.cleanup_ctx.append(recorder_context)
     app.cleanup_ctx.append(slots_context)
@@ -169,6 +177,7 @@ def make_app(config: Config) -> web.Application:
     router.add_post("/api/slots/{name}/load", admin.load_slot)
     router.add_post("/api/slots/{name}/unload", admin.unload_slot)
     router.add_get("/api/slots/metrics", admin.slot_metrics)
+    router.add_get("/api/events", admin.events)
     router.add_get("/api/requests", admin.requests)
     router.add_get("/metrics", admin.prometheus)
     return app

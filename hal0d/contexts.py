@@ -13,8 +13,18 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from hal0d.appkeys import RECORDER, RUNTIME, SESSION, SLOTS, STREAMS, SUPERVISOR, TOKEN_COUNTER
+from hal0d.appkeys import (
+    EVENTS,
+    RECORDER,
+    RUNTIME,
+    SESSION,
+    SLOTS,
+    STREAMS,
+    SUPERVISOR,
+    TOKEN_COUNTER,
+)
 from hal0d.config import SlotConfig
+from hal0d.events import SlotFeed
 from hal0d.metrics.history import HistoryWriter
 from hal0d.metrics.recorder import Recorder
 from hal0d.slots import SlotTable
@@ -70,9 +80,15 @@ async def slots_context(app: web.Application) -> AsyncIterator[None]:
 
     supervisor = Supervisor(table, config.slots, app[SESSION], groups=config.groups,
                             end_streams=end_streams)
-    if (recorder := app.get(RECORDER)) is not None:
-        supervisor.loader.observers.append(recorder.prom.lifecycle)
+    recorder = app[RECORDER]  # recorder_context runs first (make_app's order)
+    supervisor.loader.observers.append(recorder.prom.lifecycle)
     app[SUPERVISOR] = supervisor
+    feed = SlotFeed(app[EVENTS], supervisor.slot_view)
+    for slot in table:
+        feed.watch(slot)
+    supervisor.slot_added.append(feed.watch)
+    supervisor.loader.observers.append(feed)
+    recorder.listeners.append(feed.request_finished)
     await supervisor.start()
     yield
     await supervisor.stop()

@@ -134,11 +134,23 @@ class Supervisor:
         }
         # The on-demand slots' processes: started for a request, stopped when idle.
         self.loader = Loader(table, configs, groups or {}, session, end_streams)
+        # Told of each slot a reload adds, once the loader has it (the event feed watches it).
+        self.slot_added: list[Callable[[Slot], None]] = []
         self._tasks: list[asyncio.Task[None]] = []
 
     def restarts(self) -> dict[str, int]:
         """How often each `always` slot's process was restarted since hal0d started."""
         return {name: process.restarts for name, process in self.processes.items()}
+
+    def slot_view(self, slot: Slot) -> dict[str, Any]:
+        """A slot as /api/slots and the event feed show it."""
+        view = slot.snapshot()
+        config = self.configs.get(slot.name)
+        view["group"] = config.group if config else None
+        view["memory_mib"] = config.memory_mib if config else None
+        if slot.name in self.loader.models:
+            view.update(self.loader.snapshot(slot.name))
+        return view
 
     async def probe_once(self, name: str) -> None:
         slot = self.table.get(name)
@@ -239,6 +251,8 @@ class Supervisor:
                 launched = SlotProcess(self.table[name], config, self.session)
                 self.processes[name] = launched
                 self._spawn(self._start_always(self.table[name], None, launched, drain_s))
+            for tell in self.slot_added:
+                tell(self.table[name])
         await asyncio.gather(*(
             self.probe_once(config.name) for config in configs
             if config.name not in self.processes and config.name not in self.loader.models

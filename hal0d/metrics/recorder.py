@@ -3,6 +3,8 @@ and per-slot live metrics, all at once and off the stream's path."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from hal0d.errors import stall_reason
 from hal0d.metrics.history import COLUMNS, HistoryWriter, RequestRecord
 from hal0d.metrics.live import SlotMetrics
@@ -17,6 +19,8 @@ class Recorder:
         self.live: dict[str, SlotMetrics] = {}
         self._ttft_samples = ttft_samples
         self._dropped_seen = 0
+        # Told each history row as its request ends (the event feed).
+        self.listeners: list[Callable[[RequestRecord], None]] = []
 
     def slot_metrics(self, slot: str) -> SlotMetrics:
         metrics = self.live.get(slot)
@@ -28,6 +32,8 @@ class Recorder:
         record = RequestRecord(**{name: getattr(info, name) for name in COLUMNS})
         total_ms = record.total_ms or 0.0
         self.history.submit(record)
+        for listener in self.listeners:
+            listener(record)
         if self.history.dropped > self._dropped_seen:
             self.prom.history_dropped.inc(self.history.dropped - self._dropped_seen)
             self._dropped_seen = self.history.dropped
