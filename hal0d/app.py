@@ -12,12 +12,24 @@ import structlog
 from aiohttp import web
 
 from hal0d import access
-from hal0d.appkeys import RECORDER, RUNTIME, SESSION, STREAMS, TOKEN_COUNTER, Runtime, RuntimeRef
+from hal0d.anthropic_mode import AnthropicModes
+from hal0d.appkeys import (
+    ANTHROPIC_MODES,
+    RECORDER,
+    RESPONSE_OWNERS,
+    RUNTIME,
+    SESSION,
+    STREAMS,
+    TOKEN_COUNTER,
+    Runtime,
+    RuntimeRef,
+)
 from hal0d.config import Config
 from hal0d.errors import Hal0Error, MethodNotAllowed, NoRoute
-from hal0d.handlers import admin, anthropic, openai
+from hal0d.handlers import admin, anthropic, openai, responses
 from hal0d.logs import get_logger
 from hal0d.metrics.recorder import recorder_context
+from hal0d.openai.owners import ResponseOwners
 from hal0d.requestinfo import INFO, RequestInfo
 from hal0d.supervisor import slots_context
 from hal0d.tokens import TokenCounter
@@ -164,6 +176,8 @@ def make_app(config: Config) -> web.Application:
     )
     app[RUNTIME] = RuntimeRef(Runtime.build(config))
     app[STREAMS] = set()
+    app[RESPONSE_OWNERS] = ResponseOwners()
+    app[ANTHROPIC_MODES] = AnthropicModes()
     app.cleanup_ctx.append(session_context)
     app.cleanup_ctx.append(recorder_context)
     app.cleanup_ctx.append(slots_context)
@@ -177,6 +191,9 @@ def make_app(config: Config) -> web.Application:
         router.add_get(f"{prefix}/models", openai.list_models)
         for endpoint in openai.ENDPOINTS:
             router.add_post(f"{prefix}/{{endpoint:{re.escape(endpoint)}}}", openai.dispatch)
+        router.add_post(f"{prefix}/responses", responses.create)
+        router.add_get(f"{prefix}/responses/{{id}}", responses.stored)
+        router.add_delete(f"{prefix}/responses/{{id}}", responses.stored)
     for path in ("/llm/v1/messages", "/v1/messages"):
         router.add_post(path, anthropic.messages)
         router.add_post(f"{path}/count_tokens", anthropic.count_tokens)
