@@ -773,6 +773,11 @@ async def native_messages(request: web.Request) -> web.StreamResponse:
     log = request.app[LOG_KEY]
     log.write(f"native-messages anthropic-version={request.headers.get('anthropic-version')} "
               f"anthropic-beta={request.headers.get('anthropic-beta')}")
+    if not isinstance(body.get("messages"), list):
+        # The body is checked before the model, as real servers validate it (a request without
+        # messages is a 400 there, whatever its model).
+        return web.json_response({"type": "error", "error": {
+            "type": "invalid_request_error", "message": "messages: field required"}}, status=400)
     model = str(body.get("model", ""))
     if model not in MODELS:
         return web.json_response({"type": "error", "error": {
