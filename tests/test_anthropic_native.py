@@ -40,18 +40,30 @@ async def native_stub(aiohttp_server: Any, tmp_path: Path) -> Stub:
 @pytest.fixture
 async def hal0d(native_stub: Stub, start_hal0d: Any) -> TestServer:
     return await start_hal0d(native_stub.url, slot={"anthropic": "native"},
-                             aliases={"claude-*": "chat"}, dispatcher=STALL_BOUNDS)
+                             aliases={"claude-*": "chat"})
+
+
+@pytest.fixture
+async def guarded(native_stub: Stub, start_hal0d: Any) -> TestServer:
+    """A short idle bound, for the stall case only: a loaded machine must not trip it on a
+    healthy stream."""
+    return await start_hal0d(native_stub.url, slot={"anthropic": "native"},
+                             dispatcher=STALL_BOUNDS)
+
+
+def sdk(server: TestServer) -> AsyncAnthropic:
+    from anthropic import AsyncAnthropic
+
+    return AsyncAnthropic(
+        base_url=str(server.make_url("/llm")), api_key="x", max_retries=0, timeout=10.0,
+        default_headers={"anthropic-version": "2023-06-01", "anthropic-beta": "tools-2024-05-16"},
+    )
 
 
 @pytest.fixture
 async def client(hal0d: TestServer) -> AsyncIterator[AsyncAnthropic]:
-    from anthropic import AsyncAnthropic
-
-    async with AsyncAnthropic(
-        base_url=str(hal0d.make_url("/llm")), api_key="x", max_retries=0, timeout=10.0,
-        default_headers={"anthropic-version": "2023-06-01", "anthropic-beta": "tools-2024-05-16"},
-    ) as sdk:
-        yield sdk
+    async with sdk(hal0d) as client:
+        yield client
 
 
 async def test_native_stream_reaches_the_upstreams_messages_with_the_clients_headers(
@@ -115,14 +127,16 @@ async def test_native_stream_bytes_equal_the_upstreams(
 
 
 async def test_native_stall_raises_a_clean_error_in_the_sdk(
-    client: AsyncAnthropic, native_stub: Stub
+    guarded: TestServer, native_stub: Stub
 ) -> None:
     from anthropic import APIStatusError
 
-    with pytest.raises(APIStatusError, match="stall guard"):
-        async with client.messages.stream(model="stall", max_tokens=64, messages=HI) as stream:
-            async for _ in stream:
-                pass
+    async with sdk(guarded) as client:
+        with pytest.raises(APIStatusError, match="stall guard"):
+            async with client.messages.stream(model="stall", max_tokens=64,
+                                              messages=HI) as stream:
+                async for _ in stream:
+                    pass
     assert any("stalling" in line for line in native_stub.lines())
 
 
