@@ -200,3 +200,19 @@ def test_config_refuses_an_unknown_anthropic_mode(tmp_path: Path) -> None:
                     'anthropic = "passthrough"\n')
     with pytest.raises(ConfigError, match=r"slots\[0\]\.anthropic: 'passthrough' is not one of"):
         load(path)
+
+
+async def test_native_slot_leaves_the_body_to_its_upstream_and_translate_checks_it(
+    hal0d: TestServer, stub: Stub, start_hal0d: Any, http: aiohttp.ClientSession
+) -> None:
+    # No max_tokens: the translator requires one; a native upstream may have its own default.
+    body = {"model": "chat", "messages": HI}
+    async with http.post(hal0d.make_url("/v1/messages"), json=body) as answer:
+        assert answer.status == 200
+        assert (await answer.json())["content"][0]["text"] == CONTENT_TEXT
+    translating = await start_hal0d(stub.url)
+    async with http.post(translating.make_url("/v1/messages"), json=body) as answer:
+        assert answer.status == 400
+        error = await answer.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in error["error"]["message"]

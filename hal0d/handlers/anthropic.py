@@ -13,6 +13,8 @@ relayed byte for byte, a stream through the native transform (hal0d/anthropic/na
 
 from __future__ import annotations
 
+from typing import Any
+
 import aiohttp
 import orjson
 from aiohttp import web
@@ -27,9 +29,9 @@ from hal0d.anthropic.request import (
 from hal0d.anthropic.response import to_anthropic
 from hal0d.anthropic.stream import Translator
 from hal0d.anthropic.transform import AnthropicTransform
-from hal0d.anthropic_mode import NATIVE
+from hal0d.anthropic_mode import NATIVE, TRANSLATE
 from hal0d.appkeys import ANTHROPIC_MODES, SESSION
-from hal0d.errors import UpstreamInvalid, UpstreamStatus, upstream_message
+from hal0d.errors import InvalidRequest, UpstreamInvalid, UpstreamStatus, upstream_message
 from hal0d.forward import Forward, forward
 from hal0d.handlers.body import parse_json_object, read_body
 from hal0d.handlers.openai import with_model
@@ -61,16 +63,33 @@ async def native(fwd: Forward) -> bool:
     return await modes.mode(fwd.request.app[SESSION], fwd.slot) == NATIVE
 
 
+def model_and_stream(body: dict[str, Any]) -> tuple[str, bool]:
+    """What the dispatch needs of any Messages request; a native upstream judges the rest."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("model: is required and must be a non-empty string", field="model")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidRequest("stream: must be a boolean", field="stream")
+    return model, stream
+
+
 async def messages(request: web.Request) -> web.StreamResponse:
     raw = await read_body(request)
-    req = parse_messages_request(parse_json_object(raw))
-    fwd = forward(request, req.model, stream=req.stream)
-    payload = to_openai(
-        req, served_model=fwd.route.served_model, max_output_tokens=fwd.slot.max_output_tokens
-    )
+    body = parse_json_object(raw)
+    model, stream = model_and_stream(body)
+    fwd = forward(request, model, stream=stream)
+    # A request to translate is checked whole before the slot is taken; a native upstream
+    # (and one that may turn out native, "auto") gets what the client sent, fields it may know
+    # and the translator does not included.
+    req = parse_messages_request(body) if fwd.slot.anthropic == TRANSLATE else None
     async with fwd:
-        if await native(fwd):
-            return await relay_native(fwd, raw, "/v1/messages", stream=req.stream)
+        if req is None and await native(fwd):
+            return await relay_native(fwd, raw, "/v1/messages", stream=stream)
+        req = req or parse_messages_request(body)
+        payload = to_openai(
+            req, served_model=fwd.route.served_model, max_output_tokens=fwd.slot.max_output_tokens
+        )
         input_tokens = None
         if req.stream:
             input_tokens, _ = await fwd.count_tokens(payload, prompt_text(payload))
@@ -142,15 +161,17 @@ async def relay_native(
 async def count_tokens(request: web.Request) -> web.StreamResponse:
     raw = await read_body(request)
     body = parse_json_object(raw)
+    model, _ = model_and_stream(body)
+    fwd = forward(request, model, stream=False)
     # count_tokens takes the Messages body without max_tokens; the parser requires one.
     body.setdefault("max_tokens", 1)
     body["stream"] = False
-    req = parse_messages_request(body)
-    fwd = forward(request, req.model, stream=False)
-    payload = to_openai(req, served_model=fwd.route.served_model)
+    req = parse_messages_request(body) if fwd.slot.anthropic == TRANSLATE else None
     async with fwd:
-        if await native(fwd):
+        if req is None and await native(fwd):
             return await relay_native(fwd, raw, "/v1/messages/count_tokens", stream=False)
+        payload = to_openai(req or parse_messages_request(body),
+                            served_model=fwd.route.served_model)
         count, source = await fwd.count_tokens(payload, prompt_text(payload))
     fwd.info.prompt_tokens = count
     return web.Response(
