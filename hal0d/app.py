@@ -14,14 +14,25 @@ import structlog
 from aiohttp import web
 
 from hal0d import access
-from hal0d.appkeys import EVENTS, RECORDER, RUNTIME, STREAMS, Runtime, RuntimeRef
+from hal0d.anthropic_mode import AnthropicModes
+from hal0d.appkeys import (
+    ANTHROPIC_MODES,
+    EVENTS,
+    RECORDER,
+    RESPONSE_OWNERS,
+    RUNTIME,
+    STREAMS,
+    Runtime,
+    RuntimeRef,
+)
 from hal0d.config import Config
 from hal0d.contexts import recorder_context, session_context, slots_context
 from hal0d.errors import ErrorCode, Hal0Error, MethodNotAllowed, NoRoute
 from hal0d.events import EventHub
-from hal0d.handlers import admin, anthropic, openai
+from hal0d.handlers import admin, anthropic, openai, responses
 from hal0d.logs import get_logger
 from hal0d.metrics.history import COLUMNS
+from hal0d.openai.owners import ResponseOwners
 from hal0d.requestinfo import INFO, RequestInfo
 
 log = get_logger()
@@ -157,6 +168,8 @@ def make_app(config: Config) -> web.Application:
     app[STREAMS] = set()
     app[EVENTS] = EventHub()
     app.on_shutdown.append(close_events)
+    app[RESPONSE_OWNERS] = ResponseOwners()
+    app[ANTHROPIC_MODES] = AnthropicModes()
     app.cleanup_ctx.append(session_context)
     app.cleanup_ctx.append(recorder_context)
     app.cleanup_ctx.append(slots_context)
@@ -170,6 +183,9 @@ def make_app(config: Config) -> web.Application:
         router.add_get(f"{prefix}/models", openai.list_models)
         for endpoint in openai.ENDPOINTS:
             router.add_post(f"{prefix}/{{endpoint:{re.escape(endpoint)}}}", openai.dispatch)
+        router.add_post(f"{prefix}/responses", responses.create)
+        router.add_get(f"{prefix}/responses/{{id}}", responses.stored)
+        router.add_delete(f"{prefix}/responses/{{id}}", responses.stored)
     for path in ("/llm/v1/messages", "/v1/messages"):
         router.add_post(path, anthropic.messages)
         router.add_post(f"{path}/count_tokens", anthropic.count_tokens)

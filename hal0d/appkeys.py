@@ -9,10 +9,12 @@ import aiohttp
 from aiohttp import web
 
 from hal0d.config import Config
+from hal0d.openai.owners import ResponseOwners
 from hal0d.routing import Router
 from hal0d.slots import SlotTable
 
 if TYPE_CHECKING:
+    from hal0d.anthropic_mode import AnthropicModes
     from hal0d.events import EventHub
     from hal0d.metrics.recorder import Recorder
     from hal0d.stallguard import StallGuard
@@ -51,3 +53,7 @@ RECORDER: web.AppKey[Recorder] = web.AppKey("recorder")
 TOKEN_COUNTER: web.AppKey[TokenCounter] = web.AppKey("token_counter")
 # The readers of GET /api/events.
 EVENTS: web.AppKey[EventHub] = web.AppKey("events")
+# Which model made each Responses API answer (bounded): GET/DELETE /v1/responses/{id} go there.
+RESPONSE_OWNERS = web.AppKey("response_owners", ResponseOwners)
+# Each `anthropic = "auto"` slot's choice, asked of its upstream once.
+ANTHROPIC_MODES: web.AppKey[AnthropicModes] = web.AppKey("anthropic_modes")

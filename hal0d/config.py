@@ -87,6 +87,9 @@ class SlotConfig:
     load_timeout_s: float = 600.0
     group: str | None = None
     memory_mib: int | None = None
+    # The Anthropic Messages surface for this slot's models: "translate" (to chat completions),
+    # "native" (relayed raw to the upstream's own /v1/messages), "auto" (native when it has one).
+    anthropic: str = "translate"
 
     @property
     def on_demand(self) -> bool:
@@ -186,7 +189,9 @@ _SLOT: dict[str, _Range] = {
     "load_timeout_s": (float, 1.0, 86400.0),
     "group": (str, None, None),
     "memory_mib": (int, 1, 1 << 30),
+    "anthropic": (str, None, None),
 }
+ANTHROPIC_MODES = ("translate", "native", "auto")
 _GROUP: dict[str, _Range] = {
     "max_loaded": (int, 1, 4096),
     "memory_mib": (int, 1, 1 << 30),
@@ -279,6 +284,9 @@ def _check_slots(raw: Any, problems: list[str]) -> tuple[SlotConfig, ...]:
                 problems.append(f"{path}.name: {name!r} is used by another slot")
             names.add(name)
         _check_lifecycle(good, table, path, problems)
+        if good.get("anthropic", ANTHROPIC_MODES[0]) not in ANTHROPIC_MODES:
+            problems.append(f"{path}.anthropic: {good['anthropic']!r} is not one of "
+                            f"{ANTHROPIC_MODES!r}")
         if "api_key" in good and "api_key_env" in good:
             problems.append(f"{path}: set api_key or api_key_env, not both")
         for model in good.get("models") or ():

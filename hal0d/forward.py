@@ -87,10 +87,17 @@ class Forward:
                 await self._lease_context.__aexit__(exc_type, exc, tb)
 
     async def open(
-        self, path: str, body: bytes, *, json_body: bool = True, params: Any = None
+        self,
+        path: str,
+        body: bytes,
+        *,
+        json_body: bool = True,
+        params: Any = None,
+        method: str = hdrs.METH_POST,
     ) -> aiohttp.ClientResponse:
-        """POST `body` to the slot's `path` and wait for the response headers; the status is
-        the request's from here on. `json_body`: say the body is JSON, whatever the client said.
+        """Send `body` to the slot's `path` (a POST unless `method` says otherwise) and wait for
+        the response headers; the status is the request's from here on. `json_body`: say the
+        body is JSON, whatever the client said.
         """
         assert self.lease is not None, "open() inside `async with forward(...)` only"
         headers = request_headers(self.request.headers, self.route.slot)
@@ -100,7 +107,7 @@ class Forward:
             self.request.app[SESSION],
             self.route.slot,
             self.timeouts,
-            method=hdrs.METH_POST,
+            method=method,
             path=path,
             params=params,
             headers=headers,

@@ -4,7 +4,9 @@ It serves every endpoint hal0d dispatches, with small deterministic answers in t
 real servers use: chat completions and completions (streamed and not), embeddings, audio speech
 (a byte stream) and transcriptions (multipart; `response_format` json or text), image generations
 (a tiny real PNG as `b64_json`), rerank (llama-server's and Jina's shape), and llama-server's
-/tokenize. Chat completions stream SSE the way llama-server does (a role-only first chunk, one
+/tokenize, the Responses API (/v1/responses, streamed as named events, kept for GET and DELETE),
+and, made with `anthropic_native`, the Anthropic Messages API natively. Chat completions stream
+SSE the way llama-server does (a role-only first chunk, one
 chunk per token, a final chunk with finish_reason, a usage chunk when
 `stream_options.include_usage` is set, `data: [DONE]`).
 
@@ -40,7 +42,7 @@ import sys
 import time
 import uuid
 import zlib
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -573,6 +575,295 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
     return await answer_whole(request, model, orjson.dumps({"text": text}))
 
 
+# The OpenAI Responses API (POST /v1/responses), as vLLM and llama-server serve it: named SSE
+# events (`event: response.output_text.delta` ...), each with its `type` and `sequence_number`.
+# Answers are kept (a bounded few) for GET and DELETE /v1/responses/{id}.
+STORED_RESPONSES = 1000
+RESPONSES_KEY = web.AppKey("stub_responses", dict)
+
+
+def responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A Responses `input` as chat messages, so plan() and prompt_tokens() read it."""
+    given = body.get("input")
+    if isinstance(given, str):
+        return [{"role": "user", "content": given}]
+    if isinstance(given, list):
+        return [item for item in given if isinstance(item, dict)]
+    return []
+
+
+class ResponseGeneration:
+    """One Responses answer: the response object as it stands, and the events of its stream."""
+
+    def __init__(self, model: str, body: dict[str, Any]) -> None:
+        self.model = model
+        self.chat_body = {"messages": responses_messages(body)}
+        self.id = f"resp_{uuid.uuid4().hex[:24]}"
+        self.item_id = f"msg_{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+        limit = body.get("max_output_tokens")
+        self.max_tokens = limit if isinstance(limit, int) and limit > 0 else DEFAULT_MAX_TOKENS
+        self.sequence = 0
+        self.text = ""
+        self.output_tokens = 0
+
+    def tokens(self) -> Iterator[str]:
+        """The content tokens (the Responses stub answers text only); the limit ends them."""
+        for kind, text in plan(self.model, self.chat_body):
+            if kind != "content":
+                continue
+            if self.output_tokens >= self.max_tokens and self.model != "chatty":
+                return
+            self.output_tokens += 1
+            yield text
+
+    def message(self, status: str) -> dict[str, Any]:
+        return {"id": self.item_id, "type": "message", "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": self.text, "annotations": []}]}
+
+    def response(self, status: str) -> dict[str, Any]:
+        done = status != "in_progress"
+        input_tokens = prompt_tokens(self.chat_body)
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "model": self.model, "output": [self.message("completed")] if done else [],
+            "error": None, "incomplete_details": None, "instructions": None, "metadata": {},
+            "parallel_tool_calls": True, "temperature": 1.0, "top_p": 1.0, "tool_choice": "auto",
+            "tools": [], "text": {"format": {"type": "text"}},
+            "usage": {
+                "input_tokens": input_tokens, "output_tokens": self.output_tokens,
+                "total_tokens": input_tokens + self.output_tokens,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": 0},
+            } if done else None,
+        }
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: ".encode() + orjson.dumps(payload) + b"\n\n"
+
+
+def store_response(request: web.Request, response: dict[str, Any]) -> None:
+    stored = request.app[RESPONSES_KEY]
+    stored[response["id"]] = response
+    while len(stored) > STORED_RESPONSES:
+        del stored[next(iter(stored))]
+
+
+async def stream_response(request: web.Request, gen: ResponseGeneration) -> web.StreamResponse:
+    delay = request.app[DELAY_KEY]
+    response = sse_response()
+    await response.prepare(request)
+    where = {"item_id": gen.item_id, "output_index": 0, "content_index": 0}
+    opening = [
+        gen.event("response.created", response=gen.response("in_progress")),
+        gen.event("response.in_progress", response=gen.response("in_progress")),
+        gen.event("response.output_item.added", output_index=0, item={
+            "id": gen.item_id, "type": "message", "status": "in_progress", "role": "assistant",
+            "content": []}),
+        gen.event("response.content_part.added", item_id=gen.item_id, output_index=0,
+                  content_index=0, part={"type": "output_text", "text": "", "annotations": []}),
+    ]
+    await response.write(b"".join(opening))
+    for text in gen.tokens():
+        await _pause(delay)
+        gen.text += text
+        await response.write(
+            gen.event("response.output_text.delta", **where, delta=text, logprobs=[])
+        )
+        if (
+            gen.model in MID_STREAM_TROUBLE
+            and gen.output_tokens >= TOKENS_BEFORE_TROUBLE
+            and await misbehave_mid_stream(request, gen.model, f"id={gen.id}")
+        ):
+            return response
+    final = gen.response("completed")
+    store_response(request, final)
+    closing = [
+        gen.event("response.output_text.done", **where, text=gen.text, logprobs=[]),
+        gen.event("response.content_part.done", **where,
+                  part={"type": "output_text", "text": gen.text, "annotations": []}),
+        gen.event("response.output_item.done", output_index=0, item=gen.message("completed")),
+        gen.event("response.completed", response=final),
+    ]
+    await response.write(b"".join(closing))
+    await response.write_eof()
+    return response
+
+
+@logged("responses")
+async def responses(request: web.Request) -> web.StreamResponse:
+    body = await read_json(request)
+    model = str(body.get("model", ""))
+    if model not in MODELS:
+        return web.json_response(
+            error_body(f"model {model!r} not found", "not_found_error"), status=404
+        )
+    gen = ResponseGeneration(model, body)
+    if body.get("stream"):
+        return await stream_response(request, gen)
+    if model not in ("stall", "chatty", "broken"):
+        gen.text = "".join(gen.tokens())
+    final = gen.response("completed")
+    store_response(request, final)
+    return await answer_whole(request, model, orjson.dumps(final))
+
+
+async def stored_response(request: web.Request) -> web.Response:
+    """GET /v1/responses/{id}: a kept answer; DELETE forgets it."""
+    response_id = request.match_info["id"]
+    stored = request.app[RESPONSES_KEY]
+    if response_id not in stored:
+        return web.json_response(
+            error_body(f"no response {response_id!r}", "not_found_error"), status=404
+        )
+    if request.method == hdrs.METH_DELETE:
+        del stored[response_id]
+        return web.json_response({"id": response_id, "object": "response", "deleted": True})
+    return web.json_response(stored[response_id])
+
+
+# The Anthropic Messages API served natively (llama-server and vLLM do), when the stub is made
+# with `anthropic_native`: the same tokens as chat completions, in Anthropic's events. The
+# request's anthropic-version and anthropic-beta headers go into the log, for the tests to read.
+
+
+def anthropic_tool_name(body: dict[str, Any]) -> str:
+    tools = body.get("tools")
+    if isinstance(tools, list) and tools and isinstance(tools[0], dict):
+        name = tools[0].get("name")
+        if isinstance(name, str):
+            return name
+    return "lookup"
+
+
+def anthropic_event(kind: str, **fields: Any) -> bytes:
+    return f"event: {kind}\ndata: ".encode() + orjson.dumps({"type": kind, **fields}) + b"\n\n"
+
+
+def anthropic_blocks(model: str, body: dict[str, Any], limit: int) -> Iterator[tuple[str, str]]:
+    """(block type, piece) for each generated token, up to `limit` (chatty: no limit)."""
+    if model == "tool":
+        for fragment in ('{"query"', ': "weather', ' in Paris"}'):
+            yield "tool_use", fragment
+        return
+    for count, (kind, text) in enumerate(plan(model, body)):
+        if count >= limit and model != "chatty":
+            return
+        yield ("thinking" if kind == "reasoning_content" else "text"), text
+
+
+def empty_block(kind: str, body: dict[str, Any]) -> dict[str, Any]:
+    if kind == "tool_use":
+        return {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:20]}",
+                "name": anthropic_tool_name(body), "input": {}}
+    if kind == "thinking":
+        return {"type": "thinking", "thinking": "", "signature": ""}
+    return {"type": "text", "text": ""}
+
+
+DELTA_FIELDS = {"text": ("text_delta", "text"), "thinking": ("thinking_delta", "thinking"),
+                "tool_use": ("input_json_delta", "partial_json")}
+
+
+@logged("messages")
+async def native_messages(request: web.Request) -> web.StreamResponse:
+    body = await read_json(request)
+    log = request.app[LOG_KEY]
+    log.write(f"native-messages anthropic-version={request.headers.get('anthropic-version')} "
+              f"anthropic-beta={request.headers.get('anthropic-beta')}")
+    if not isinstance(body.get("messages"), list):
+        # The body is checked before the model, as real servers validate it (a request without
+        # messages is a 400 there, whatever its model).
+        return web.json_response({"type": "error", "error": {
+            "type": "invalid_request_error", "message": "messages: field required"}}, status=400)
+    model = str(body.get("model", ""))
+    if model not in MODELS:
+        return web.json_response({"type": "error", "error": {
+            "type": "not_found_error", "message": f"model {model!r} not found"}}, status=404)
+    limit = body.get("max_tokens")
+    limit = limit if isinstance(limit, int) and limit > 0 else DEFAULT_MAX_TOKENS
+    message: dict[str, Any] = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant",
+               "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
+               "usage": {"input_tokens": prompt_tokens(body), "output_tokens": 0}}
+    pieces = anthropic_blocks(model, body, limit)
+    if not body.get("stream"):
+        if model in ("stall", "chatty"):
+            return await answer_whole(request, model, b"")
+        return await answer_whole(request, model, orjson.dumps(
+            native_whole(message, pieces, body, limit)))
+    return await native_stream(request, message, pieces, body, limit)
+
+
+def stop_reason(model: str, output: int, limit: int) -> str:
+    return "tool_use" if model == "tool" else ("max_tokens" if output >= limit else "end_turn")
+
+
+def native_whole(message: dict[str, Any], pieces: Iterable[tuple[str, str]],
+                 body: dict[str, Any], limit: int) -> dict[str, Any]:
+    content: list[dict[str, Any]] = []
+    output = 0
+    for kind, piece in pieces:
+        output += 1
+        if not content or content[-1]["type"] != kind:
+            content.append(empty_block(kind, body))
+        block = content[-1]
+        if kind == "tool_use":
+            block["_json"] = block.get("_json", "") + piece
+        else:
+            block[kind] += piece
+    for block in content:
+        if "_json" in block:
+            block["input"] = orjson.loads(block.pop("_json"))
+    message["usage"]["output_tokens"] = output
+    return {**message, "content": content,
+            "stop_reason": stop_reason(message["model"], output, limit)}
+
+
+async def native_stream(request: web.Request, message: dict[str, Any],
+                        pieces: Iterable[tuple[str, str]], body: dict[str, Any],
+                        limit: int) -> web.StreamResponse:
+    model = message["model"]
+    response = sse_response()
+    await response.prepare(request)
+    await response.write(anthropic_event("message_start", message=message))
+    index, open_kind, output = -1, None, 0
+    for kind, piece in pieces:
+        if kind != open_kind:
+            if open_kind is not None:
+                await response.write(anthropic_event("content_block_stop", index=index))
+            index, open_kind = index + 1, kind
+            await response.write(anthropic_event(
+                "content_block_start", index=index, content_block=empty_block(kind, body)))
+        await _pause(request.app[DELAY_KEY])
+        output += 1
+        delta_type, field_name = DELTA_FIELDS[kind]
+        await response.write(anthropic_event(
+            "content_block_delta", index=index, delta={"type": delta_type, field_name: piece}))
+        if (
+            model in MID_STREAM_TROUBLE
+            and output >= TOKENS_BEFORE_TROUBLE
+            and await misbehave_mid_stream(request, model, f"id={message['id']}")
+        ):
+            return response
+    if open_kind is not None:
+        await response.write(anthropic_event("content_block_stop", index=index))
+    await response.write(anthropic_event(
+        "message_delta", delta={"stop_reason": stop_reason(model, output, limit),
+                                "stop_sequence": None},
+        usage={"input_tokens": message["usage"]["input_tokens"], "output_tokens": output}))
+    await response.write(anthropic_event("message_stop"))
+    await response.write_eof()
+    return response
+
+
+async def native_count_tokens(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    request.app[LOG_KEY].write("native-count-tokens")
+    return web.json_response({"input_tokens": prompt_tokens(body)})
+
+
 async def tokenize(request: web.Request) -> web.Response:
     """llama-server's shape: {"content": text} -> {"tokens": [...]}."""
     body = await read_json(request)
@@ -589,10 +880,15 @@ async def models(request: web.Request) -> web.Response:
     )
 
 
-def make_stub_app(log_path: Path | None = None, delay: float = 0.02) -> web.Application:
+def make_stub_app(
+    log_path: Path | None = None, delay: float = 0.02, *, anthropic_native: bool = False
+) -> web.Application:
+    """`anthropic_native`: also serve /v1/messages (and count_tokens) as llama-server does;
+    without it those paths answer 404, like llama-cpp-python's server."""
     app = web.Application(middlewares=[json_errors], client_max_size=MAX_BODY_BYTES)
     app[LOG_KEY] = StubLog(log_path)
     app[DELAY_KEY] = delay
+    app[RESPONSES_KEY] = {}
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
@@ -601,6 +897,12 @@ def make_stub_app(log_path: Path | None = None, delay: float = 0.02) -> web.Appl
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/v1/images/generations", images)
     app.router.add_post("/v1/rerank", rerank)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_get("/v1/responses/{id}", stored_response)
+    app.router.add_delete("/v1/responses/{id}", stored_response)
+    if anthropic_native:
+        app.router.add_post("/v1/messages", native_messages)
+        app.router.add_post("/v1/messages/count_tokens", native_count_tokens)
     app.router.add_post("/tokenize", tokenize)
 
     async def close_log(app: web.Application) -> None:

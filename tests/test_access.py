@@ -67,9 +67,10 @@ def concrete_routes(app: web.Application) -> list[tuple[str, str]]:
             routes.append((route.method, info["path"]))
         else:
             formatter, pattern = info["formatter"], info["pattern"]
-            # {endpoint}: each OpenAI endpoint; {name}: the test's slot (the admin slot routes).
+            # {endpoint}: each OpenAI endpoint; {name}: the test's slot (the admin slot routes);
+            # {id}: a Responses API answer's id.
             expanded = {formatter.replace("{endpoint}", endpoint).replace("{name}", "llm")
-                        for endpoint in openai.ENDPOINTS}
+                        .replace("{id}", "resp_1") for endpoint in openai.ENDPOINTS}
             matching = [path for path in expanded if pattern.fullmatch(path)]
             assert len(matching) == 1, (formatter, pattern)
             routes.append((route.method, matching[0]))

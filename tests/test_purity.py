@@ -22,6 +22,9 @@ PURE_MODULES = (
     "hal0d.anthropic.response",
     "hal0d.anthropic.transform",
     "hal0d.openai.transform",
+    "hal0d.openai.responses",
+    "hal0d.openai.owners",
+    "hal0d.anthropic.native",
 )
 SURFACE_BLIND_MODULES = ("hal0d.relay", "hal0d.stallguard")
 SURFACE_PACKAGES = ("hal0d.openai", "hal0d.anthropic")

@@ -4,14 +4,22 @@ The request is translated to OpenAI chat completions and sent through the forwar
 (forward.py) like any other; a stream comes back through the relay's Anthropic transform. Before
 message_start every failure is a real HTTP status with Anthropic's error body; after it, one
 `event: error` frame ends the stream.
+
+A slot with `anthropic = "native"` (or "auto", when its upstream has the endpoint: see
+anthropic_mode.py) gets the request as the client sent it (only an aliased model renamed), at its
+own /v1/messages, with the client's anthropic-version and anthropic-beta headers; its answer is
+relayed byte for byte, a stream through the native transform (hal0d/anthropic/native.py).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
 
+from hal0d.anthropic.native import NativeAnthropic
 from hal0d.anthropic.request import (
     MessagesRequest,
     parse_messages_request,
@@ -21,10 +29,14 @@ from hal0d.anthropic.request import (
 from hal0d.anthropic.response import to_anthropic
 from hal0d.anthropic.stream import Translator
 from hal0d.anthropic.transform import AnthropicTransform
-from hal0d.errors import UpstreamInvalid, UpstreamStatus, upstream_message
+from hal0d.anthropic_mode import NATIVE, TRANSLATE
+from hal0d.appkeys import ANTHROPIC_MODES, SESSION
+from hal0d.errors import InvalidRequest, UpstreamInvalid, UpstreamStatus, upstream_message
 from hal0d.forward import Forward, forward
 from hal0d.handlers.body import parse_json_object, read_body
-from hal0d.upstream import SSE_HEADERS
+from hal0d.handlers.openai import with_model
+from hal0d.metrics.live import normal_usage
+from hal0d.upstream import SSE_HEADERS, response_headers
 
 UPSTREAM_MESSAGE_LIMIT = 2000
 
@@ -44,13 +56,40 @@ async def upstream_status_error(fwd: Forward, upstream: aiohttp.ClientResponse) 
     return UpstreamStatus(upstream.status, f"slot {fwd.slot.name!r}: {message}")
 
 
+async def native(fwd: Forward) -> bool:
+    """Whether this slot's upstream is sent the Anthropic request as it is (asked under the
+    lease: an "auto" slot's upstream is up to answer the probe)."""
+    modes = fwd.request.app[ANTHROPIC_MODES]
+    return await modes.mode(fwd.request.app[SESSION], fwd.slot) == NATIVE
+
+
+def model_and_stream(body: dict[str, Any]) -> tuple[str, bool]:
+    """What the dispatch needs of any Messages request; a native upstream judges the rest."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("model: is required and must be a non-empty string", field="model")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidRequest("stream: must be a boolean", field="stream")
+    return model, stream
+
+
 async def messages(request: web.Request) -> web.StreamResponse:
-    req = parse_messages_request(parse_json_object(await read_body(request)))
-    fwd = forward(request, req.model, stream=req.stream)
-    payload = to_openai(
-        req, served_model=fwd.route.served_model, max_output_tokens=fwd.slot.max_output_tokens
-    )
+    raw = await read_body(request)
+    body = parse_json_object(raw)
+    model, stream = model_and_stream(body)
+    fwd = forward(request, model, stream=stream)
+    # A request to translate is checked whole before the slot is taken; a native upstream
+    # (and one that may turn out native, "auto") gets what the client sent, fields it may know
+    # and the translator does not included.
+    req = parse_messages_request(body) if fwd.slot.anthropic == TRANSLATE else None
     async with fwd:
+        if req is None and await native(fwd):
+            return await relay_native(fwd, raw, "/v1/messages", stream=stream)
+        req = req or parse_messages_request(body)
+        payload = to_openai(
+            req, served_model=fwd.route.served_model, max_output_tokens=fwd.slot.max_output_tokens
+        )
         input_tokens = None
         if req.stream:
             input_tokens, _ = await fwd.count_tokens(payload, prompt_text(payload))
@@ -91,15 +130,48 @@ async def translate_whole(fwd: Forward, req: MessagesRequest) -> web.Response:
     return web.Response(body=orjson.dumps(message), content_type="application/json")
 
 
-async def count_tokens(request: web.Request) -> web.Response:
-    body = parse_json_object(await read_body(request))
+async def relay_native(
+    fwd: Forward, raw: bytes, path: str, *, stream: bool
+) -> web.StreamResponse:
+    """The client's request at the upstream's own Messages endpoint; its answer as it came."""
+    model = fwd.info.model or ""
+    body = raw if fwd.route.served_model == model else with_model(raw, fwd.route.served_model)
+    upstream = await fwd.open(path, body, params=fwd.request.query)
+    if stream and upstream.status == 200 and upstream.content_type == "text/event-stream":
+        response = web.StreamResponse(status=200, headers=response_headers(upstream.headers))
+        await fwd.relay(response, NativeAnthropic())
+        return response
+    data = await fwd.read_whole()
+    if upstream.status == 200:
+        if stream:
+            fwd.info.fail("upstream_invalid")  # asked for a stream, answered with something else
+        try:
+            parsed = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
+            fwd.info.apply_usage(normal_usage(parsed["usage"]))
+        elif isinstance(parsed, dict) and isinstance(parsed.get("input_tokens"), int):
+            fwd.info.prompt_tokens = parsed["input_tokens"]  # count_tokens
+    return web.Response(
+        body=data, status=upstream.status, headers=response_headers(upstream.headers)
+    )
+
+
+async def count_tokens(request: web.Request) -> web.StreamResponse:
+    raw = await read_body(request)
+    body = parse_json_object(raw)
+    model, _ = model_and_stream(body)
+    fwd = forward(request, model, stream=False)
     # count_tokens takes the Messages body without max_tokens; the parser requires one.
     body.setdefault("max_tokens", 1)
     body["stream"] = False
-    req = parse_messages_request(body)
-    fwd = forward(request, req.model, stream=False)
-    payload = to_openai(req, served_model=fwd.route.served_model)
+    req = parse_messages_request(body) if fwd.slot.anthropic == TRANSLATE else None
     async with fwd:
+        if req is None and await native(fwd):
+            return await relay_native(fwd, raw, "/v1/messages/count_tokens", stream=False)
+        payload = to_openai(req or parse_messages_request(body),
+                            served_model=fwd.route.served_model)
         count, source = await fwd.count_tokens(payload, prompt_text(payload))
     fwd.info.prompt_tokens = count
     return web.Response(

@@ -3,6 +3,13 @@
 The tap sees every raw upstream chunk and must cost the stream nothing: after the first token,
 per-chunk work is one substring count and one clock read. Only until the first token does it
 look inside chunks, to skip llama-server's role-only opening chunk.
+
+It reads three stream shapes the same way: chat completions chunks (`choices[].delta`), the
+Responses API's events (`response.output_text.delta` and the other `*.delta` events carry their
+text as a string `delta`; the final usage is `response.usage` in `response.completed`), and
+Anthropic's (`content_block_delta`; usage in `message_delta`, as input_tokens/output_tokens). Every
+shape has one `"delta"` key per generated piece, which is what the count after the first token
+relies on.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from hal0d.stallguard import STALL_MARKER
 
 # Fields of a chunk's delta (or legacy choice) that carry generated output.
 _GENERATED = ("content", "reasoning_content", "reasoning", "tool_calls", "text")
+# Fields of an Anthropic content_block_delta's delta that carry generated output.
+_ANTHROPIC_GENERATED = ("text", "thinking", "partial_json")
 
 
 def _carries_generated_text(chunk: bytes) -> bool:
@@ -29,7 +38,16 @@ def _carries_generated_text(chunk: bytes) -> bool:
             obj = orjson.loads(line[5:])
         except orjson.JSONDecodeError:
             continue  # [DONE], or an event split across reads: the next chunk decides
-        choices = obj.get("choices") if isinstance(obj, dict) else None
+        if not isinstance(obj, dict):
+            continue
+        delta = obj.get("delta")
+        if isinstance(delta, str) and delta:
+            return True  # a Responses API `*.delta` event
+        if obj.get("type") == "content_block_delta" and isinstance(delta, dict):
+            if any(delta.get(name) for name in _ANTHROPIC_GENERATED):
+                return True
+            continue
+        choices = obj.get("choices")
         if not isinstance(choices, list):
             continue
         for choice in choices:
@@ -50,10 +68,24 @@ def _usage_of(chunk: bytes) -> dict[str, Any] | None:
                 obj = orjson.loads(line[5:])
             except orjson.JSONDecodeError:
                 continue
-            usage = obj.get("usage") if isinstance(obj, dict) else None
+            if not isinstance(obj, dict):
+                continue
+            usage = obj.get("usage")
+            inner = obj.get("response")
+            if usage is None and isinstance(inner, dict):
+                usage = inner.get("usage")  # the Responses API's response.completed
             if isinstance(usage, dict):
                 found = usage
-    return found
+    return normal_usage(found)
+
+
+def normal_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Usage as chat completions name it: the Responses and Anthropic APIs say input_tokens and
+    output_tokens where chat completions say prompt_tokens and completion_tokens."""
+    if usage is None or "completion_tokens" in usage or "output_tokens" not in usage:
+        return usage
+    return {**usage, "prompt_tokens": usage.get("input_tokens"),
+            "completion_tokens": usage["output_tokens"]}
 
 
 class StreamTap:
@@ -89,7 +121,8 @@ class StreamTap:
         return (self.first_token_at - self.started) * 1000
 
     def usage(self) -> dict[str, Any] | None:
-        return _usage_of(self._last) or _usage_of(self._before_last)
+        # Joined: the last event may have been split across the two reads.
+        return _usage_of(self._before_last + self._last)
 
     def completion_tokens(self) -> int | None:
         usage = self.usage()

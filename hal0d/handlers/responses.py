@@ -1,0 +1,121 @@
+"""The OpenAI Responses API: POST /v1/responses (and /llm/v1/responses), GET and DELETE
+/v1/responses/{id}.
+
+A request is dispatched by `model` like a chat completion (aliases applied) and relayed byte for
+byte, status and content type verbatim; a stream goes through the relay with the Responses
+transform (hal0d/openai/responses.py), which ends a stalled or broken stream in Responses events.
+The id of every answer is remembered with its model (hal0d/openai/owners.py), so that GET and
+DELETE of an answer reach the slot that holds it; an id hal0d never saw is a 404.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import quote
+
+import orjson
+from aiohttp import hdrs, web
+
+from hal0d.appkeys import RESPONSE_OWNERS
+from hal0d.errors import InvalidRequest, NoRoute, UpstreamInvalid
+from hal0d.forward import Forward, forward
+from hal0d.handlers.body import parse_json_object, read_body
+from hal0d.handlers.openai import with_model
+from hal0d.limits import MAX_TOKENS_LIMIT
+from hal0d.metrics.live import normal_usage
+from hal0d.openai.responses import ResponsesTransform, response_id_of
+from hal0d.upstream import response_headers
+
+
+def requested(payload: dict[str, Any]) -> tuple[str, bool]:
+    """The model and whether a stream was asked for; what no upstream could serve is refused
+    here, in OpenAI's envelope, before a slot is taken."""
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' is required and must be a non-empty string", field="model")
+    stream = payload.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be a boolean", field="stream")
+    given = payload.get("input")
+    if given is not None and not isinstance(given, str | list):
+        raise InvalidRequest("'input' must be a string or an array", field="input")
+    limit = payload.get("max_output_tokens")
+    if limit is not None and (type(limit) is not int or not 1 <= limit <= MAX_TOKENS_LIMIT):
+        raise InvalidRequest(
+            f"'max_output_tokens' must be an integer from 1 to {MAX_TOKENS_LIMIT}, not {limit!r}",
+            field="max_output_tokens",
+        )
+    return model, stream
+
+
+async def create(request: web.Request) -> web.StreamResponse:
+    body = await read_body(request)
+    model, stream = requested(parse_json_object(body))
+    fwd = forward(request, model, stream=stream)
+    if fwd.route.served_model != model:
+        body = with_model(body, fwd.route.served_model)
+    owners = request.app[RESPONSE_OWNERS]
+    async with fwd:
+        upstream = await fwd.open("/v1/responses", body, params=request.query)
+        if not stream or upstream.status != 200:
+            return await relay_whole(fwd, model)
+        if upstream.content_type != "text/event-stream":
+            whole = await relay_whole(fwd, model)
+            fwd.info.fail("upstream_invalid")  # asked for a stream, answered with something else
+            return whole
+        response = web.StreamResponse(
+            status=upstream.status, headers=response_headers(upstream.headers)
+        )
+        transform = ResponsesTransform(model=fwd.route.served_model)
+        try:
+            await fwd.relay(response, transform)
+        finally:
+            if transform.response_id is not None:
+                owners.remember(transform.response_id, model)
+        return response
+
+
+async def relay_whole(fwd: Forward, model: str) -> web.Response:
+    """A whole answer copied through as it came; its id remembered, its usage noted."""
+    upstream = fwd.upstream
+    assert upstream is not None
+    data = await fwd.read_whole()
+    if not data and upstream.status == 200:
+        raise UpstreamInvalid(f"slot {fwd.slot.name!r} answered 200 with an empty body")
+    if upstream.status == 200 and upstream.content_type == "application/json":
+        try:
+            parsed = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            parsed = None
+        response_id = response_id_of(parsed)
+        if response_id is not None:
+            fwd.request.app[RESPONSE_OWNERS].remember(response_id, model)
+        if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
+            fwd.info.apply_usage(normal_usage(parsed["usage"]))
+    return web.Response(
+        body=data, status=upstream.status, headers=response_headers(upstream.headers)
+    )
+
+
+async def stored(request: web.Request) -> web.StreamResponse:
+    """GET or DELETE /v1/responses/{id}: sent to the slot whose model made the answer."""
+    response_id = request.match_info["id"]
+    owners = request.app[RESPONSE_OWNERS]
+    model = owners.owner(response_id)
+    if model is None:
+        raise NoRoute(
+            f"no response {response_id!r} is known to hal0d: it was not made through it, or "
+            "is older than the last few thousand answers it remembers"
+        )
+    fwd = forward(request, model, stream=False)
+    async with fwd:
+        upstream = await fwd.open(
+            f"/v1/responses/{quote(response_id, safe='')}", b"", json_body=False,
+            params=request.query, method=request.method,
+        )
+        data = await fwd.read_whole()
+    if request.method == hdrs.METH_DELETE and upstream.status < 300:
+        owners.forget(response_id)
+    return web.Response(
+        body=data, status=upstream.status, headers=response_headers(upstream.headers)
+    )

@@ -1,0 +1,218 @@
+"""Native Anthropic slots: `[[slots]] anthropic = "native"` relays the Messages API raw to the
+upstream's own /v1/messages, and "auto" asks the upstream once whether it has one.
+
+Driven by the official anthropic SDK over real sockets, against the stub made with
+`anthropic_native` (it serves /v1/messages itself, as llama-server does, and logs the
+anthropic-version and anthropic-beta headers it received).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from structlog.testing import capture_logs
+
+from hal0d.stub import CONTENT_TEXT, REASONING_TEXT, make_stub_app, words
+from tests.conftest import Stub, eventually, free_port
+
+if TYPE_CHECKING:
+    from anthropic import AsyncAnthropic
+
+HI = [{"role": "user", "content": "hi"}]
+TOOL = {"name": "lookup", "description": "Look something up.",
+        "input_schema": {"type": "object", "properties": {"query": {"type": "string"}}}}
+STALL_BOUNDS = {"stream_idle_timeout_s": 0.5, "stream_total_timeout_s": 30.0}
+
+
+@pytest.fixture
+async def native_stub(aiohttp_server: Any, tmp_path: Path) -> Stub:
+    log = tmp_path / f"stub-{free_port()}.log"
+    server = await aiohttp_server(make_stub_app(log, 0.002, anthropic_native=True))
+    return Stub(server, log)
+
+
+@pytest.fixture
+async def hal0d(native_stub: Stub, start_hal0d: Any) -> TestServer:
+    return await start_hal0d(native_stub.url, slot={"anthropic": "native"},
+                             aliases={"claude-*": "chat"})
+
+
+@pytest.fixture
+async def guarded(native_stub: Stub, start_hal0d: Any) -> TestServer:
+    """A short idle bound, for the stall case only: a loaded machine must not trip it on a
+    healthy stream."""
+    return await start_hal0d(native_stub.url, slot={"anthropic": "native"},
+                             dispatcher=STALL_BOUNDS)
+
+
+def sdk(server: TestServer) -> AsyncAnthropic:
+    from anthropic import AsyncAnthropic
+
+    return AsyncAnthropic(
+        base_url=str(server.make_url("/llm")), api_key="x", max_retries=0, timeout=10.0,
+        default_headers={"anthropic-version": "2023-06-01", "anthropic-beta": "tools-2024-05-16"},
+    )
+
+
+@pytest.fixture
+async def client(hal0d: TestServer) -> AsyncIterator[AsyncAnthropic]:
+    async with sdk(hal0d) as client:
+        yield client
+
+
+async def test_native_stream_reaches_the_upstreams_messages_with_the_clients_headers(
+    client: AsyncAnthropic, native_stub: Stub
+) -> None:
+    async with client.messages.stream(model="reasoning", max_tokens=256, messages=HI) as stream:
+        final = await stream.get_final_message()
+    assert [block.type for block in final.content] == ["thinking", "text"]
+    assert final.content[0].thinking == REASONING_TEXT  # type: ignore[union-attr]
+    assert final.content[1].text == CONTENT_TEXT  # type: ignore[union-attr]
+    seen = [line for line in native_stub.lines() if "native-messages" in line]
+    assert seen and "anthropic-version=2023-06-01" in seen[-1]
+    assert "anthropic-beta=tools-2024-05-16" in seen[-1]
+
+
+async def test_native_whole_message_and_alias(client: AsyncAnthropic) -> None:
+    message = await client.messages.create(model="claude-x", max_tokens=64, messages=HI)
+    assert message.model == "chat"  # the upstream was asked for the alias's target
+    assert message.content[0].text == CONTENT_TEXT  # type: ignore[union-attr]
+    assert message.stop_reason == "end_turn"
+
+
+async def test_native_tool_use_streamed_and_not(client: AsyncAnthropic) -> None:
+    whole = await client.messages.create(model="tool", max_tokens=64, messages=HI, tools=[TOOL])
+    async with client.messages.stream(model="tool", max_tokens=64, messages=HI,
+                                      tools=[TOOL]) as stream:
+        streamed = await stream.get_final_message()
+    for message in (whole, streamed):
+        assert message.stop_reason == "tool_use"
+        assert message.content[0].type == "tool_use"
+        assert message.content[0].input == {"query": "weather in Paris"}
+
+
+async def test_native_count_tokens_is_the_upstreams(
+    client: AsyncAnthropic, native_stub: Stub
+) -> None:
+    counted = await client.messages.count_tokens(model="chat", messages=HI)
+    assert counted.input_tokens == 1 + 4  # the stub's count: one word, four for the template
+    assert any("native-count-tokens" in line for line in native_stub.lines())
+
+
+async def test_native_stream_bytes_equal_the_upstreams(
+    upstream_app: Any, native_stub: Stub, start_hal0d: Any, http: aiohttp.ClientSession
+) -> None:
+    request = {"model": "reasoning", "max_tokens": 256, "messages": HI, "stream": True}
+    async with http.post(f"{native_stub.url}/v1/messages", json=request) as answer:
+        recorded = await answer.read()
+
+    async def replay(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for at in range(0, len(recorded), 61):
+            await response.write(recorded[at:at + 61])
+        return response
+
+    upstream = await upstream_app({"POST /v1/messages": replay})
+    hal0d = await start_hal0d(upstream, models=("reasoning",), slot={"anthropic": "native"})
+    async with http.post(hal0d.make_url("/v1/messages"), json=request) as answer:
+        through = await answer.read()
+    assert through == recorded
+
+
+async def test_native_stall_raises_a_clean_error_in_the_sdk(
+    guarded: TestServer, native_stub: Stub
+) -> None:
+    from anthropic import APIStatusError
+
+    async with sdk(guarded) as client:
+        with pytest.raises(APIStatusError, match="stall guard"):
+            async with client.messages.stream(model="stall", max_tokens=64,
+                                              messages=HI) as stream:
+                async for _ in stream:
+                    pass
+    assert any("stalling" in line for line in native_stub.lines())
+
+
+async def test_native_break_raises_in_the_sdk(client: AsyncAnthropic) -> None:
+    from anthropic import APIStatusError
+
+    with pytest.raises(APIStatusError, match="broke the stream"):
+        async with client.messages.stream(model="broken", max_tokens=64, messages=HI) as stream:
+            async for _ in stream:
+                pass
+
+
+async def test_native_history_rows_carry_ttft_and_tokens(
+    client: AsyncAnthropic, hal0d: TestServer, http: aiohttp.ClientSession
+) -> None:
+    async with client.messages.stream(model="chat", max_tokens=256, messages=HI) as stream:
+        await stream.get_final_message()
+
+    async def row() -> Any:
+        async with http.get(hal0d.make_url("/api/requests?limit=1")) as answer:
+            rows = (await answer.json())["requests"]
+        assert rows and rows[0]["endpoint"] == "/llm/v1/messages", rows
+        return rows[0]
+
+    found = await eventually(row, 5.0, "the stream's history row")
+    assert found["ok"] and found["ttft_ms"] is not None
+    assert found["completion_tokens"] == len(words(CONTENT_TEXT))
+    assert found["prompt_tokens"] == 1 + 4
+
+
+@pytest.mark.parametrize(("native", "expected"), [(True, "native"), (False, "translate")])
+async def test_auto_asks_once_and_logs_its_choice(
+    native: bool, expected: str, aiohttp_server: Any, tmp_path: Path, start_hal0d: Any
+) -> None:
+    log = tmp_path / "stub.log"
+    stub = Stub(await aiohttp_server(make_stub_app(log, 0.002, anthropic_native=native)), log)
+    hal0d = await start_hal0d(stub.url, slot={"anthropic": "auto"})
+    request = {"model": "chat", "max_tokens": 64, "messages": HI}
+    with capture_logs() as logs:
+        async with aiohttp.ClientSession() as http:
+            for _ in range(3):
+                async with http.post(hal0d.make_url("/v1/messages"), json=request) as answer:
+                    assert answer.status == 200
+                    assert (await answer.json())["content"][0]["text"] == CONTENT_TEXT
+    chosen = [entry for entry in logs if entry["event"] == "anthropic.mode_chosen"]
+    assert [(entry["slot"], entry["mode"]) for entry in chosen] == [("llm", expected)]
+    relayed = [line for line in stub.lines() if "native-messages" in line]
+    # Native: the probe and the three requests reached /v1/messages; translate: the stub without
+    # the endpoint answered the probe 404 (no handler, no log line) and chat got the three.
+    assert len(relayed) == (4 if native else 0)
+    chats = [line for line in stub.lines() if line.split()[1:2] == ["start"]
+             and "endpoint=chat" in line]
+    assert len(chats) == (0 if native else 3)
+
+
+def test_config_refuses_an_unknown_anthropic_mode(tmp_path: Path) -> None:
+    from hal0d.config import ConfigError, load
+
+    path = tmp_path / "hal0d.toml"
+    path.write_text('[[slots]]\nname = "a"\nupstream = "http://127.0.0.1:1"\nmodels = ["m"]\n'
+                    'anthropic = "passthrough"\n')
+    with pytest.raises(ConfigError, match=r"slots\[0\]\.anthropic: 'passthrough' is not one of"):
+        load(path)
+
+
+async def test_native_slot_leaves_the_body_to_its_upstream_and_translate_checks_it(
+    hal0d: TestServer, stub: Stub, start_hal0d: Any, http: aiohttp.ClientSession
+) -> None:
+    # No max_tokens: the translator requires one; a native upstream may have its own default.
+    body = {"model": "chat", "messages": HI}
+    async with http.post(hal0d.make_url("/v1/messages"), json=body) as answer:
+        assert answer.status == 200
+        assert (await answer.json())["content"][0]["text"] == CONTENT_TEXT
+    translating = await start_hal0d(stub.url)
+    async with http.post(translating.make_url("/v1/messages"), json=body) as answer:
+        assert answer.status == 400
+        error = await answer.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in error["error"]["message"]
