@@ -15,7 +15,7 @@ from hal0d import access
 from hal0d.appkeys import RECORDER, RUNTIME, SESSION, STREAMS, TOKEN_COUNTER, Runtime, RuntimeRef
 from hal0d.config import Config
 from hal0d.errors import Hal0Error, MethodNotAllowed, NoRoute
-from hal0d.handlers import admin, anthropic, openai
+from hal0d.handlers import admin, anthropic, openai, page
 from hal0d.logs import get_logger
 from hal0d.metrics.recorder import recorder_context
 from hal0d.requestinfo import INFO, RequestInfo
@@ -180,6 +180,9 @@ def make_app(config: Config) -> web.Application:
     for path in ("/llm/v1/messages", "/v1/messages"):
         router.add_post(path, anthropic.messages)
         router.add_post(f"{path}/count_tokens", anthropic.count_tokens)
+    router.add_get("/", page.index)
+    router.add_get("/static/{name}", page.static)
+    router.add_get("/api/status", admin.status)
     router.add_get("/api/slots", admin.slots)
     router.add_post("/api/slots/{name}/load", admin.load_slot)
     router.add_post("/api/slots/{name}/unload", admin.unload_slot)

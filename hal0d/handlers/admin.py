@@ -55,13 +55,32 @@ def loadable(slot: Slot) -> bool:
 
 async def slots(request: web.Request) -> web.Response:
     loader = request.app[SUPERVISOR].loader
+    config = request.app[RUNTIME].current.config
+    configs = {slot.name: slot for slot in config.slots}
     views = []
     for slot in request.app[SLOTS]:
         view = slot.snapshot()
         if slot.name in loader.models:
             view.update(loader.snapshot(slot.name))
+        own = configs.get(slot.name)
+        if own is not None and own.group is not None:
+            group = config.groups.get(own.group)
+            view.update(group=own.group, memory_mib=own.memory_mib,
+                        group_memory_mib=group.memory_mib if group else None,
+                        group_max_loaded=group.max_loaded if group else None)
         views.append(view)
     return json({"slots": views})
+
+
+async def status(request: web.Request) -> web.Response:
+    """The status page's header: version, uptime, requests served, the last hour's failures."""
+    tally = request.app[RECORDER].tally
+    return json({
+        "version": __version__,
+        "uptime_s": round(time.time() - tally.started, 1),
+        "requests": tally.served,
+        "error_times": tally.error_times(),
+    })
 
 
 def on_demand_slot(request: web.Request) -> tuple[Loader, Slot]:

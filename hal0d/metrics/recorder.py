@@ -11,6 +11,7 @@ from hal0d.appkeys import RECORDER, RUNTIME, SLOTS, SUPERVISOR
 from hal0d.metrics.history import HistoryWriter, RequestRecord
 from hal0d.metrics.live import SlotMetrics
 from hal0d.metrics.prometheus import PromMetrics
+from hal0d.metrics.tally import Tally
 from hal0d.requestinfo import RequestInfo
 
 
@@ -21,6 +22,7 @@ class Recorder:
         self.live: dict[str, SlotMetrics] = {}
         self._ttft_samples = ttft_samples
         self._dropped_seen = 0
+        self.tally = Tally()
 
     def slot_metrics(self, slot: str) -> SlotMetrics:
         metrics = self.live.get(slot)
@@ -29,6 +31,7 @@ class Recorder:
         return metrics
 
     def record(self, info: RequestInfo) -> None:
+        self.tally.add(info.ts, info.ok)
         total_ms = info.total_ms
         self.history.submit(
             RequestRecord(
