@@ -1,27 +1,28 @@
-"""make_app(config): routes, the request lifecycle middleware, and the cleanup contexts."""
+"""make_app(config): routes, the request lifecycle middleware, and the cleanup contexts
+(contexts.py) in the order they start."""
 
 from __future__ import annotations
 
 import asyncio
 import re
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Final
 
 import orjson
 import structlog
 from aiohttp import web
 
 from hal0d import access
-from hal0d.appkeys import RECORDER, RUNTIME, SESSION, STREAMS, TOKEN_COUNTER, Runtime, RuntimeRef
+from hal0d.appkeys import EVENTS, RECORDER, RUNTIME, STREAMS, Runtime, RuntimeRef
 from hal0d.config import Config
-from hal0d.errors import Hal0Error, MethodNotAllowed, NoRoute
+from hal0d.contexts import recorder_context, session_context, slots_context
+from hal0d.errors import ErrorCode, Hal0Error, MethodNotAllowed, NoRoute
+from hal0d.events import EventHub
 from hal0d.handlers import admin, anthropic, openai, page
 from hal0d.logs import get_logger
-from hal0d.metrics.recorder import recorder_context
+from hal0d.metrics.history import COLUMNS
 from hal0d.requestinfo import INFO, RequestInfo
-from hal0d.supervisor import slots_context
-from hal0d.tokens import TokenCounter
-from hal0d.upstream import make_session
 
 log = get_logger()
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -45,11 +46,6 @@ def error_response(exc: Hal0Error, path: str) -> web.Response:
         body=orjson.dumps(body), status=exc.status, headers=exc.headers(),
         content_type="application/json",
     )
-
-
-def error_code(exc: Hal0Error) -> str:
-    """The history row's error_code: `dispatch.upstream_unavailable` -> `upstream_unavailable`."""
-    return exc.code.rsplit(".", 1)[-1]
 
 
 def translate_http_exception(exc: web.HTTPException, request: web.Request) -> Hal0Error:
@@ -86,20 +82,20 @@ async def request_lifecycle(
         return response
     except Hal0Error as exc:
         info.status = exc.status
-        info.fail(error_code(exc))
+        info.fail(exc.error_code)
         return error_response(exc, request.path)
     except web.HTTPException as exc:
         error = translate_http_exception(exc, request)
         info.status = error.status
-        info.fail(error_code(error))
+        info.fail(error.error_code)
         return error_response(error, request.path)
     except asyncio.CancelledError:
-        info.fail("client_disconnect")
+        info.fail(ErrorCode.CLIENT_DISCONNECT)
         raise
     except Exception:
         log.exception("request.failed", path=request.path)
         info.status = 500
-        info.fail("internal")
+        info.fail(ErrorCode.INTERNAL)
         return error_response(Hal0Error("internal error in hal0d; see its log"), request.path)
     finally:
         structlog.contextvars.unbind_contextvars("request_id")
@@ -115,22 +111,21 @@ def request_finished(app: web.Application, info: RequestInfo, method: str, path:
     if is_dispatch_request(method, path) and (recorder := app.get(RECORDER)):
         recorder.record(info)
     if path not in ("/healthz", "/readyz"):  # polled by probes: noise in the log
-        log.info(
-            "request.done",
-            request_id=info.request_id,
-            method=method,
-            path=path,
-            slot=info.slot,
-            model=info.model,
-            stream=info.stream,
-            status=info.status,
-            ok=info.ok,
-            error_code=info.error_code,
-            queue_ms=None if info.queue_ms is None else round(info.queue_ms, 2),
-            load_ms=None if info.load_ms is None else round(info.load_ms, 2),
-            ttft_ms=None if info.ttft_ms is None else round(info.ttft_ms, 2),
-            duration_ms=round(info.total_ms, 2),
-        )
+        log.info("request.done", method=method, path=path, **done_fields(info))
+
+
+# The request.done line carries the history row's columns (metrics/history.py defines them) but
+# `ts` (the line has its own time), with total_ms under the name the line always used.
+_DONE_NAMES: Final = {name: "duration_ms" if name == "total_ms" else name
+                      for name in COLUMNS if name != "ts"}
+
+
+def done_fields(info: RequestInfo) -> dict[str, object]:
+    fields = {}
+    for column, name in _DONE_NAMES.items():
+        value = getattr(info, column)
+        fields[name] = round(value, 2) if isinstance(value, float) else value
+    return fields
 
 
 async def add_request_id(request: web.Request, response: web.StreamResponse) -> None:
@@ -149,13 +144,9 @@ async def warn_if_exposed(app: web.Application) -> None:
         )
 
 
-async def session_context(app: web.Application) -> AsyncIterator[None]:
-    """cleanup_ctx: the one shared ClientSession for every upstream call, and the token counter
-    that asks through it."""
-    app[SESSION] = make_session(app[RUNTIME].current.config.dispatcher)
-    app[TOKEN_COUNTER] = TokenCounter(app[SESSION])
-    yield
-    await app[SESSION].close()
+async def close_events(app: web.Application) -> None:
+    """on_shutdown (before aiohttp waits for open connections): the event feeds end."""
+    app[EVENTS].close()
 
 
 def make_app(config: Config) -> web.Application:
@@ -164,6 +155,8 @@ def make_app(config: Config) -> web.Application:
     )
     app[RUNTIME] = RuntimeRef(Runtime.build(config))
     app[STREAMS] = set()
+    app[EVENTS] = EventHub()
+    app.on_shutdown.append(close_events)
     app.cleanup_ctx.append(session_context)
     app.cleanup_ctx.append(recorder_context)
     app.cleanup_ctx.append(slots_context)
@@ -187,6 +180,7 @@ def make_app(config: Config) -> web.Application:
     router.add_post("/api/slots/{name}/load", admin.load_slot)
     router.add_post("/api/slots/{name}/unload", admin.unload_slot)
     router.add_get("/api/slots/metrics", admin.slot_metrics)
+    router.add_get("/api/events", admin.events)
     router.add_get("/api/requests", admin.requests)
     router.add_get("/metrics", admin.prometheus)
     return app

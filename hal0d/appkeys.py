@@ -13,6 +13,7 @@ from hal0d.routing import Router
 from hal0d.slots import SlotTable
 
 if TYPE_CHECKING:
+    from hal0d.events import EventHub
     from hal0d.metrics.recorder import Recorder
     from hal0d.stallguard import StallGuard
     from hal0d.supervisor import Supervisor
@@ -48,3 +49,5 @@ SUPERVISOR: web.AppKey[Supervisor] = web.AppKey("supervisor")
 STREAMS: web.AppKey[set[StallGuard]] = web.AppKey("streams")
 RECORDER: web.AppKey[Recorder] = web.AppKey("recorder")
 TOKEN_COUNTER: web.AppKey[TokenCounter] = web.AppKey("token_counter")
+# The readers of GET /api/events.
+EVENTS: web.AppKey[EventHub] = web.AppKey("events")

@@ -1,8 +1,10 @@
-"""The command line: serve | check-config | print-config | stub, and --version."""
+"""The command line: serve | check-config | print-config | stub | status | load | unload |
+requests, and --version. The operator's commands talk to a running daemon through client.py."""
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -54,7 +56,70 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds before it listens, as a model loads (default 0)")
     stub.add_argument("--fail-start", metavar="MESSAGE",
                       help="after the startup delay, print MESSAGE and exit 1 instead of serving")
+    add_client_commands(commands)
     return parser
+
+
+def count_of_rows(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 1 <= count <= 1000:
+        raise argparse.ArgumentTypeError(f"{count} is outside 1-1000")
+    return count
+
+
+def add_client_commands(commands: Any) -> None:
+    """The commands that talk to a running daemon, each with --config or --url."""
+
+    def client(name: str, help_text: str) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = commands.add_parser(name, help=help_text)
+        where = parser.add_mutually_exclusive_group()
+        where.add_argument("--config", help="find the daemon (host, port, API key) from this "
+                           f"config (default {DEFAULT_CONFIG}; built-in defaults when missing)")
+        where.add_argument("--url", help="the daemon's URL, e.g. http://127.0.0.1:8080 "
+                           "(the key from HAL0D_API_KEY)")
+        return parser
+
+    status = client("status", "show every slot: state, load, traffic, speed")
+    status.add_argument("--watch", action="store_true",
+                        help="redraw as events arrive (from /api/events) until Ctrl-C")
+    load = client("load", "load an on-demand slot; returns once it is ready")
+    load.add_argument("name")
+    unload = client("unload", "unload an on-demand slot (drains its requests first)")
+    unload.add_argument("name")
+    unload.add_argument("--force", action="store_true",
+                        help="end its in-flight streams and fail its queued requests")
+    history = client("requests", "show the newest finished requests, newest first")
+    history.add_argument("-n", type=count_of_rows, default=20, dest="count",
+                         help="how many (1-1000, default 20)")
+
+
+def run_client(args: argparse.Namespace) -> int:
+    from hal0d import client
+
+    try:
+        daemon = client.locate(args.config, args.url, DEFAULT_CONFIG)
+        if args.command == "status" and args.watch:
+            # Ctrl-C ends it even when started from a shell that ignores SIGINT (a background job).
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            try:
+                client.watch(daemon)
+            except KeyboardInterrupt:
+                return 0
+        elif args.command == "status":
+            print(client.status(daemon))
+        elif args.command == "load":
+            print(client.load(daemon, args.name))
+        elif args.command == "unload":
+            print(client.unload(daemon, args.name, args.force))
+        else:
+            print(client.requests(daemon, args.count))
+    except client.ClientError as exc:
+        print(f"hal0d {args.command}: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def load_or_report(path: str) -> configuration.Config | None:
@@ -122,4 +187,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "check-config":
         return check_config(args.config)
+    if args.command in ("status", "load", "unload", "requests"):
+        return run_client(args)
     return serve(args)

@@ -42,6 +42,10 @@ class ServerConfig:
 
 @dataclass(frozen=True, slots=True)
 class DispatcherConfig:
+    """The `[dispatcher]` section: the bounds on a request's way to its upstream. It holds
+    timeouts and nothing else, so code that is handed one (often a slot's effective copy,
+    SlotConfig.timeouts()) names it `timeouts`."""
+
     direct_read_timeout_s: float = 300.0
     stream_total_timeout_s: float = 900.0
     stream_idle_timeout_s: float = 300.0

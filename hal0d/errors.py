@@ -17,17 +17,73 @@
 
 Foreign exceptions (aiohttp's client errors, asyncio timeouts) are translated into this tree only
 at the upstream boundary (upstream.py); handlers catch Hal0Error and render it for their surface.
+
+How a request ended badly is recorded as one ErrorCode (the history's error_code column, the
+`outcome` label of hal0d_requests_total, the request.done line). A Hal0Error's `error_code` is the
+last part of its envelope `code` (`dispatch.upstream_unavailable` is recorded as
+`upstream_unavailable`); the other codes name what happened to a stream. Two are built from a
+prefix: `upstream_status_<status>` (upstream_status()) and `stream_stall_<reason>`
+(stream_stall()).
 """
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
+
+
+class ErrorCode(StrEnum):
+    """Every error_code a request can be recorded with; the values are what the history and
+    /metrics show, so they never change."""
+
+    # The client's side of a stream.
+    CLIENT_DISCONNECT = "client_disconnect"
+    CLIENT_STALLED = "client_stalled"  # took no bytes for too long, cut by the stall guard
+    # The upstream's side.
+    UPSTREAM_UNAVAILABLE = "upstream_unavailable"
+    UPSTREAM_INVALID = "upstream_invalid"
+    UPSTREAM_BROKEN = "upstream_broken"
+    UPSTREAM_INCOMPLETE = "upstream_incomplete"
+    UPSTREAM_MALFORMED = "upstream_malformed"
+    UPSTREAM_STATUS = "upstream_status_"  # prefix: upstream_status(status)
+    STREAM_STALL = "stream_stall_"  # prefix: stream_stall(reason)
+    # Refused by hal0d (a Hal0Error).
+    INVALID = "invalid"
+    INVALID_KEY = "invalid_key"
+    NO_ROUTE = "no_route"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    CONFLICT = "conflict"
+    TOO_LARGE = "too_large"
+    QUEUE_FULL = "queue_full"
+    LOADING = "loading"
+    LOAD_FAILED = "load_failed"
+    FD_EXHAUSTED = "fd_exhausted"
+    INTERNAL = "internal"
+
+
+def upstream_status(status: int) -> str:
+    """The code of a request the upstream answered with an error status."""
+    return f"{ErrorCode.UPSTREAM_STATUS}{status}"
+
+
+def stream_stall(reason: str) -> str:
+    """The code of a stream the stall guard ended (reason: total, idle, read, shutdown,
+    unloaded)."""
+    return f"{ErrorCode.STREAM_STALL}{reason}"
+
+
+def stall_reason(error_code: str | None) -> str | None:
+    """The stall guard's reason when `error_code` is a stream_stall() code, else None."""
+    if error_code is None or not error_code.startswith(ErrorCode.STREAM_STALL):
+        return None
+    return error_code.removeprefix(ErrorCode.STREAM_STALL)
 
 
 class Hal0Error(Exception):
     status = 500
     openai_type = "internal_error"
     code = "internal"
+    error_code: str = ErrorCode.INTERNAL
     anthropic_type = "api_error"
 
     def __init__(
@@ -65,6 +121,7 @@ class InvalidRequest(Hal0Error):
     status = 400
     openai_type = "invalid_request_error"
     code = "request.invalid"
+    error_code = ErrorCode.INVALID
     anthropic_type = "invalid_request_error"
 
 
@@ -72,6 +129,7 @@ class Unauthorized(Hal0Error):
     status = 401
     openai_type = "authentication_error"
     code = "auth.invalid_key"
+    error_code = ErrorCode.INVALID_KEY
     anthropic_type = "authentication_error"
 
 
@@ -79,6 +137,7 @@ class NoRoute(Hal0Error):
     status = 404
     openai_type = "not_found_error"
     code = "dispatch.no_route"
+    error_code = ErrorCode.NO_ROUTE
     anthropic_type = "not_found_error"
 
 
@@ -86,6 +145,7 @@ class MethodNotAllowed(Hal0Error):
     status = 405
     openai_type = "invalid_request_error"
     code = "request.method_not_allowed"
+    error_code = ErrorCode.METHOD_NOT_ALLOWED
     anthropic_type = "invalid_request_error"
 
 
@@ -96,6 +156,7 @@ class Conflict(Hal0Error):
     status = 409
     openai_type = "invalid_request_error"
     code = "slot.conflict"
+    error_code = ErrorCode.CONFLICT
     anthropic_type = "invalid_request_error"
 
 
@@ -103,6 +164,7 @@ class PayloadTooLarge(Hal0Error):
     status = 413
     openai_type = "invalid_request_error"
     code = "request.too_large"
+    error_code = ErrorCode.TOO_LARGE
     anthropic_type = "request_too_large"
 
 
@@ -110,6 +172,7 @@ class QueueFull(Hal0Error):
     status = 429
     openai_type = "rate_limit_error"
     code = "slot.queue_full"
+    error_code = ErrorCode.QUEUE_FULL
     anthropic_type = "rate_limit_error"
 
 
@@ -117,6 +180,7 @@ class SlotLoading(Hal0Error):
     status = 503
     openai_type = "slot_loading"
     code = "slot.loading"
+    error_code = ErrorCode.LOADING
     anthropic_type = "overloaded_error"
 
 
@@ -127,6 +191,7 @@ class SlotLoadFailed(Hal0Error):
     status = 503
     openai_type = "slot_load_failed"
     code = "slot.load_failed"
+    error_code = ErrorCode.LOAD_FAILED
     anthropic_type = "overloaded_error"
 
 
@@ -137,6 +202,7 @@ class FdExhausted(Hal0Error):
     status = 503
     openai_type = "server_overloaded"
     code = "server.fd_exhausted"
+    error_code = ErrorCode.FD_EXHAUSTED
     anthropic_type = "overloaded_error"
 
 
@@ -144,6 +210,7 @@ class UpstreamUnavailable(Hal0Error):
     status = 502
     openai_type = "upstream_unavailable"
     code = "dispatch.upstream_unavailable"
+    error_code = ErrorCode.UPSTREAM_UNAVAILABLE
     anthropic_type = "api_error"
 
 
@@ -152,6 +219,7 @@ class UpstreamInvalid(UpstreamUnavailable):
 
     openai_type = "upstream_invalid"
     code = "dispatch.upstream_invalid"
+    error_code = ErrorCode.UPSTREAM_INVALID
 
 
 class UpstreamStatus(Hal0Error):
@@ -165,7 +233,7 @@ class UpstreamStatus(Hal0Error):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
-        self.code = f"upstream_status_{status}"
+        self.code = self.error_code = upstream_status(status)
         self.anthropic_type = anthropic_type_for_status(status)
 
 

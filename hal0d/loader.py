@@ -51,7 +51,7 @@ FREE_MEMORY_TIMEOUT_S = 10.0
 FORCED_RETRY_AFTER_S = 5.0
 LOAD_TICK_S = 1.0
 # The states in which a slot's process is alive (or being started): it occupies its device.
-_LOADED = frozenset({
+LOADED = frozenset({
     SlotState.STARTING, SlotState.READY, SlotState.SERVING, SlotState.ERROR, SlotState.STOPPING,
 })
 
@@ -351,15 +351,30 @@ class Loader:
             return
         progress.enter(LoadPhase.WAITING_FOR_ROOM)
         async with group.lock:
-            await self._make_room(group, model)
+            await self._make_room(group, model.config)
             yield
 
-    async def _make_room(self, group: Group, model: Model) -> None:
+    @contextlib.asynccontextmanager
+    async def room_for(self, config: SlotConfig) -> AsyncIterator[None]:
+        """The group's turn for an `always` slot a reload is about to start, with the on-demand
+        slots it would not fit beside unloaded first; the caller marks it starting inside, so
+        no load of the group slips in between. When no room can be made it starts anyway: the
+        config check made sure the group's `always` slots fit together."""
+        group = self.groups.get(config.group or "")
+        if group is None:
+            yield
+            return
+        async with group.lock:
+            with contextlib.suppress(NoRoom):
+                await self._make_room(group, config)
+            yield
+
+    async def _make_room(self, group: Group, config: SlotConfig) -> None:
         limits = group.config
-        need = model.config.memory_mib or 0
+        need = config.memory_mib or 0
         while True:
-            loaded = [slot for slot in self._members(group) if slot.name != model.name
-                      and slot.state in _LOADED]
+            loaded = [slot for slot in self._members(group) if slot.name != config.name
+                      and slot.state in LOADED]
             used = sum(self._memory(slot.name) for slot in loaded)
             short = None
             if limits.max_loaded is not None and len(loaded) + 1 > limits.max_loaded:
@@ -380,7 +395,7 @@ class Loader:
             if victim is None:
                 raise NoRoom(f"no room in group {limits.name!r}: {short}, and nothing can be "
                              "unloaded (the other slots are start = 'always')")
-            log.info("slot.evicting", slot=victim.name, group=limits.name, **{"for": model.name},
+            log.info("slot.evicting", slot=victim.name, group=limits.name, **{"for": config.name},
                      in_flight=victim.slot.in_flight, why=short)
             await self.unload(victim.name, UnloadReason.EVICTED)
 
@@ -496,10 +511,20 @@ class Loader:
         self.groups = kept
 
     def reconfigure(self, config: SlotConfig) -> None:
+        """A reload's config for a slot (an `always` one only counts in its group). A changed
+        idle_unload_s applies to the wait already running, counted from the slot's last use."""
         self.configs[config.name] = config
         model = self.models.get(config.name)
-        if model is not None:
-            model.config = config
+        if model is None:
+            return
+        idle_before = model.config.idle_unload_s
+        model.config = config
+        if idle_before != config.idle_unload_s and model.slot.state is SlotState.READY:
+            model.cancel_idle_timer()
+            if config.idle_unload_s > 0:
+                left_s = config.idle_unload_s - (time.monotonic() - model.last_used)
+                model.idle_timer = asyncio.get_running_loop().call_later(
+                    max(0.0, left_s), self._idle, model)
 
     def retire(self, name: str) -> Model | None:
         """A slot a reload removed or turned `always`: forgotten here; the caller drains it and

@@ -46,13 +46,18 @@ _SECRET_SHAPES = (
 # and request.done runs this over every string field of every request.
 _SECRET_HINT = re.compile(r"(?i)bearer|basic|api[-_]?key|authorization|password|secret|token|sk-")
 # Exact secret values hal0d itself knows (the slots' upstream keys), see hide().
-_hidden: set[str] = set()
+# Replaced whole, never changed in place: a thread logging during a reload (the history writer)
+# iterates the set it read, not one that changes under it.
+_hidden: frozenset[str] = frozenset()
 _MIN_HIDDEN_LEN = 6  # shorter values would redact ordinary words
 
 
 def hide(values: Iterable[str]) -> None:
-    """Never log these exact strings (the upstream keys of the configured slots)."""
-    _hidden.update(value for value in values if len(value) >= _MIN_HIDDEN_LEN)
+    """Never log these exact strings (the secrets of the configuration now in force): they
+    replace the ones given before, so a reload does not make every string ever hidden cost
+    a search in every log line."""
+    global _hidden  # noqa: PLW0603 (one process-wide set, replaced atomically)
+    _hidden = frozenset(value for value in values if len(value) >= _MIN_HIDDEN_LEN)
 
 
 def scrub(text: str) -> str:

@@ -17,10 +17,12 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from hal0d.errors import ErrorCode, stream_stall
 from hal0d.logs import get_logger
 from hal0d.metrics.live import StreamTap
 from hal0d.stallguard import StallGuard, StallTripped
 from hal0d.transform import StallTrip, Transform, TransformFailed
+from hal0d.upstream import BODY_BROKEN, BODY_READ_TIMEOUT
 
 log = get_logger()
 
@@ -34,6 +36,12 @@ class Outcome:
 
 class _ClientGone(Exception):
     pass
+
+
+def client_gone(guard: StallGuard) -> ErrorCode:
+    """How a stream whose client went away is recorded: cut by the guard for taking no bytes
+    (client_stalled), or left on its own (client_disconnect)."""
+    return ErrorCode.CLIENT_STALLED if guard.reason == "client" else ErrorCode.CLIENT_DISCONNECT
 
 
 async def _write(response: web.StreamResponse, data: bytes) -> None:
@@ -65,7 +73,7 @@ async def relay(
     except _ClientGone:
         upstream.close()
         outcome.ok = False
-        outcome.error_code = "client_stalled" if guard.reason == "client" else "client_disconnect"
+        outcome.error_code = client_gone(guard)
     finally:
         guard.stop()
     return outcome
@@ -91,18 +99,18 @@ async def _body(
         return transform.end()
     except StallTripped as exc:
         trip = guard.trip(exc.reason)
-    except aiohttp.ServerTimeoutError:
+    except BODY_READ_TIMEOUT:
         # Only possible with both guard bounds 0: the transport's per-read backstop.
         trip = guard.trip("read")
     except TransformFailed as exc:
         upstream.close()
         outcome.ok, outcome.error_code = False, exc.error_code
         return exc.frame
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+    except BODY_BROKEN as exc:
         upstream.close()
         message = f"upstream {guard.upstream!r} broke the stream: {type(exc).__name__}"
         log.warning("dispatch.upstream_broken", upstream=guard.upstream, error=str(exc))
-        outcome.ok, outcome.error_code = False, "upstream_broken"
+        outcome.ok, outcome.error_code = False, ErrorCode.UPSTREAM_BROKEN
         return transform.broken(message)
     upstream.close()
     log.warning(
@@ -111,7 +119,7 @@ async def _body(
         elapsed_s=round(trip.elapsed_s, 3),
         upstream=trip.upstream,
     )
-    outcome.ok, outcome.error_code = False, f"stream_stall_{trip.reason}"
+    outcome.ok, outcome.error_code = False, stream_stall(trip.reason)
     outcome.stall = trip
     return transform.stalled(trip)
 

@@ -1,6 +1,7 @@
 """What one request did, filled in as it goes from the handler to the upstream and back: the
 `request.done` line, the history row and the Prometheus figures are all read from it, once, when
-the request ends."""
+the request ends. Its fields carry the names of the history's columns (hal0d.metrics.history
+.RequestRecord), which are filled from them by name."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from hal0d.metrics.live import StreamTap
-from hal0d.relay import Outcome
+from hal0d.errors import upstream_status
 
 
 @dataclass(slots=True)
@@ -44,7 +44,7 @@ class RequestInfo:
     def upstream_status(self, status: int) -> None:
         self.status = status
         if status >= 400:
-            self.fail(f"upstream_status_{status}")
+            self.fail(upstream_status(status))
 
     def apply_usage(self, usage: dict[str, Any] | None) -> None:
         if not usage:
@@ -55,18 +55,6 @@ class RequestInfo:
             self.prompt_tokens = prompt
         if isinstance(completion, int):
             self.completion_tokens = completion
-
-    def apply_stream(self, outcome: Outcome | None, tap: StreamTap | None) -> None:
-        """What the relay saw; `outcome` is None when the relay was cancelled (client gone)."""
-        if outcome is not None and not outcome.ok and outcome.error_code:
-            self.fail(outcome.error_code)
-        if tap is None:
-            return
-        self.ttft_ms = tap.ttft_ms
-        self.apply_usage(tap.usage())
-        if self.completion_tokens is None:
-            self.completion_tokens = tap.completion_tokens()
-        self.tokens_per_s = tap.decode_tokens_per_s()
 
     def end(self) -> None:
         if self.ended is None:

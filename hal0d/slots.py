@@ -156,7 +156,8 @@ class IllegalTransition(RuntimeError):
 
 
 class SlotLimits(Protocol):
-    """The part of a slot's config admission reads (config.SlotConfig satisfies it)."""
+    """The part of a slot's config a Slot reads (config.SlotConfig satisfies it): the limits
+    admission enforces, and the upstream and models the admin view shows."""
 
     @property
     def name(self) -> str: ...
@@ -168,6 +169,10 @@ class SlotLimits(Protocol):
     def queue_timeout_s(self) -> float: ...
     @property
     def load_timeout_s(self) -> float: ...
+    @property
+    def upstream(self) -> str: ...
+    @property
+    def models(self) -> tuple[str, ...]: ...
 
 
 StateListener = Callable[["Slot", SlotState, SlotState, "str | None"], None]
@@ -401,9 +406,8 @@ class Slot:
             "name": self.name,
             "state": str(self.state),
             "reason": self.reason,
-            # Not part of SlotLimits: admission does not need them, only the admin view does.
-            "upstream": getattr(self.config, "upstream", None),
-            "models": list(getattr(self.config, "models", ())),
+            "upstream": self.config.upstream,
+            "models": list(self.config.models),
             "in_flight": self.in_flight,
             "queued": self.queued,
             "max_concurrent": self.config.max_concurrent,

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
-from hal0d.appkeys import RUNTIME, SESSION, SLOTS, STREAMS, SUPERVISOR
 from hal0d.child import Child, LaunchFailed, resolve_program
 from hal0d.config import GroupConfig, SlotConfig
 from hal0d.loader import Loader, Model, UnloadReason
@@ -136,7 +134,26 @@ class Supervisor:
         }
         # The on-demand slots' processes: started for a request, stopped when idle.
         self.loader = Loader(table, configs, groups or {}, session, end_streams)
+        # Told of each slot a reload adds, once the loader has it (the event feed watches it).
+        self.slot_added: list[Callable[[Slot], None]] = []
         self._tasks: list[asyncio.Task[None]] = []
+
+    def restarts(self) -> dict[str, int]:
+        """How often each `always` slot's process was restarted since hal0d started."""
+        return {name: process.restarts for name, process in self.processes.items()}
+
+    def slot_view(self, slot: Slot) -> dict[str, Any]:
+        """A slot as /api/slots and the event feed show it."""
+        view = slot.snapshot()
+        config = self.configs.get(slot.name)
+        view["group"] = config.group if config else None
+        view["memory_mib"] = config.memory_mib if config else None
+        group = self.loader.groups.get(config.group) if config and config.group else None
+        view["group_memory_mib"] = group.config.memory_mib if group else None
+        view["group_max_loaded"] = group.config.max_loaded if group else None
+        if slot.name in self.loader.models:
+            view.update(self.loader.snapshot(slot.name))
+        return view
 
     async def probe_once(self, name: str) -> None:
         slot = self.table.get(name)
@@ -207,86 +224,107 @@ class Supervisor:
         added = [name for name in new if name not in self.configs]
         removed = [name for name in self.configs if name not in new]
         changed = [name for name in new if name in self.configs and new[name] != self.configs[name]]
-        # Whatever listener slots_context wired into the first slots, new slots get it too.
-        listener = next((slot.on_change for slot in self.table), log_state_change)
-
-        async def retire(slot: Slot, old: SlotProcess | None, successor: SlotProcess | None,
-                         probe_after: bool) -> None:
-            if old is not None:
-                try:
-                    if slot.in_flight:
-                        log.info("slot.draining", slot=slot.name, in_flight=slot.in_flight)
-                    async with asyncio.timeout(drain_s):
-                        # Polled: a slot has no event for "last lease released" in STARTING.
-                        while slot.in_flight:  # noqa: ASYNC110
-                            await asyncio.sleep(STARTUP_POLL_S)
-                except TimeoutError:
-                    log.warning("slot.drain_timeout", slot=slot.name, in_flight=slot.in_flight,
-                                drain_s=drain_s)
-                finally:
-                    # Also when cancelled by stop(): the old process is in no table any more.
-                    await old.stop()
-            if successor is not None:
-                await successor.run()
-            elif probe_after:
-                await self.probe_once(slot.name)
-
-        def spawn(coro: Coroutine[Any, Any, None]) -> None:
-            self._tasks[:] = [task for task in self._tasks if not task.done()]
-            self._tasks.append(asyncio.create_task(coro))
-
         self.loader.set_groups(groups or {})
-        for name in added:
-            self.table.add(Slot(new[name], on_change=listener))
-            self.configs[name] = new[name]
-            if new[name].on_demand:
-                self.loader.add(new[name])
-            elif new[name].command:
-                launched = SlotProcess(self.table[name], new[name], self.session)
-                self.processes[name] = launched
-                spawn(launched.run())
-        await asyncio.gather(*(
-            self.probe_once(name) for name in added
-            if name not in self.processes and name not in self.loader.models
-        ))
-
+        await self._add_slots([new[name] for name in added], drain_s)
         # From here to the return there is no await: the table and the caller's new Runtime
         # change in the same step of the event loop.
         for name in removed:
-            slot = self.table.remove(name)
-            del self.configs[name]
-            slot.mark_offline()
-            process = self.processes.pop(name, None)
-            if process is not None:
-                spawn(retire(slot, process, None, probe_after=False))
-            model = self.loader.retire(name)
-            if model is not None:
-                spawn(self._retire_model(slot, model, drain_s))
+            self._remove_slot(name, drain_s)
         for name in changed:
-            before, after = self.configs[name], new[name]
-            slot = self.table[name]
-            slot.reconfigure(after)  # limits and the admin view; leases already held keep counting
-            self.configs[name] = after
-            if before.on_demand or after.on_demand:
-                self._change_lifecycle(slot, before, after, drain_s, spawn)
-                continue
-            process = self.processes.get(name)
-            if (before.command, before.upstream) == (after.command, after.upstream):
-                if process is not None:
-                    process.config = after  # the probe's credentials
-                continue
-            successor = SlotProcess(slot, after, self.session) if after.command else None
-            if successor is not None:
-                self.processes[name] = successor
-                slot.mark_starting("reloaded: a new process for the changed command or upstream")
-            else:
-                self.processes.pop(name, None)
-            spawn(retire(slot, process, successor, probe_after=successor is None))
+            self._change_slot(new[name], drain_s)
         return {"added": added, "removed": removed, "changed": changed}
 
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run `coro` as one of the supervisor's tasks (stop() cancels them), forgetting the
+        ones that ended."""
+        self._tasks[:] = [task for task in self._tasks if not task.done()]
+        self._tasks.append(asyncio.create_task(coro))
+
+    async def _add_slots(self, configs: list[SlotConfig], drain_s: float) -> None:
+        """New slots join the table; plain ones are probed before this returns, commands are
+        launched (an `always` one once its group has room)."""
+        # Whatever listener contexts.slots_context wired into the first slots, new slots get it.
+        listener = next((slot.on_change for slot in self.table), log_state_change)
+        for config in configs:
+            name = config.name
+            self.table.add(Slot(config, on_change=listener))
+            self.configs[name] = config
+            self.loader.add(config)  # an `always` one too: it counts in its group's limits
+            if config.command and not config.on_demand:
+                launched = SlotProcess(self.table[name], config, self.session)
+                self.processes[name] = launched
+                self._spawn(self._start_always(self.table[name], None, launched, drain_s))
+            for tell in self.slot_added:
+                tell(self.table[name])
+        await asyncio.gather(*(
+            self.probe_once(config.name) for config in configs
+            if config.name not in self.processes and config.name not in self.loader.models
+        ))
+
+    def _remove_slot(self, name: str, drain_s: float) -> None:
+        """The slot goes offline and leaves the table now; its process or model is stopped once
+        its leases are released."""
+        slot = self.table.remove(name)
+        del self.configs[name]
+        slot.mark_offline()
+        process = self.processes.pop(name, None)
+        if process is not None:
+            self._spawn(self._retire(slot, process, None, drain_s, probe_after=False))
+        model = self.loader.retire(name)
+        if model is not None:
+            self._spawn(self._retire_model(slot, model, drain_s))
+
+    def _change_slot(self, after: SlotConfig, drain_s: float) -> None:
+        name = after.name
+        before = self.configs[name]
+        slot = self.table[name]
+        slot.reconfigure(after)  # limits and the admin view; leases already held keep counting
+        self.configs[name] = after
+        if before.on_demand or after.on_demand:
+            self._change_lifecycle(slot, before, after, drain_s)
+            return
+        self.loader.reconfigure(after)  # its group and memory_mib count in its group's limits
+        process = self.processes.get(name)
+        if (before.command, before.upstream) == (after.command, after.upstream):
+            if process is not None:
+                process.config = after  # the probe's credentials
+            return
+        successor = SlotProcess(slot, after, self.session) if after.command else None
+        if successor is not None:
+            self.processes[name] = successor
+            slot.mark_starting("reloaded: a new process for the changed command or upstream")
+        else:
+            self.processes.pop(name, None)
+        self._spawn(self._retire(slot, process, successor, drain_s,
+                                 probe_after=successor is None))
+
+    async def _retire(
+        self, slot: Slot, old: SlotProcess | None, successor: SlotProcess | None,
+        drain_s: float, *, probe_after: bool,
+    ) -> None:
+        """Stop a removed or replaced slot's old process once its leases are released (for at
+        most drain_s), then run its successor or probe the slot."""
+        if old is not None:
+            try:
+                if slot.in_flight:
+                    log.info("slot.draining", slot=slot.name, in_flight=slot.in_flight)
+                async with asyncio.timeout(drain_s):
+                    # Polled: a slot has no event for "last lease released" in STARTING.
+                    while slot.in_flight:  # noqa: ASYNC110
+                        await asyncio.sleep(STARTUP_POLL_S)
+            except TimeoutError:
+                log.warning("slot.drain_timeout", slot=slot.name, in_flight=slot.in_flight,
+                            drain_s=drain_s)
+            finally:
+                # Also when cancelled by stop(): the old process is in no table any more.
+                await old.stop()
+        if successor is not None:
+            await successor.run()
+        elif probe_after:
+            await self.probe_once(slot.name)
+
     def _change_lifecycle(
-        self, slot: Slot, before: SlotConfig, after: SlotConfig, drain_s: float,
-        spawn: Callable[[Coroutine[Any, Any, None]], None],
+        self, slot: Slot, before: SlotConfig, after: SlotConfig, drain_s: float
     ) -> None:
         """A reloaded slot that is or becomes on demand. Its in-flight requests finish on the
         old process; a changed command or upstream is loaded by the next request."""
@@ -303,15 +341,16 @@ class Supervisor:
             if slot.state not in (SlotState.STOPPED, SlotState.STOPPING, SlotState.OFFLINE):
                 slot.transition(SlotState.STOPPING, "reloaded: now started on demand")
             self.loader.add(after)
-            spawn(self._rest_on_demand(slot, process, drain_s))
+            self._spawn(self._rest_on_demand(slot, process, drain_s))
             return
         # on demand -> always: unload, then the supervisor runs and restarts the command.
         model = self.loader.retire(name)
+        self.loader.reconfigure(after)  # pinned now: it counts in its group's limits
         successor = SlotProcess(slot, after, self.session)
         self.processes[name] = successor
         if slot.state in (SlotState.READY, SlotState.SERVING, SlotState.ERROR):
             slot.transition(SlotState.STOPPING, "reloaded: now started with hal0d")
-        spawn(self._start_always(slot, model, successor, drain_s))
+        self._spawn(self._start_always(slot, model, successor, drain_s))
 
     async def _drain(self, slot: Slot, drain_s: float) -> None:
         if slot.in_flight:
@@ -347,25 +386,6 @@ class Supervisor:
             await self.loader.stop_model(model, UnloadReason.RELOAD)
         if slot.state is SlotState.STOPPING:
             slot.transition(SlotState.STOPPED, "reloaded")
+        async with self.loader.room_for(successor.config):
+            slot.mark_starting("reloaded: now started with hal0d")
         await successor.run()
-
-
-async def slots_context(app: web.Application) -> AsyncIterator[None]:
-    """cleanup_ctx: the slot table, its processes and its probe, stopped on shutdown."""
-    config = app[RUNTIME].current.config
-    table = SlotTable(config.slots, on_change=log_state_change)
-    app[SLOTS] = table
-    streams = app[STREAMS]
-
-    def end_streams(slot: str, reason: str) -> int:
-        ending = [guard for guard in streams if guard.upstream == slot]
-        for guard in ending:
-            guard.end_now(reason)
-        return len(ending)
-
-    supervisor = Supervisor(table, config.slots, app[SESSION], groups=config.groups,
-                            end_streams=end_streams)
-    app[SUPERVISOR] = supervisor
-    await supervisor.start()
-    yield
-    await supervisor.stop()

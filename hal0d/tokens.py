@@ -59,7 +59,8 @@ def _count_of(answer: Any) -> int | None:
 class TokenCounter:
     def __init__(self, session: aiohttp.ClientSession) -> None:
         self.session = session
-        # slot name -> the path that answered, or None when none did
+        # (slot name, upstream) -> the path that answered, or None when none did. Keyed by the
+        # upstream too: a reload that points the slot at another server asks that one afresh.
         self._ways: dict[tuple[str, str], str | None] = {}
 
     async def _ask(self, slot: SlotConfig, path: str, body: dict[str, Any]) -> int | None:

@@ -45,6 +45,12 @@ TRANSPORT_ERRORS: tuple[type[Exception], ...] = (
     ValueError,
 )
 
+# The transport errors a relayed body's read can raise, named here so that every aiohttp error
+# hal0d knows is classified in this module: the relay catches them by these names.
+BODY_READ_TIMEOUT: type[Exception] = aiohttp.ServerTimeoutError  # with both guard bounds off
+BODY_BROKEN: tuple[type[Exception], ...] = (aiohttp.ClientPayloadError,
+                                            aiohttp.ClientConnectionError)
+
 # RFC 9110 7.6.1 hop-by-hop headers, plus the ones aiohttp recomputes for each side.
 HOP_BY_HOP = frozenset(
     h.lower()

@@ -135,7 +135,8 @@ async def test_every_v1_llm_and_api_route_refuses_a_missing_or_wrong_key_and_acc
         for name, headers in ACCEPTED_HEADERS.items():
             async with http.request(method, hal0d.make_url(path), data=b"{}",
                                     headers=headers) as resp:
-                raw = await resp.read()
+                # The event feed never ends: its status line is the answer.
+                raw = b"" if path == "/api/events" else await resp.read()
             # {} is a bad body for the POST routes (400): what matters is that it got past auth.
             assert resp.status != 401 and resp.status < 500, (method, path, name, resp.status, raw)
             accepted += 1

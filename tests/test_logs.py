@@ -34,7 +34,7 @@ def configure_logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     saved_root = (root.handlers[:], root.level)
     access = logging.getLogger("aiohttp.access")
     saved_access = access.disabled
-    saved_hidden = set(logs._hidden)
+    saved_hidden = logs._hidden
     streams: list[TextIO] = []
 
     def configure(fmt: str = "auto", level: str = "info", journal: str | None = None) -> Path:
@@ -56,8 +56,7 @@ def configure_logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     root.handlers[:] = saved_root[0]
     root.setLevel(saved_root[1])
     access.disabled = saved_access
-    logs._hidden.clear()
-    logs._hidden.update(saved_hidden)
+    logs.hide(saved_hidden)
     for stream in streams:
         stream.close()
 
@@ -179,3 +178,17 @@ async def test_a_request_carrying_api_keys_never_shows_them_in_the_log(
     assert {event["status"] for event in done} >= {200, 401, 404}
     assert CLIENT_KEY not in text and "sk-secret" not in text
     assert SLOT_KEY not in text
+
+
+def test_hide_holds_the_current_secrets_only() -> None:
+    """Each reload hands hide() the secrets now configured: a replaced key is no longer
+    searched for, the new one is redacted."""
+    saved = logs._hidden
+    try:
+        logs.hide(["old-slot-key-Zp4", SLOT_KEY])
+        logs.hide([SLOT_KEY, "new-slot-key-Wq7"])
+        assert logs._hidden == {SLOT_KEY, "new-slot-key-Wq7"}
+        assert logs.scrub("key new-slot-key-Wq7") == f"key {logs.REDACTED}"
+        assert logs.scrub("key old-slot-key-Zp4") == "key old-slot-key-Zp4"
+    finally:
+        logs.hide(saved)

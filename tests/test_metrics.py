@@ -5,6 +5,7 @@ parser."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sqlite3
 import time
 from collections.abc import Awaitable, Callable
@@ -22,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from hal0d.appkeys import RUNTIME
-from hal0d.config import Config, MetricsConfig, SlotConfig
+from hal0d.config import Config, GroupConfig, MetricsConfig, SlotConfig
 from tests.conftest import (
     ROLE_CHUNK,
     STUB_MODELS,
@@ -31,6 +32,8 @@ from tests.conftest import (
     eventually,
     free_port,
 )
+from tests.test_loader import STARTUP_S, lifecycle_config, on_demand
+from tests.test_loader import chat as lifecycle_chat
 
 CHAT = "/v1/chat/completions"
 FINISH_CHUNK = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
@@ -577,3 +580,63 @@ async def test_metrics_endpoint_labels_do_not_grow_with_unknown_paths(stub, star
     endpoints = {s.labels["endpoint"] for s in samples["hal0d_requests_total"]}
     # A client must not be able to mint a new time series per path it makes up.
     assert not any("no-such-endpoint" in endpoint for endpoint in endpoints), endpoints
+
+
+# -- the model lifecycle -----------------------------------------------------------------------
+
+
+async def test_metrics_count_loads_failed_loads_idle_unloads_and_evictions(
+    start_hal0d, http, tmp_path
+):
+    """On-demand slots with the real stub as their command: each load, failed load, eviction and
+    idle unload is counted, and the loaded gauge and the group's memory follow the slots."""
+    group = {"gpu0": GroupConfig("gpu0", max_loaded=1, memory_mib=8192)}
+    config = lifecycle_config(
+        tmp_path,
+        on_demand("a", tmp_path, group="gpu0", memory_mib=4096),
+        on_demand("b", tmp_path, group="gpu0", memory_mib=3072),
+        on_demand("c", tmp_path, models=("reasoning",), idle_unload_s=0.3),
+        dataclasses.replace(on_demand("c", tmp_path, "--fail-start", "error: no such model file",
+                                      models=("tool",)), name="f"),
+        groups=group,
+    )
+    hal0d = await start_hal0d("http://unused", config=config)
+    samples = await scrape(http, hal0d)
+    assert value(samples, "hal0d_slot_loaded", slot="a") == 0
+    assert value(samples, "hal0d_group_memory_mib", group="gpu0") == 0
+
+    assert (await lifecycle_chat(http, hal0d, "chat"))[0] == 200
+    samples = await scrape(http, hal0d)
+    assert value(samples, "hal0d_slot_loads_total", slot="a", outcome="ok") == 1
+    assert value(samples, "hal0d_slot_load_seconds_count", slot="a") == 1
+    assert 0 < (value(samples, "hal0d_slot_load_seconds_sum", slot="a") or 0) < STARTUP_S
+    assert value(samples, "hal0d_slot_loaded", slot="a") == 1
+    assert value(samples, "hal0d_group_memory_mib", group="gpu0") == 4096
+
+    assert (await lifecycle_chat(http, hal0d, "think-only"))[0] == 200  # evicts a
+    samples = await scrape(http, hal0d)
+    assert value(samples, "hal0d_slot_unloads_total", slot="a", reason="evicted") == 1
+    assert value(samples, "hal0d_slot_loaded", slot="a") == 0
+    assert value(samples, "hal0d_slot_loaded", slot="b") == 1
+    assert value(samples, "hal0d_group_memory_mib", group="gpu0") == 3072
+
+    status, answer = await lifecycle_chat(http, hal0d, "tool")
+    assert status == 503 and answer["error"]["code"] == "slot.load_failed"
+    samples = await scrape(http, hal0d)
+    assert value(samples, "hal0d_slot_loads_total", slot="f", outcome="failed") == 1
+    assert value(samples, "hal0d_slot_loads_total", slot="f", outcome="ok") is None
+    assert value(samples, "hal0d_slot_load_seconds_count", slot="f") == 1
+    assert value(samples, "hal0d_slot_loaded", slot="f") == 0
+
+    assert (await lifecycle_chat(http, hal0d, "reasoning"))[0] == 200
+
+    async def idle_unloaded() -> dict[str, list[Sample]]:
+        samples = await scrape(http, hal0d)
+        assert value(samples, "hal0d_slot_unloads_total", slot="c", reason="idle") == 1
+        return samples
+
+    samples = await eventually(idle_unloaded, 5.0, "c unloaded as idle")
+    assert value(samples, "hal0d_slot_loaded", slot="c") == 0
+    assert value(samples, "hal0d_slot_loads_total", slot="c", outcome="ok") == 1
+    assert value(samples, "hal0d_slot_unloads_total", slot="b", reason="evicted") is None
+    assert value(samples, "hal0d_slot_loaded", slot="b") == 1

@@ -29,7 +29,8 @@ from tests.conftest import eventually_sync, free_port
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 KEY = "page-test-key-0123456789"
-SHOTS = Path(os.environ.get("HAL0D_SCREENSHOTS", "")) if os.environ.get("HAL0D_SCREENSHOTS") else None
+# Also copied here when set (how docs/dashboard.png was made).
+SHOTS = Path(os.environ["HAL0D_SCREENSHOTS"]) if os.environ.get("HAL0D_SCREENSHOTS") else None
 
 if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
     pytest.skip("needs Debian's chromium and chromium-driver: `make test` as root installs them "
@@ -60,14 +61,14 @@ format = "json"
 name = "llm"
 upstream = "http://127.0.0.1:{always_port}"
 models = ["chat", "reasoning", "stall"]
-command = {json.dumps(stub + ["--port", str(always_port), "--log", str(tmp / "llm.log")])}
+command = {json.dumps([*stub, "--port", str(always_port), "--log", str(tmp / "llm.log")])}
 stream_idle_timeout_s = 0.5
 
 [[slots]]
 name = "ondemand"
 upstream = "http://127.0.0.1:{demand_port}"
 models = ["think-only"]
-command = {json.dumps(stub + ["--port", str(demand_port), "--log", str(tmp / "od.log")])}
+command = {json.dumps([*stub, "--port", str(demand_port), "--log", str(tmp / "od.log")])}
 start = "on_demand"
 """
 

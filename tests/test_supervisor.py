@@ -88,7 +88,9 @@ async def test_a_slot_command_goes_from_starting_to_ready_and_serves(start_hal0d
     view = await wait_slot(http, hal0d, lambda v: v["state"] == "ready", STARTUP_S)
     assert view["reason"] is None
     await stream_ok(http, hal0d)
-    assert any(" end " in line for line in log.read_text().splitlines())
+    # The stub writes its `end` line after its handler returns, a moment after the last byte.
+    await eventually(lambda: any(" end " in line for line in log.read_text().splitlines()),
+                     5, "the stub's end line")
     assert slot_process(hal0d).restarts == 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import orjson
 
 from hal0d.anthropic.stream import Event, MalformedChunk, Translator, encode_events
+from hal0d.errors import ErrorCode
 from hal0d.sse import Decoder
 from hal0d.transform import STALL_KEY, StallTrip, TransformFailed
 
@@ -35,7 +36,7 @@ class AnthropicTransform:
             data = event.data
             if event.invalid_utf8:
                 raise self._failed(
-                    events, "upstream_malformed", "upstream sent text that is not UTF-8"
+                    events, ErrorCode.UPSTREAM_MALFORMED, "upstream sent text that is not UTF-8"
                 )
             if data == "[DONE]":
                 events += self._finish(events)
@@ -44,11 +45,11 @@ class AnthropicTransform:
                 events += translator.feed(orjson.loads(data))
             except orjson.JSONDecodeError:
                 raise self._failed(
-                    events, "upstream_malformed", "upstream sent a chunk that is not JSON"
+                    events, ErrorCode.UPSTREAM_MALFORMED, "upstream sent a chunk that is not JSON"
                 ) from None
             except MalformedChunk as exc:
                 raise self._failed(
-                    events, "upstream_malformed", f"upstream sent a malformed chunk: {exc}"
+                    events, ErrorCode.UPSTREAM_MALFORMED, f"upstream sent a malformed chunk: {exc}"
                 ) from None
         return encode_events(events) if events else b""
 
@@ -56,7 +57,8 @@ class AnthropicTransform:
         """The upstream says it is done; without a finish_reason that is a failed stream."""
         events = self.translator.finish()
         if self.translator.stop_reason is None:
-            raise TransformFailed("upstream_incomplete", encode_events((done or []) + events))
+            frame = encode_events((done or []) + events)
+            raise TransformFailed(ErrorCode.UPSTREAM_INCOMPLETE, frame)
         return events
 
     def end(self) -> bytes:

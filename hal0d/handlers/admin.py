@@ -1,20 +1,25 @@
-"""The operator's endpoints: health, slot states, live metrics, request history, Prometheus."""
+"""The operator's endpoints: health, slot states, the event feed, live metrics, request history,
+Prometheus."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import orjson
-from aiohttp import web
+from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hal0d import __version__, access
-from hal0d.appkeys import RECORDER, RUNTIME, SLOTS, SUPERVISOR
+from hal0d import events as feed
+from hal0d.appkeys import EVENTS, RECORDER, RUNTIME, SLOTS, SUPERVISOR
 from hal0d.errors import Conflict, InvalidRequest, NoRoute
 from hal0d.loader import Loader, UnloadReason
 from hal0d.slots import Slot, SlotState
 
 MAX_HISTORY_ROWS = 1000
+# A comment this often keeps a quiet feed's connection from looking dead to proxies and readers.
+HEARTBEAT_S = 15.0
 # The states in which a slot takes a request without waiting for a start or a recovery.
 READY_STATES = frozenset({SlotState.READY, SlotState.SERVING})
 
@@ -54,22 +59,47 @@ def loadable(slot: Slot) -> bool:
 
 
 async def slots(request: web.Request) -> web.Response:
-    loader = request.app[SUPERVISOR].loader
-    config = request.app[RUNTIME].current.config
-    configs = {slot.name: slot for slot in config.slots}
-    views = []
-    for slot in request.app[SLOTS]:
-        view = slot.snapshot()
-        if slot.name in loader.models:
-            view.update(loader.snapshot(slot.name))
-        own = configs.get(slot.name)
-        if own is not None and own.group is not None:
-            group = config.groups.get(own.group)
-            view.update(group=own.group, memory_mib=own.memory_mib,
-                        group_memory_mib=group.memory_mib if group else None,
-                        group_max_loaded=group.max_loaded if group else None)
-        views.append(view)
-    return json({"slots": views})
+    supervisor = request.app[SUPERVISOR]
+    return json({"slots": [supervisor.slot_view(slot) for slot in request.app[SLOTS]]})
+
+
+async def events(request: web.Request) -> web.StreamResponse:
+    """GET /api/events: the event feed as server-sent events, starting with `hello` (every slot's
+    view). Each frame is written as soon as it is published; a reader that falls behind loses
+    events (told by a `dropped` event), never slows anyone else, and is forgotten when it leaves.
+    """
+    response = web.StreamResponse(headers={
+        hdrs.CONTENT_TYPE: "text/event-stream",
+        hdrs.CACHE_CONTROL: "no-cache",
+        "X-Accel-Buffering": "no",
+    })
+    hub = request.app[EVENTS]
+    try:
+        await response.prepare(request)
+    except ConnectionResetError:
+        return response
+    # Subscribing and taking the snapshot in one step: every later change is in the queue.
+    subscriber = hub.subscribe()
+    hello = feed.frame("hello", {"ts": time.time(), "slots": [
+        request.app[SUPERVISOR].slot_view(slot) for slot in request.app[SLOTS]
+    ]})
+    try:
+        await response.write(hello)
+        while True:
+            try:
+                async with asyncio.timeout(HEARTBEAT_S):
+                    data = await subscriber.next()
+            except TimeoutError:
+                await response.write(feed.HEARTBEAT)
+                continue
+            if data is None:
+                break  # hal0d is stopping
+            await response.write(data)
+    except ConnectionResetError:
+        pass  # the reader left
+    finally:
+        hub.unsubscribe(subscriber)
+    return response
 
 
 async def status(request: web.Request) -> web.Response:

@@ -13,7 +13,7 @@ import orjson
 from aiohttp import web
 
 from hal0d.appkeys import RUNTIME, SLOTS
-from hal0d.errors import InvalidRequest, UpstreamInvalid
+from hal0d.errors import ErrorCode, InvalidRequest, UpstreamInvalid
 from hal0d.forward import Forward, forward
 from hal0d.handlers.body import (
     multipart_field,
@@ -135,7 +135,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
             # Asked for a stream, answered with something else: relayed as it came (status
             # and content-type are the upstream's), but recorded as the failure it is.
             whole = await copy_whole(fwd, upstream)
-            fwd.info.fail("upstream_invalid")
+            fwd.info.fail(ErrorCode.UPSTREAM_INVALID)
             return whole
         response = web.StreamResponse(
             status=upstream.status, headers=response_headers(upstream.headers)

@@ -3,6 +3,7 @@ and the outcome written into the request's info on every exit, cancellation incl
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import aiohttp
@@ -10,9 +11,10 @@ from aiohttp import web
 
 from hal0d.appkeys import STREAMS
 from hal0d.config import DispatcherConfig
+from hal0d.errors import ErrorCode
 from hal0d.metrics.live import StreamTap
-from hal0d.relay import relay
-from hal0d.requestinfo import INFO
+from hal0d.relay import Outcome, client_gone, relay
+from hal0d.requestinfo import INFO, RequestInfo
 from hal0d.stallguard import StallGuard
 from hal0d.transform import Transform
 
@@ -31,7 +33,7 @@ async def stream_through(
         await response.prepare(request)
     except ConnectionResetError:
         # The client left as the upstream answered; aiohttp's finish quietly ignores the rest.
-        info.fail("client_disconnect")
+        info.fail(ErrorCode.CLIENT_DISCONNECT)
         return
     # Tokens are only in event streams; an audio body would be searched for them to no end.
     tap = StreamTap(info.started) if upstream.content_type == "text/event-stream" else None
@@ -43,11 +45,28 @@ async def stream_through(
     outcome = None
     try:
         outcome = await relay(upstream, response, transform, guard, tap)
+    except asyncio.CancelledError:
+        # The client went away while a write waited, or the guard cut it (the cancellation
+        # follows its abort): recorded here, before the middleware's client_disconnect.
+        info.fail(client_gone(guard))
+        raise
     finally:
         streams.discard(guard)
-        if guard.reason == "client":
-            info.fail("client_stalled")  # before the cancellation that follows the abort
-        info.apply_stream(outcome, tap)  # outcome None: cancelled, the client went away
+        record_stream(info, outcome, tap)  # outcome None: cancelled, the client went away
+
+
+def record_stream(info: RequestInfo, outcome: Outcome | None, tap: StreamTap | None) -> None:
+    """What the relay saw, into the request's info; `outcome` is None when the relay did not
+    return (cancelled)."""
+    if outcome is not None and not outcome.ok and outcome.error_code:
+        info.fail(outcome.error_code)
+    if tap is None:
+        return
+    info.ttft_ms = tap.ttft_ms
+    info.apply_usage(tap.usage())
+    if info.completion_tokens is None:
+        info.completion_tokens = tap.completion_tokens()
+    info.tokens_per_s = tap.decode_tokens_per_s()
 
 
 def abort_client(request: web.Request) -> Callable[[], None]:

@@ -35,6 +35,10 @@ T = TypeVar("T")
 
 @dataclass(slots=True)
 class RequestRecord:
+    """One history row: the one definition of the table's columns (the schema is built from
+    these fields, their SQL types from the annotations), filled by name from the request's
+    RequestInfo (hal0d.requestinfo), whose fields carry the same names. New fields go last."""
+
     ts: float  # unix time
     request_id: str
     slot: str | None
@@ -54,30 +58,24 @@ class RequestRecord:
 
 COLUMNS: Final[tuple[str, ...]] = tuple(f.name for f in dataclasses.fields(RequestRecord))
 
-_SCHEMA: Final = """
-CREATE TABLE IF NOT EXISTS requests (
-    id INTEGER PRIMARY KEY,
-    ts REAL NOT NULL,
-    request_id TEXT NOT NULL,
-    slot TEXT,
-    model TEXT,
-    endpoint TEXT NOT NULL,
-    stream INTEGER NOT NULL,
-    status INTEGER NOT NULL,
-    ok INTEGER NOT NULL,
-    error_code TEXT,
-    queue_ms REAL,
-    ttft_ms REAL,
-    total_ms REAL,
-    prompt_tokens INTEGER,
-    completion_tokens INTEGER,
-    load_ms REAL
-);
-CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
-"""
-# Columns later versions added, with their SQL type: a database an earlier version wrote gains
-# them in place at open (ALTER TABLE keeps every row; old rows read NULL there).
-_ADDED_COLUMNS: Final = (("load_ms", "REAL"),)
+_SQL_TYPES: Final = {"str": "TEXT", "float": "REAL", "int": "INTEGER", "bool": "INTEGER"}
+
+
+def _sql_type(field: dataclasses.Field[Any]) -> str:
+    """`float | None` -> `REAL`, `str` -> `TEXT NOT NULL` (annotations are strings here)."""
+    kind, _, nullable = str(field.type).partition(" | ")
+    return _SQL_TYPES[kind] + ("" if nullable else " NOT NULL")
+
+
+_COLUMN_TYPES: Final = {f.name: _sql_type(f) for f in dataclasses.fields(RequestRecord)}
+_SCHEMA: Final = (
+    "CREATE TABLE IF NOT EXISTS requests (\n    id INTEGER PRIMARY KEY,\n"
+    + ",\n".join(f"    {name} {kind}" for name, kind in _COLUMN_TYPES.items())
+    + "\n);\nCREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);\n"
+)
+# Columns later versions added: a database an earlier version wrote gains them in place at open
+# (ALTER TABLE keeps every row; old rows read NULL there).
+_ADDED_COLUMNS: Final = ("load_ms",)
 
 _INSERT: Final = (
     f"INSERT INTO requests ({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)})"
@@ -244,9 +242,9 @@ class HistoryWriter:
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.executescript(_SCHEMA)
         have = {row[1] for row in conn.execute("PRAGMA table_info(requests)")}
-        for name, kind in _ADDED_COLUMNS:
+        for name in _ADDED_COLUMNS:
             if name not in have:
-                conn.execute(f"ALTER TABLE requests ADD COLUMN {name} {kind}")
+                conn.execute(f"ALTER TABLE requests ADD COLUMN {name} {_COLUMN_TYPES[name]}")
                 log.info("history.migrated", path=str(self.path), added_column=name)
         self._conn = conn
 

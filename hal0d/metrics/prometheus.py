@@ -6,17 +6,23 @@ at scrape time by a custom collector, so they can never drift from what /api/slo
 descriptor figures are the process's: `process_open_fds` and `process_max_fds` (prometheus_client's
 process collector) and `hal0d_fd_exhausted_total`, the requests refused with a 503 because hal0d
 had no descriptor free (descriptors.py).
+
+The model lifecycle (loader.py) is counted by `LifecycleMetrics`, a loader observer: each load's
+outcome and duration when it ends, each unload with its reason. Whether a slot is loaded and how
+much memory a group has in use are read from the slot table at scrape time, like the gauges.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from hal0d import descriptors
+from hal0d.loader import LOADED, LoadPhase, UnloadReason
 from hal0d.metrics.live import SlotMetrics
 from hal0d.slots import SlotState, SlotTable
 
@@ -24,6 +30,17 @@ from hal0d.slots import SlotState, SlotTable
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60)
+# A stub starts in a fraction of a second, a large GGUF from a slow disk in minutes.
+LOAD_BUCKETS = (0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
+
+
+class SlotPlacement(Protocol):
+    """What the lifecycle gauges read of a slot's config (config.SlotConfig satisfies it)."""
+
+    @property
+    def group(self) -> str | None: ...
+    @property
+    def memory_mib(self) -> int | None: ...
 
 
 class SlotCollector(Collector):
@@ -65,6 +82,73 @@ class SlotCollector(Collector):
                 speed.add_metric([slot.name], live.tokens_per_s)
             restarts.add_metric([slot.name], restart_counts.get(slot.name, 0))
         yield from (state, in_flight, queued, speed, restarts)
+
+
+class LifecycleCollector(Collector):
+    """Loaded or not per slot, and the memory in use per group, read at scrape time.
+
+    A slot counts as loaded while its process occupies its device (loader.LOADED: from the
+    start of a load until its process is gone), which is what a group's limits count too."""
+
+    def __init__(
+        self,
+        slots: Callable[[], SlotTable],
+        configs: Callable[[], Mapping[str, SlotPlacement]],
+        groups: Callable[[], Iterator[str]],
+    ) -> None:
+        self._slots = slots
+        self._configs = configs
+        self._groups = groups
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        loaded = GaugeMetricFamily(
+            "hal0d_slot_loaded", "1 while the slot's process is loaded (starting to stopping)",
+            labels=["slot"],
+        )
+        memory = GaugeMetricFamily(
+            "hal0d_group_memory_mib", "the memory_mib of the group's loaded slots, summed",
+            labels=["group"],
+        )
+        configs = self._configs()
+        in_use = dict.fromkeys(self._groups(), 0)
+        for slot in self._slots():
+            is_loaded = slot.state in LOADED
+            loaded.add_metric([slot.name], 1.0 if is_loaded else 0.0)
+            config = configs.get(slot.name)
+            if is_loaded and config is not None and config.group is not None:
+                in_use[config.group] = in_use.get(config.group, 0) + (config.memory_mib or 0)
+        for group, mib in in_use.items():
+            memory.add_metric([group], mib)
+        yield from (loaded, memory)
+
+
+class LifecycleMetrics:
+    """The loader's observer (loader.LifecycleObserver): loads by outcome, their duration, and
+    unloads by reason."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.loads = Counter(
+            "hal0d_slot_loads", "finished loads of on-demand slots by outcome (ok or failed)",
+            ["slot", "outcome"], registry=registry,
+        )
+        self.load_seconds = Histogram(
+            "hal0d_slot_load_seconds", "a load, from its request to ready or failed",
+            ["slot"], buckets=LOAD_BUCKETS, registry=registry,
+        )
+        self.unloads = Counter(
+            "hal0d_slot_unloads", "unloads of on-demand slots by reason",
+            ["slot", "reason"], registry=registry,
+        )
+
+    def load_phase(self, slot: str, phase: LoadPhase, elapsed_s: float,
+                   reason: str | None) -> None:
+        if phase not in (LoadPhase.READY, LoadPhase.FAILED):
+            return  # the progress ticks of a load still running
+        self.loads.labels(slot, "ok" if phase is LoadPhase.READY else "failed").inc()
+        self.load_seconds.labels(slot).observe(elapsed_s)
+
+    def unloaded(self, slot: str, reason: UnloadReason, loaded_s: float | None) -> None:
+        self.unloads.labels(slot, str(reason)).inc()
 
 
 class DescriptorCollector(Collector):
@@ -112,6 +196,7 @@ class PromMetrics:
             "hal0d_history_rows_dropped", "history rows dropped because the writer fell behind",
             registry=self.registry,
         )
+        self.lifecycle = LifecycleMetrics(self.registry)
         self.registry.register(DescriptorCollector())
         ProcessCollector(registry=self.registry)
 
@@ -122,3 +207,11 @@ class PromMetrics:
         restarts: Callable[[], Mapping[str, int]],
     ) -> None:
         self.registry.register(SlotCollector(slots, live, restarts))
+
+    def watch_lifecycle(
+        self,
+        slots: Callable[[], SlotTable],
+        configs: Callable[[], Mapping[str, SlotPlacement]],
+        groups: Callable[[], Iterator[str]],
+    ) -> None:
+        self.registry.register(LifecycleCollector(slots, configs, groups))

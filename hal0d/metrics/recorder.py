@@ -3,12 +3,10 @@ and per-slot live metrics, all at once and off the stream's path."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 
-from aiohttp import web
-
-from hal0d.appkeys import RECORDER, RUNTIME, SLOTS, SUPERVISOR
-from hal0d.metrics.history import HistoryWriter, RequestRecord
+from hal0d.errors import stall_reason
+from hal0d.metrics.history import COLUMNS, HistoryWriter, RequestRecord
 from hal0d.metrics.live import SlotMetrics
 from hal0d.metrics.prometheus import PromMetrics
 from hal0d.metrics.tally import Tally
@@ -23,6 +21,8 @@ class Recorder:
         self._ttft_samples = ttft_samples
         self._dropped_seen = 0
         self.tally = Tally()
+        # Told each history row as its request ends (the event feed).
+        self.listeners: list[Callable[[RequestRecord], None]] = []
 
     def slot_metrics(self, slot: str) -> SlotMetrics:
         metrics = self.live.get(slot)
@@ -32,26 +32,11 @@ class Recorder:
 
     def record(self, info: RequestInfo) -> None:
         self.tally.add(info.ts, info.ok)
-        total_ms = info.total_ms
-        self.history.submit(
-            RequestRecord(
-                ts=info.ts,
-                request_id=info.request_id,
-                slot=info.slot,
-                model=info.model,
-                endpoint=info.endpoint,
-                stream=info.stream,
-                status=info.status,
-                ok=info.ok,
-                error_code=info.error_code,
-                queue_ms=info.queue_ms,
-                load_ms=info.load_ms,
-                ttft_ms=info.ttft_ms,
-                total_ms=total_ms,
-                prompt_tokens=info.prompt_tokens,
-                completion_tokens=info.completion_tokens,
-            )
-        )
+        record = RequestRecord(**{name: getattr(info, name) for name in COLUMNS})
+        total_ms = record.total_ms or 0.0
+        self.history.submit(record)
+        for listener in self.listeners:
+            listener(record)
         if self.history.dropped > self._dropped_seen:
             self.prom.history_dropped.inc(self.history.dropped - self._dropped_seen)
             self._dropped_seen = self.history.dropped
@@ -67,8 +52,8 @@ class Recorder:
             self.prom.ttft.labels(slot).observe(info.ttft_ms / 1000)
         if info.completion_tokens:
             self.prom.tokens.labels(slot, model).inc(info.completion_tokens)
-        if info.error_code and info.error_code.startswith("stream_stall_"):
-            self.prom.stall_trips.labels(slot, info.error_code.removeprefix("stream_stall_")).inc()
+        if (stall := stall_reason(info.error_code)) is not None:
+            self.prom.stall_trips.labels(slot, stall).inc()
         live = self.slot_metrics(slot)
         live.record(
             ok=info.ok,
@@ -78,22 +63,3 @@ class Recorder:
         )
         if info.usage:
             live.record_flm(info.usage)
-
-
-async def recorder_context(app: web.Application) -> AsyncIterator[None]:
-    """cleanup_ctx: the history writer runs for the app's life and is flushed on shutdown."""
-    config = app[RUNTIME].current.config
-    history = HistoryWriter(config.database_path(), retention_days=config.metrics.retention_days)
-    await history.start()
-    recorder = Recorder(history, config.metrics.ttft_samples)
-
-    def restarts() -> dict[str, int]:
-        supervisor = app.get(SUPERVISOR)
-        if supervisor is None:
-            return {}
-        return {name: process.restarts for name, process in supervisor.processes.items()}
-
-    recorder.prom.watch_slots(lambda: app[SLOTS], recorder.live, restarts)
-    app[RECORDER] = recorder
-    yield
-    await history.close()

@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from hal0d.errors import ErrorCode
 from hal0d.transform import STALL_KEY, StallTrip, TransformFailed
 
 __all__ = ["STALL_ID", "Passthrough", "error_event", "stall_frame"]
@@ -91,7 +92,7 @@ class Passthrough:
             return b""
         message = "the upstream ended the stream without data: [DONE]; the answer may be cut"
         raise TransformFailed(
-            "upstream_incomplete", error_event(message, "dispatch.upstream_incomplete")
+            ErrorCode.UPSTREAM_INCOMPLETE, error_event(message, "dispatch.upstream_incomplete")
         )
 
     def stalled(self, trip: StallTrip) -> bytes:

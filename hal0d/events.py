@@ -1,0 +1,163 @@
+"""The event feed: what happens to the slots, the loads and the requests, told to every reader of
+GET /api/events as it happens.
+
+Publishers (a slot's state change, a load's phase, a finished request) call ``EventHub.publish``,
+which only appends the event's frame to each reader's own queue: it never awaits and never
+blocks, so a slow reader cannot slow a stream, a load or another reader. Each queue is bounded
+(``queue_size``); when a reader is that far behind, further events for it are dropped and
+counted, and the count reaches it as a ``dropped`` event at the place of the gap, before the next
+event it gets. A reader's queue is all there is of it: removing it (``unsubscribe``) leaves no
+task behind.
+
+Frames are encoded once per event (``event: NAME`` / ``data: JSON``), whatever the number of
+readers. This module knows nothing of the HTTP side: the handler in handlers/admin.py writes the
+frames. ``SlotFeed`` turns the slots', the loader's and the recorder's happenings into events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
+
+import orjson
+
+from hal0d import sse
+from hal0d.slots import Slot, SlotState
+
+if TYPE_CHECKING:
+    from hal0d.loader import LoadPhase, UnloadReason
+    from hal0d.metrics.history import RequestRecord
+
+QUEUE_SIZE: Final = 1000
+HEARTBEAT: Final = b": heartbeat\n\n"
+
+
+def frame(name: str, data: dict[str, Any]) -> bytes:
+    return sse.encode(name, orjson.dumps(data))
+
+
+class Subscriber:
+    """One reader's queue of frames, bounded; what did not fit is counted in `dropped`."""
+
+    def __init__(self, queue_size: int) -> None:
+        self.queue_size = queue_size
+        self.dropped = 0  # over the reader's whole life
+        self.closed = False
+        self._frames: collections.deque[bytes] = collections.deque()
+        self._unreported = 0  # dropped since the reader was last told
+        self._wakeup = asyncio.Event()
+
+    def offer(self, data: bytes) -> None:
+        if len(self._frames) >= self.queue_size:
+            self.dropped += 1
+            self._unreported += 1
+            return
+        if self._unreported:
+            # The gap is told where it happened: the reader learns of it before this event.
+            self._frames.append(self._gap())
+        self._frames.append(data)
+        self._wakeup.set()
+
+    def _gap(self) -> bytes:
+        gap = frame("dropped", {"dropped": self._unreported, "dropped_total": self.dropped})
+        self._unreported = 0
+        return gap
+
+    def close(self) -> None:
+        self.closed = True
+        self._wakeup.set()
+
+    async def next(self) -> bytes | None:
+        """The next frame, waiting for one; None once the hub closed."""
+        while True:
+            if self._frames:
+                return self._frames.popleft()
+            if self._unreported:
+                return self._gap()
+            if self.closed:
+                return None
+            self._wakeup.clear()
+            await self._wakeup.wait()
+
+    @property
+    def pending(self) -> int:
+        return len(self._frames)
+
+
+class EventHub:
+    """Every reader of the feed, and the one way to tell them something."""
+
+    def __init__(self, queue_size: int = QUEUE_SIZE) -> None:
+        self.queue_size = queue_size
+        self.subscribers: set[Subscriber] = set()
+        self.closed = False
+
+    def subscribe(self) -> Subscriber:
+        subscriber = Subscriber(self.queue_size)
+        if self.closed:
+            subscriber.close()
+        else:
+            self.subscribers.add(subscriber)
+        return subscriber
+
+    def unsubscribe(self, subscriber: Subscriber) -> None:
+        self.subscribers.discard(subscriber)
+
+    def publish(self, name: str, data: dict[str, Any]) -> None:
+        if not self.subscribers:
+            return  # nobody listens: not even the encoding is paid for
+        encoded = frame(name, data)
+        for subscriber in self.subscribers:
+            subscriber.offer(encoded)
+
+    def close(self) -> None:
+        """hal0d is stopping: every reader gets what is queued, then the end of its stream (an
+        open feed must not hold the shutdown for its whole grace)."""
+        self.closed = True
+        for subscriber in self.subscribers:
+            subscriber.close()
+
+
+SlotView = Callable[[Slot], dict[str, Any]]
+
+
+class SlotFeed:
+    """Publishes `slot`, `load`, `unload` and `request` events on a hub.
+
+    Each `slot` event carries the slot's whole /api/slots view (`view`), so a reader can keep a
+    page up to date from the events alone (the feed's handler starts it with every view)."""
+
+    def __init__(self, hub: EventHub, view: SlotView) -> None:
+        self.hub = hub
+        self.view = view
+
+    def watch(self, slot: Slot) -> None:
+        """Publish the slot's state changes (told after the loader's own listener, so the view
+        already holds what the loader makes of the change)."""
+        if self.slot_changed not in slot.watchers:
+            slot.watchers.append(self.slot_changed)
+
+    def slot_changed(self, slot: Slot, old: SlotState, new: SlotState, reason: str | None
+                     ) -> None:
+        self.hub.publish("slot", {
+            "ts": time.time(), "slot": slot.name, "old": str(old), "new": str(new),
+            "reason": reason, "in_flight": slot.in_flight, "queued": slot.queued,
+            "view": self.view(slot),
+        })
+
+    # LifecycleObserver (loader.py)
+    def load_phase(self, slot: str, phase: LoadPhase, elapsed_s: float,
+                   reason: str | None) -> None:
+        self.hub.publish("load", {"ts": time.time(), "slot": slot, "phase": str(phase),
+                                  "elapsed_s": elapsed_s, "reason": reason})
+
+    def unloaded(self, slot: str, reason: UnloadReason, loaded_s: float | None) -> None:
+        self.hub.publish("unload", {"ts": time.time(), "slot": slot, "reason": str(reason),
+                                    "loaded_s": loaded_s})
+
+    def request_finished(self, row: RequestRecord) -> None:
+        self.hub.publish("request", dataclasses.asdict(row))

@@ -1,0 +1,209 @@
+"""The operator's commands against a real daemon: `hal0d status [--watch]`, `load`, `unload`,
+`requests`, each run as the real `python -m hal0d` process against a real `hal0d serve` (its
+on-demand slot's command the real stub), finding it from the config file or from --url and
+HAL0D_API_KEY; and the one-line failures when the daemon is not there or refuses the key."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.conftest import eventually, free_port
+from tests.test_cli import ROOT, Served, env_without
+
+KEY = "sk-cli-test"
+DEADLINE_S = 20.0
+
+
+def daemon_toml(tmp_path: Path, port: int) -> str:
+    stub_port = free_port()
+    command = [sys.executable, "-m", "hal0d", "stub", "--port", str(stub_port), "--delay",
+               "0.005"]
+    return textwrap.dedent(f"""
+        [server]
+        host = "0.0.0.0"
+        port = {port}
+        shutdown_grace_s = 1
+        api_keys = ["{KEY}"]
+
+        [metrics]
+        database = "{tmp_path / 'history.sqlite3'}"
+
+        [logging]
+        format = "json"
+
+        [[slots]]
+        name = "a"
+        upstream = "http://127.0.0.1:{stub_port}"
+        models = ["chat"]
+        command = {command!r}
+        start = "on_demand"
+        memory_mib = 512
+    """).replace("'", '"')
+
+
+@pytest.fixture
+async def daemon(tmp_path: Path) -> AsyncIterator[Served]:
+    port = free_port()
+    config = tmp_path / "hal0d.toml"
+    config.write_text(daemon_toml(tmp_path, port))
+    log = tmp_path / "hal0d.log"
+    with log.open("wb") as out:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "hal0d", "serve", "--config", str(config),
+            stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
+            env=env_without("HAL0D_API_KEY"),
+        )
+    served = Served(process, port, config, log)
+    try:
+        await served.wait_for("server.started")
+        yield served
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(process.wait(), DEADLINE_S)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+
+
+async def hal0d(*args: str, key: str | None = None) -> tuple[int, str, str]:
+    """The real CLI; returns (exit code, stdout, stderr)."""
+    env = env_without("HAL0D_API_KEY")
+    if key is not None:
+        env["HAL0D_API_KEY"] = key
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "hal0d", *args, cwd=ROOT, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), DEADLINE_S)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+def row_of(table: str, name: str) -> list[str]:
+    for line in table.splitlines():
+        cells = line.split()
+        if cells and cells[0] == name:
+            return cells
+    raise AssertionError(f"no row {name!r} in:\n{table}")
+
+
+async def test_status_load_requests_and_unload_through_the_config_file(
+    daemon: Served, http: aiohttp.ClientSession
+) -> None:
+    config = str(daemon.config)
+    code, out, err = await hal0d("status", "--config", config)
+    assert code == 0, err
+    assert out.splitlines()[0].split() == [
+        "SLOT", "STATE", "MODELS", "IN_FLIGHT", "QUEUED", "LOADED/IDLE", "MEMORY_MIB", "TOK/S",
+        "TTFT_P50_MS"]
+    assert row_of(out, "a") == ["a", "stopped", "chat", "0", "0", "-", "512", "-", "-"]
+
+    code, out, err = await hal0d("load", "a", "--config", config)
+    assert code == 0, err
+    assert out.startswith("a: ready (waited ")
+
+    async with http.post(f"{daemon.url}/v1/chat/completions",
+                         headers={"Authorization": f"Bearer {KEY}"},
+                         json={"model": "chat", "stream": True,
+                               "messages": [{"role": "user", "content": "hi"}]}) as resp:
+        assert resp.status == 200
+        await resp.read()
+        request_id = resp.headers["X-Request-Id"]
+
+    async def served_once() -> list[str]:
+        code, out, err = await hal0d("status", "--config", config)
+        assert code == 0, err
+        row = row_of(out, "a")
+        assert row[1] == "ready" and row[5] == "idle" and row[8] != "-", out
+        return row
+
+    row = await eventually(served_once, DEADLINE_S, "the request in the slot's metrics")
+    assert row[7] != "-"  # tok/s
+
+    code, out, err = await hal0d("requests", "-n", "5", "--config", config)
+    assert code == 0, err
+    assert request_id in out and "chat" in out.splitlines()[1]
+
+    code, out, err = await hal0d("unload", "a", "--config", config)
+    assert (code, out.strip()) == (0, "a: stopped"), err
+
+
+async def test_status_watch_redraws_as_events_arrive_and_ends_0_on_ctrl_c(
+    daemon: Served, http: aiohttp.ClientSession
+) -> None:
+    env = {**env_without("HAL0D_API_KEY"), "HAL0D_API_KEY": KEY}
+    watcher = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "hal0d", "status", "--watch", "--url", daemon.url, cwd=ROOT,
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = watcher.stdout, watcher.stderr
+    assert stdout is not None and stderr is not None
+    seen = bytearray()
+
+    async def shown(text: str) -> bool:
+        with contextlib.suppress(TimeoutError):
+            seen.extend(await asyncio.wait_for(stdout.read(65536), 0.2))
+        screens = seen.decode(errors="replace").split("\x1b[H\x1b[2J")
+        return text in screens[-1]
+
+    try:
+        await eventually(lambda: shown(" stopped "), DEADLINE_S, "the first screen")
+        async with http.post(f"{daemon.url}/api/slots/a/load?wait=false",
+                             headers={"Authorization": f"Bearer {KEY}"}) as resp:
+            assert resp.status == 202
+        await eventually(lambda: shown("a: starting -> ready"), DEADLINE_S, "redrawn as ready")
+        assert " ready " in seen.decode().split("\x1b[H\x1b[2J")[-1]
+        watcher.send_signal(signal.SIGINT)
+        code = await asyncio.wait_for(watcher.wait(), DEADLINE_S)
+        assert code == 0, (await stderr.read()).decode()
+    finally:
+        if watcher.returncode is None:
+            watcher.kill()
+            await watcher.wait()
+
+
+async def test_a_daemon_that_is_not_running_is_one_line_and_exit_1() -> None:
+    port = free_port()
+    for command in (("status",), ("status", "--watch"), ("load", "a"), ("requests",)):
+        code, out, err = await hal0d(*command, "--url", f"http://127.0.0.1:{port}")
+        assert code == 1 and out == ""
+        assert err == (f"hal0d {command[0]}: hal0d is not running at http://127.0.0.1:{port} "
+                       "(connection refused)\n")
+
+
+async def test_a_refused_key_and_a_missing_key_are_one_line_and_exit_1(daemon: Served) -> None:
+    code, _, err = await hal0d("status", "--url", daemon.url, key="sk-wrong")
+    assert code == 1
+    assert err == f"hal0d status: hal0d at {daemon.url} refused the API key: the API key is " \
+                  "not valid\n"
+    code, _, err = await hal0d("status", "--url", daemon.url)
+    assert code == 1 and err.count("\n") == 1
+    assert "needs an API key: set HAL0D_API_KEY" in err
+    # The right key in the environment works with --url.
+    code, out, err = await hal0d("status", "--url", daemon.url, key=KEY)
+    assert code == 0 and row_of(out, "a")[1] == "stopped", err
+
+
+async def test_a_slot_the_daemon_does_not_know_is_its_own_message(daemon: Served) -> None:
+    code, _, err = await hal0d("load", "nope", "--config", str(daemon.config))
+    assert code == 1
+    assert err == "hal0d load: no slot named 'nope' (HTTP 404)\n"
+
+
+async def test_a_config_that_cannot_be_read_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    code, _, err = await hal0d("status", "--config", str(tmp_path / "missing.toml"))
+    assert code == 1 and err.count("\n") == 1
+    assert err.startswith(f"hal0d status: cannot use {tmp_path / 'missing.toml'}: ")
+
+

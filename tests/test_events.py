@@ -1,0 +1,361 @@
+"""GET /api/events over real sockets: the slot state changes, load phases and finished requests of
+a real on-demand slot (the stub, started as the slot's command), read by an independent SSE client
+(aiohttp-sse-client); a reader that stops reading loses events (counted, and told) but delays
+nobody; a reader that leaves is forgotten; shutdown ends the feed. And the hub itself, as a
+playbook: events in, frames out."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import re
+import socket
+import time
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp.test_utils import TestServer
+from aiohttp_sse_client import client as sse_client
+
+from hal0d import events
+from hal0d.appkeys import EVENTS, SUPERVISOR
+from hal0d.config import ServerConfig
+from hal0d.events import EventHub
+from hal0d.handlers import admin
+from hal0d.metrics.history import RequestRecord
+from hal0d.sse import Decoder
+from tests.conftest import Stub, chat_body, eventually, make_config
+from tests.test_loader import STARTUP_S, Start, lifecycle_config, on_demand, start
+
+Event = tuple[str, dict[str, Any]]
+DROPPED = re.compile(rb"event: dropped\ndata: (\{[^\n]*\})\n\n")
+
+
+class _StreamEnded(Exception):
+    """aiohttp-sse-client calls on_error when the body ends (then it would reconnect)."""
+
+
+def _ended() -> None:
+    raise _StreamEnded
+
+
+class Reader:
+    """An independent SSE client reading GET /api/events into `events` as they arrive."""
+
+    def __init__(self, http: aiohttp.ClientSession, hal0d: TestServer,
+                 headers: dict[str, str] | None = None) -> None:
+        self.events: list[Event] = []
+        self.ended = False
+        self._source = sse_client.EventSource(
+            str(hal0d.make_url("/api/events")), session=http, headers=headers or {},
+            on_error=_ended, max_connect_retry=0,
+        )
+        self._task = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        try:
+            async with self._source:
+                async for message in self._source:
+                    self.events.append((message.type, json.loads(message.data)))
+        except _StreamEnded:
+            pass
+        self.ended = True
+
+    def named(self, name: str) -> list[dict[str, Any]]:
+        return [data for event, data in self.events if event == name]
+
+    async def wait_for(self, name: str, what: str, timeout: float = STARTUP_S,
+                       **match: Any) -> dict[str, Any]:
+        def found() -> dict[str, Any] | None:
+            for data in self.named(name):
+                if all(data.get(key) == value for key, value in match.items()):
+                    return data
+            return None
+
+        return await eventually(found, timeout, what)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+def hub_of(hal0d: TestServer) -> EventHub:
+    return hal0d.app[EVENTS]
+
+
+# -- the lifecycle, as a page sees it ---------------------------------------------------------
+
+async def test_a_load_a_request_and_an_unload_read_as_slot_load_and_request_events(
+    start_hal0d: Start, tmp_path: Any, http: aiohttp.ClientSession
+) -> None:
+    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, on_demand("a", tmp_path)))
+    reader = Reader(http, hal0d)
+    hello = await reader.wait_for("hello", "the hello event")
+    assert [(view["name"], view["state"]) for view in hello["slots"]] == [("a", "stopped")]
+    assert hello["slots"][0]["start"] == "on_demand"
+
+    async with http.post(hal0d.make_url("/api/slots/a/load")) as resp:
+        assert resp.status == 200, await resp.text()
+    async with http.post(hal0d.make_url("/v1/chat/completions"),
+                         json=chat_body(stream=False)) as resp:
+        assert resp.status == 200, await resp.text()
+        request_id = resp.headers["X-Request-Id"]
+    async with http.post(hal0d.make_url("/api/slots/a/unload")) as resp:
+        assert resp.status == 200, await resp.text()
+    await reader.wait_for("slot", "the slot stopped again", old="stopping", new="stopped")
+    finished = await reader.wait_for("request", "the request event", request_id=request_id)
+
+    slot_events = [data for data in reader.named("slot") if data["slot"] == "a"]
+    states = [slot_events[0]["old"]] + [data["new"] for data in slot_events]
+    assert states == ["stopped", "starting", "ready", "serving", "ready", "stopping", "stopped"]
+    for data in slot_events:
+        # Each carries the whole /api/slots view as it is right after the change.
+        assert data["view"]["state"] == data["new"]
+        assert data["view"]["in_flight"] == data["in_flight"]
+        assert data["view"]["models"] == ["chat"]
+    serving = slot_events[states.index("serving") - 1]
+    assert (serving["in_flight"], serving["queued"]) == (1, 0)
+    assert serving["view"]["pid"] is not None and serving["view"]["loaded_for_s"] is not None
+    assert slot_events[-1]["reason"] == "unloaded (api)"
+
+    phases = [data["phase"] for data in reader.named("load") if data["slot"] == "a"]
+    assert phases[0] == "starting" and phases[-1] == "ready"
+    assert set(phases) == {"starting", "probing", "ready"}
+    assert all(data["elapsed_s"] >= 0 for data in reader.named("load"))
+    unload = await reader.wait_for("unload", "the unload event", slot="a")
+    assert unload["reason"] == "api" and unload["loaded_s"] is not None
+
+    # The request event is the history row, field for field.
+    async with http.get(hal0d.make_url("/api/requests?limit=1")) as resp:
+        row = (await resp.json())["requests"][0]
+    assert row["request_id"] == request_id
+    for key, value in finished.items():
+        if key in {"ok", "stream"}:
+            assert bool(row[key]) == value
+        else:
+            assert row[key] == (pytest.approx(value) if isinstance(value, float) else value), key
+    assert set(finished) == {field.name for field in dataclasses.fields(RequestRecord)}
+    assert finished["slot"] == "a" and finished["status"] == 200
+    await reader.close()
+
+
+async def test_a_slot_a_reload_adds_is_in_the_feed_too(
+    start_hal0d: Start, tmp_path: Any, http: aiohttp.ClientSession
+) -> None:
+    first = on_demand("a", tmp_path)
+    config = lifecycle_config(tmp_path, first)
+    hal0d = await start(start_hal0d, config)
+    reader = Reader(http, hal0d)
+    await reader.wait_for("hello", "the hello event")
+    added = on_demand("b", tmp_path)
+    await hal0d.app[SUPERVISOR].reload((first, added))
+    async with http.post(hal0d.make_url("/api/slots/b/load")) as resp:
+        assert resp.status == 200, await resp.text()
+    ready = await reader.wait_for("slot", "the added slot ready", slot="b", new="ready")
+    assert ready["view"]["name"] == "b" and ready["view"]["pid"] is not None
+    await reader.close()
+
+
+# -- a reader that does not read --------------------------------------------------------------
+
+def stuck_reader(port: int) -> socket.socket:
+    """A raw connection that asks for the feed and then never reads, with a small receive buffer
+    so that its backlog reaches hal0d's side soon."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(b"GET /api/events HTTP/1.1\r\nHost: hal0d\r\n\r\n")
+    return sock
+
+
+async def test_a_reader_that_stops_reading_delays_no_stream_and_its_drops_are_counted_and_told(
+    start_hal0d: Start, stub: Stub, tmp_path: Any, http: aiohttp.ClientSession
+) -> None:
+    hal0d = await start_hal0d(stub.url)
+    hub = hub_of(hal0d)
+    sock = stuck_reader(hal0d.port or 0)
+    stuck = await eventually(lambda: next(iter(hub.subscribers), None), 10, "the raw reader")
+
+    # Fill its queue: events are published as fast as the hub takes them, the way a busy box
+    # would, until its queue is full and events for it are dropped.
+    padding = "x" * 4000
+    deadline = time.monotonic() + 60
+    while not stuck.dropped:
+        assert time.monotonic() < deadline, f"never behind: {stuck.pending} queued"
+        for i in range(50):
+            hub.publish("padding", {"i": i, "padding": padding})
+        await asyncio.sleep(0.002)
+    assert stuck.pending <= hub.queue_size + 1  # bounded: never queued beyond its limit
+
+    # A well-behaved reader and a streamed completion meanwhile go at their own pace.
+    reader = Reader(http, hal0d)
+    await reader.wait_for("hello", "the second reader's hello")
+    dropped_before = stuck.dropped
+    started = time.monotonic()
+    async with http.post(hal0d.make_url("/v1/chat/completions"), json=chat_body()) as resp:
+        body = await resp.read()
+        request_id = resp.headers["X-Request-Id"]
+    took = time.monotonic() - started
+    assert resp.status == 200 and body.rstrip().endswith(b"data: [DONE]")
+    assert took < 5.0, f"a stream took {took:.1f} s next to a stuck feed reader"
+    await reader.wait_for("request", "the request event", request_id=request_id)
+    assert stuck.dropped > dropped_before  # the stream's events were not queued for it
+
+    # Now it reads: everything queued, then a `dropped` event with the count, at the gap. (Each
+    # frame is one write, so one HTTP chunk: a frame is whole between the chunk framing.)
+    sock.setblocking(False)
+    received = bytearray()
+    told: list[dict[str, Any]] = []
+    scanned = 0  # where the search for frames resumes (a frame may end in the next read)
+
+    async def all_told() -> bool:
+        nonlocal scanned
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(TimeoutError):
+            while True:  # as much as there is now
+                received.extend(await asyncio.wait_for(loop.sock_recv(sock, 1 << 20), 0.2))
+        for match in DROPPED.finditer(received, scanned):
+            told.append(orjson.loads(match.group(1)))
+            scanned = match.end()
+        scanned = max(scanned, len(received) - 200)
+        return sum(payload["dropped"] for payload in told) == stuck.dropped
+
+    await eventually(all_told, 30, "the stuck reader told of every dropped event")
+    assert told[-1]["dropped_total"] == stuck.dropped
+
+    # It leaves: its subscription goes at once (only the well-behaved reader remains).
+    sock.close()
+    await eventually(lambda: stuck not in hub.subscribers, 5, "the stuck reader forgotten")
+    assert len(hub.subscribers) == 1
+    await reader.close()
+    await eventually(lambda: not hub.subscribers, 5, "the second reader forgotten")
+
+
+# -- keys, heartbeats, shutdown ---------------------------------------------------------------
+
+async def test_the_feed_needs_a_key_when_keys_are_set(
+    start_hal0d: Start, stub: Stub, tmp_path: Any, http: aiohttp.ClientSession
+) -> None:
+    config = make_config(stub.url, tmp_path=tmp_path)
+    keyed = dataclasses.replace(
+        config, server=ServerConfig(api_keys=("sk-feed",), accepted_keys=frozenset({"sk-feed"})))
+    hal0d = await start_hal0d(stub.url, config=keyed)
+    async with http.get(hal0d.make_url("/api/events")) as resp:
+        assert resp.status == 401
+        assert "API key" in (await resp.json())["error"]["message"]
+    assert not hub_of(hal0d).subscribers
+    reader = Reader(http, hal0d, headers={"Authorization": "Bearer sk-feed"})
+    hello = await reader.wait_for("hello", "hello with the key")
+    assert [view["name"] for view in hello["slots"]] == ["llm"]
+    await reader.close()
+
+
+async def test_a_quiet_feed_sends_a_heartbeat_comment(
+    start_hal0d: Start, stub: Stub, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(admin, "HEARTBEAT_S", 0.2)
+    hal0d = await start_hal0d(stub.url)
+    async with http.get(hal0d.make_url("/api/events")) as resp:
+        assert resp.headers["Content-Type"] == "text/event-stream"
+        assert resp.headers["Cache-Control"] == "no-cache"
+        assert "Content-Encoding" not in resp.headers
+        seen = b""
+        async with asyncio.timeout(10):
+            while b": heartbeat\n\n" not in seen:
+                seen += await resp.content.readany()
+    assert seen.startswith(b"event: hello\ndata: ")
+
+
+async def test_shutdown_ends_an_open_feed_at_once(
+    start_hal0d: Start, stub: Stub, http: aiohttp.ClientSession
+) -> None:
+    hal0d = await start_hal0d(stub.url)
+    reader = Reader(http, hal0d)
+    await reader.wait_for("hello", "hello")
+    started = time.monotonic()
+    await hal0d.close()
+    assert time.monotonic() - started < 5.0
+    await eventually(lambda: reader.ended, 5, "the reader saw its stream end")
+    await reader.close()
+
+
+# -- the hub, as a playbook ------------------------------------------------------------------
+
+def decoded(frames: list[bytes]) -> list[Event]:
+    decoder = Decoder()
+    return [(e.event or "", orjson.loads(e.data)) for f in frames for e in decoder.feed(f)]
+
+
+async def drain(subscriber: events.Subscriber) -> list[bytes]:
+    """What the subscriber has for its reader now (a short wait says there is no more)."""
+    out = []
+    while True:
+        try:
+            async with asyncio.timeout(0.05):
+                data = await subscriber.next()
+        except TimeoutError:
+            return out
+        if data is None:
+            return out
+        out.append(data)
+
+
+async def test_a_full_queue_drops_and_tells_the_count_where_the_gap_is() -> None:
+    hub = EventHub(queue_size=3)
+    subscriber = hub.subscribe()
+    for i in range(5):
+        hub.publish("n", {"i": i})
+    assert subscriber.dropped == 2 and subscriber.pending == 3
+    assert decoded(await drain(subscriber)) == [
+        ("n", {"i": 0}), ("n", {"i": 1}), ("n", {"i": 2}),
+        ("dropped", {"dropped": 2, "dropped_total": 2}),
+    ]
+    for i in range(5, 9):
+        hub.publish("n", {"i": i})
+    hub.publish("n", {"i": 9})
+    frames = await drain(subscriber)
+    assert decoded(frames) == [
+        ("n", {"i": 5}), ("n", {"i": 6}), ("n", {"i": 7}),
+        ("dropped", {"dropped": 2, "dropped_total": 4}),
+    ]
+    hub.publish("n", {"i": 10})  # room again: the gap would be told before it, had there been one
+    assert decoded(await drain(subscriber)) == [("n", {"i": 10})]
+
+
+async def test_the_gap_goes_before_the_next_event_that_fits() -> None:
+    hub = EventHub(queue_size=1)
+    subscriber = hub.subscribe()
+    hub.publish("n", {"i": 0})
+    hub.publish("n", {"i": 1})  # dropped
+    assert await subscriber.next() is not None
+    hub.publish("n", {"i": 2})
+    assert decoded(await drain(subscriber)) == [
+        ("dropped", {"dropped": 1, "dropped_total": 1}), ("n", {"i": 2}),
+    ]
+
+
+async def test_closing_the_hub_ends_every_reader_after_what_it_has_queued() -> None:
+    hub = EventHub()
+    subscriber = hub.subscribe()
+    hub.publish("n", {"i": 0})
+    waiting = asyncio.create_task(hub.subscribe().next())
+    await asyncio.sleep(0)
+    hub.close()
+    assert await waiting is None
+    assert decoded([await subscriber.next() or b""]) == [("n", {"i": 0})]
+    assert await subscriber.next() is None
+    assert await hub.subscribe().next() is None  # a latecomer is ended at once
+
+
+def test_nobody_listening_costs_nothing_and_unsubscribing_forgets_the_queue() -> None:
+    hub = EventHub()
+    hub.publish("n", {"unserializable": object()})  # not even encoded: nobody listens
+    subscriber = hub.subscribe()
+    hub.unsubscribe(subscriber)
+    hub.publish("n", {"i": 1})
+    assert subscriber.pending == 0 and not hub.subscribers
+

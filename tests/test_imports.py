@@ -1,0 +1,98 @@
+"""No module in hal0d imports one that imports it back, directly or through others.
+
+A circle of imports makes the order modules load in decide whether the daemon starts, and it
+means a lower layer knows a higher one (the metrics knowing the supervisor, the request's record
+knowing the relay). The graph is read from the source (ast), not by importing, so the test sees
+every `import` at any depth, and imports under `if TYPE_CHECKING:` count as well: a circle that
+only the type checker walks is still a lower layer that names a higher one.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "hal0d"
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path, name: str, modules: set[str]) -> set[str]:
+    """The hal0d modules `path` imports: `from hal0d.x import y` counts as hal0d.x.y when y is
+    a module, else as hal0d.x; relative imports are resolved against the module's package."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                       for alias in node.names]
+        else:
+            continue
+        found.update(target for target in targets if target in modules)
+    found.discard(name)
+    return found
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    paths = {module_name(path, root): path for path in sorted(root.rglob("*.py"))}
+    modules = set(paths)
+    return {name: imports_of(path, name, modules) for name, path in paths.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as the path of modules that closes it (first == last), or None."""
+    state: dict[str, str] = {}  # "open" while on the current path, "done" once fully explored
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        path.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == "open":
+                return [*path[path.index(target):], target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        path.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_hal0d_has_no_import_cycle() -> None:
+    graph = import_graph(PACKAGE)
+    assert len(graph) > 40, "the walk found too few modules to mean anything"
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_a_cycle_is_found_and_named(tmp_path: Path) -> None:
+    """The walk can fail: a package with a circle through a TYPE_CHECKING import, a relative
+    import and a submodule named in `from package import module` is reported as that circle."""
+    root = tmp_path / "pkg"
+    (root / "sub").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "sub" / "__init__.py").write_text("")
+    (root / "a.py").write_text("from pkg.sub import b\n")
+    (root / "sub" / "b.py").write_text("from . import c\n")
+    (root / "sub" / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n"
+    )
+    (root / "d.py").write_text("import pkg.a\n")
+    assert find_cycle(import_graph(root)) == ["pkg.a", "pkg.sub.b", "pkg.sub.c", "pkg.a"]
+    (root / "sub" / "c.py").write_text("")
+    assert find_cycle(import_graph(root)) is None

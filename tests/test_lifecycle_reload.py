@@ -1,0 +1,274 @@
+"""A reload (SIGHUP to a real `hal0d serve`) applies the lifecycle keys of its slots: a changed
+command is loaded by the next request once the old process's requests are done, a removed slot
+is drained before its process stops, `start` switches both ways, and idle_unload_s and the group
+limits count from the next decision. Each slot's command is the real stub."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import textwrap
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from tests.conftest import chat_body, eventually, free_port
+from tests.test_loader import ProcessSampler, alive, stub_pids
+from tests.test_server import Hal0d, Stream, chat, config_text, open_stream, stop
+
+STARTUP_S = 15.0  # a Python process importing aiohttp, on a busy two-core box
+TOKEN_DELAY_S = 0.02
+STREAM_TOKENS = 40  # about 0.8 s: still running when the reload lands
+
+Serve = Callable[[str], Awaitable[Hal0d]]
+# One port per slot of a test, so a reloaded config changes only the keys the test changes.
+_PORTS: dict[tuple[Path, str], int] = {}
+
+
+def slot_toml(name: str, model: str, tmp_path: Path, *, log: str | None = None,
+              **keys: Any) -> str:
+    """A [[slots]] table whose command is the stub, logging to `log` (default NAME.log)."""
+    port = _PORTS.setdefault((tmp_path, name), free_port())
+    command = [sys.executable, "-m", "hal0d", "stub", "--port", str(port),
+               "--delay", str(TOKEN_DELAY_S), "--log", str(tmp_path / (log or f"{name}.log"))]
+    lines = [f'name = "{name}"', f'upstream = "http://127.0.0.1:{port}"',
+             f'models = ["{model}"]', f"command = {orjson.dumps(command).decode()}"]
+    lines += [f"{key} = {orjson.dumps(value).decode()}" for key, value in keys.items()]
+    return "[[slots]]\n" + "\n".join(lines) + "\n"
+
+
+def group_toml(name: str, **keys: Any) -> str:
+    return f"[groups.{name}]\n" + "".join(f"{k} = {orjson.dumps(v).decode()}\n"
+                                          for k, v in keys.items())
+
+
+@pytest.fixture
+async def serve(tmp_path: Path) -> AsyncIterator[Serve]:
+    started: list[Hal0d] = []
+
+    async def start(slots: str) -> Hal0d:
+        port = free_port()
+        config = tmp_path / "hal0d.toml"
+        config.write_text(config_text("unused", port, tmp_path, slot=slots))
+        log = tmp_path / "hal0d.log"
+        with log.open("wb") as out:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "hal0d", "serve", "--config", str(config),
+                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
+            )
+        hal0d = Hal0d(process, port, config, log)
+        started.append(hal0d)
+        await hal0d.wait_for_event("server.started", timeout=10)
+        return hal0d
+
+    yield start
+    for hal0d in started:
+        await stop(hal0d.process)
+    assert not stub_pids(str(tmp_path)), "a slot process outlived hal0d"
+
+
+async def reload(hal0d: Hal0d, slots: str) -> dict[str, Any]:
+    """Rewrites the config's slots and sends SIGHUP; the config.reloaded line it caused."""
+    seen = len(hal0d.named("config.reloaded"))
+    text = hal0d.config.read_text()
+    start, end = text.index("[[slots]]"), text.index("[metrics]")
+    hal0d.config.write_text(text[:start] + textwrap.dedent(slots) + "\n" + text[end:])
+    hal0d.send(signal.SIGHUP)
+    await hal0d.wait_for_count("config.reloaded", seen + 1)
+    return hal0d.named("config.reloaded")[-1]
+
+
+async def views(http: aiohttp.ClientSession, hal0d: Hal0d) -> dict[str, dict[str, Any]]:
+    async with http.get(f"{hal0d.url}/api/slots") as resp:
+        return {view["name"]: view for view in (await resp.json())["slots"]}
+
+
+async def state_is(http: aiohttp.ClientSession, hal0d: Hal0d, name: str,
+                   state: str) -> dict[str, Any]:
+    async def reached() -> dict[str, Any]:
+        view = (await views(http, hal0d))[name]
+        assert view["state"] == state, view
+        return view
+
+    return await eventually(reached, STARTUP_S, f"slot {name} {state}")
+
+
+async def stream_running(http: aiohttp.ClientSession, hal0d: Hal0d,
+                         model: str) -> tuple[Stream, asyncio.Task[None]]:
+    stream = Stream(f"a stream on {model}")
+    task = asyncio.create_task(open_stream(http, hal0d.url, stream, chat_body(
+        model, max_tokens=STREAM_TOKENS)))
+    await asyncio.wait_for(stream.first_chunk.wait(), STARTUP_S)
+    assert stream.raw, stream.error
+    return stream, task
+
+
+def after_the_stream(hal0d: Hal0d, event: str, slot: str) -> bool:
+    """Whether `event` for `slot` was logged after the streamed request ended."""
+    names = [(e["event"], e.get("slot"), e.get("stream")) for e in hal0d.events()]
+    streamed = next(i for i, (name, _, stream) in enumerate(names)
+                    if name == "request.done" and stream)
+    return names.index((event, slot, None)) > streamed
+
+
+async def test_a_changed_command_unloads_after_its_stream_and_the_next_request_loads_it(
+    serve: Serve, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    hal0d = await serve(slot_toml("a", "reasoning", tmp_path, start="on_demand"))
+    stream, task = await stream_running(http, hal0d, "reasoning")
+    old_pid = (await views(http, hal0d))["a"]["pid"]
+
+    reloaded = await reload(hal0d, slot_toml("a", "reasoning", tmp_path, start="on_demand",
+                                             log="a-new.log"))
+    assert reloaded["slots_changed"] == ["a"]
+    await state_is(http, hal0d, "a", "stopping")  # new requests wait for the new command
+    await task
+    assert stream.finished_normally(), stream.data[-2:]
+    view = await state_is(http, hal0d, "a", "stopped")
+    assert "reload" in view["reason"] and not alive(old_pid)
+    assert after_the_stream(hal0d, "slot.unloaded", "a")
+
+    status, answer = await chat(http, hal0d.url, "reasoning")
+    assert status == 200, answer
+    assert "start rid=" in (tmp_path / "a-new.log").read_text()  # the new command served it
+    assert (await views(http, hal0d))["a"]["pid"] not in (None, old_pid)
+
+
+async def test_a_removed_slot_drains_its_stream_then_its_process_stops(
+    serve: Serve, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    b = slot_toml("b", "chat", tmp_path, start="on_demand")
+    hal0d = await serve(slot_toml("a", "reasoning", tmp_path, start="on_demand") + b)
+    stream, task = await stream_running(http, hal0d, "reasoning")
+    pid = (await views(http, hal0d))["a"]["pid"]
+
+    reloaded = await reload(hal0d, b)
+    assert reloaded["slots_removed"] == ["a"]
+    await task
+    assert stream.finished_normally(), stream.data[-2:]
+    await eventually(lambda: not alive(pid), STARTUP_S, "the removed slot's process gone")
+    assert after_the_stream(hal0d, "slot.process_stopped", "a")
+    assert "a" not in await views(http, hal0d)
+
+
+async def test_always_to_on_demand_rests_stopped_after_its_stream_and_loads_on_request(
+    serve: Serve, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    hal0d = await serve(slot_toml("a", "reasoning", tmp_path))
+    await state_is(http, hal0d, "a", "ready")
+    pid = hal0d.named("slot.process_started")[0]["pid"]
+    stream, task = await stream_running(http, hal0d, "reasoning")
+
+    reloaded = await reload(hal0d, slot_toml("a", "reasoning", tmp_path, start="on_demand"))
+    assert reloaded["slots_changed"] == ["a"]
+    await task
+    assert stream.finished_normally(), stream.data[-2:]
+    await state_is(http, hal0d, "a", "stopped")
+    assert not alive(pid)
+    assert after_the_stream(hal0d, "slot.process_stopped", "a")
+
+    status, answer = await chat(http, hal0d.url, "reasoning")
+    assert status == 200, answer
+    view = (await views(http, hal0d))["a"]
+    assert view["state"] == "ready" and view["pid"] not in (None, pid)
+
+
+async def test_on_demand_to_always_starts_at_once_and_is_pinned_in_its_group(
+    serve: Serve, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """b turned `always` starts without a request; the group holds one model, so the loaded
+    on-demand a is unloaded first, and a cannot load again beside the pinned b."""
+    group = group_toml("gpu0", max_loaded=1)
+
+    def slots(b_start: str) -> str:
+        return (slot_toml("a", "reasoning", tmp_path, start="on_demand", group="gpu0")
+                + slot_toml("b", "chat", tmp_path, start=b_start, group="gpu0") + group)
+
+    hal0d = await serve(slots("on_demand"))
+    assert (await chat(http, hal0d.url, "reasoning"))[0] == 200
+    with ProcessSampler(str(tmp_path)) as sampler:
+        reloaded = await reload(hal0d, slots("always"))
+        assert reloaded["slots_changed"] == ["b"]
+        await state_is(http, hal0d, "b", "ready")
+    view = (await views(http, hal0d))["a"]
+    assert view["state"] == "stopped" and "evicted" in view["reason"]
+    assert sampler.most_alive == 1
+
+    status, answer = await chat(http, hal0d.url, "reasoning")
+    assert status == 503 and answer["error"]["code"] == "slot.load_failed", answer
+    assert "no room" in answer["error"]["message"]
+
+
+async def test_a_shortened_idle_unload_s_applies_to_a_slot_already_idle(
+    serve: Serve, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    hal0d = await serve(slot_toml("a", "reasoning", tmp_path, start="on_demand",
+                                  idle_unload_s=600))
+    assert (await chat(http, hal0d.url, "reasoning"))[0] == 200
+    pid = (await views(http, hal0d))["a"]["pid"]
+    await reload(hal0d, slot_toml("a", "reasoning", tmp_path, start="on_demand",
+                                  idle_unload_s=0.5))
+    view = await state_is(http, hal0d, "a", "stopped")
+    assert "idle" in view["reason"] and not alive(pid)
+
+
+async def test_a_lowered_max_loaded_applies_to_the_next_load(
+    serve: Serve, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    def slots(max_loaded: int) -> str:
+        return "".join(slot_toml(name, model, tmp_path, start="on_demand", group="gpu0")
+                       for name, model in (("a", "reasoning"), ("b", "chat"), ("c", "tool"))
+                       ) + group_toml("gpu0", max_loaded=max_loaded)
+
+    hal0d = await serve(slots(2))
+    for model in ("reasoning", "chat"):
+        assert (await chat(http, hal0d.url, model))[0] == 200
+    assert {v["state"] for v in (await views(http, hal0d)).values()} == {"ready", "stopped"}
+    await reload(hal0d, slots(1))
+    status, answer = await chat(http, hal0d.url, "tool")
+    assert status == 200, answer
+    states = {name: view["state"] for name, view in (await views(http, hal0d)).items()}
+    assert states == {"a": "stopped", "b": "stopped", "c": "ready"}
+    assert [e["slot"] for e in hal0d.named("slot.evicting")] == ["a", "b"]
+
+
+async def test_an_always_slot_added_to_a_group_makes_room_and_is_pinned(
+    serve: Serve, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    a = slot_toml("a", "reasoning", tmp_path, start="on_demand", group="gpu0")
+    hal0d = await serve(a + group_toml("gpu0", max_loaded=1))
+    assert (await chat(http, hal0d.url, "reasoning"))[0] == 200
+    with ProcessSampler(str(tmp_path)) as sampler:
+        reloaded = await reload(hal0d, a + slot_toml("b", "chat", tmp_path, group="gpu0")
+                                + group_toml("gpu0", max_loaded=1))
+        assert reloaded["slots_added"] == ["b"]
+        await state_is(http, hal0d, "b", "ready")
+    assert (await views(http, hal0d))["a"]["state"] == "stopped"
+    assert sampler.most_alive == 1
+    status, answer = await chat(http, hal0d.url, "reasoning")
+    assert status == 503 and "no room" in answer["error"]["message"], answer
+
+
+async def test_a_reloaded_memory_mib_of_an_always_slot_counts_for_the_next_load(
+    serve: Serve, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    def slots(pinned_mib: int) -> str:
+        return (slot_toml("a", "reasoning", tmp_path, start="on_demand", group="gpu0",
+                          memory_mib=4096)
+                + slot_toml("b", "chat", tmp_path, group="gpu0", memory_mib=pinned_mib)
+                + group_toml("gpu0", memory_mib=8192))
+
+    hal0d = await serve(slots(2048))
+    await state_is(http, hal0d, "b", "ready")
+    assert (await chat(http, hal0d.url, "reasoning"))[0] == 200  # 2 + 4 of 8 GiB
+    async with http.post(f"{hal0d.url}/api/slots/a/unload") as resp:
+        assert resp.status == 200
+    reloaded = await reload(hal0d, slots(6144))
+    assert reloaded["slots_changed"] == ["b"]
+    status, answer = await chat(http, hal0d.url, "reasoning")  # 6 + 4 > 8 GiB
+    assert status == 503 and "no room" in answer["error"]["message"], answer
