@@ -213,6 +213,12 @@ def test_the_page_loads_live_with_no_console_error_and_shows_each_request_within
     rows = until("the request in the list", lambda: len(request_rows(browser)) > before
                  and request_rows(browser))
     assert "chat" in rows[0] and "ok" in rows[0]
+    # A little of everything for the screenshots: streams, a stall trip, a model loaded on demand.
+    for model in ("reasoning", "stall", "reasoning", "think-only"):
+        hal0d.call("/v1/chat/completions", {"model": model, "stream": True,
+                                             "messages": [{"role": "user", "content": "hi"}]})
+    until("every request listed", lambda: len(request_rows(browser)) >= before + 5)
+    until("the on-demand slot loaded", lambda: card_state(browser, "ondemand") == "ready")
     assert console_errors(browser) == []
     assert screenshot(browser, tmp_path, 1440, 900).stat().st_size > 10_000
     assert screenshot(browser, tmp_path, 390, 844).stat().st_size > 5_000

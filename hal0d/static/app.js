@@ -188,7 +188,7 @@ function card(view) {
     ["TTFT p50 / p95", `${ms(ttft.p50)} / ${ms(ttft.p95)}`],
   ];
   const lifecycle = lifecycleLine(view);
-  if (lifecycle) facts.push(["model", lifecycle]);
+  if (lifecycle) facts.push(["model", el("span", { "data-tick": view.name }, lifecycle)]);
   const memory = groupMemory(view);
   if (memory) facts.push(["memory", memory]);
   if (load) facts.push(["loading", `${load.phase.replaceAll("_", " ")}, ${num(load.elapsed_s)} s`]);
@@ -207,13 +207,39 @@ function card(view) {
 }
 
 function renderSlots() {
-  const cards = [...state.slots.values()].map(card);
-  $("slots").replaceChildren(...cards);
+  // Cards are updated in place: a button under the pointer is kept (only whether it is enabled
+  // changes), so a click is never lost to a redraw while the slot is busy.
+  const container = $("slots");
+  const names = [...state.slots.keys()];
+  for (const view of state.slots.values()) {
+    const fresh = card(view);
+    const old = container.querySelector(`article[data-slot="${CSS.escape(view.name)}"]`);
+    if (!old) {
+      container.append(fresh);
+      continue;
+    }
+    old.dataset.state = view.state;
+    const kept = old.querySelector(".actions");
+    const made = fresh.querySelector(".actions");
+    if (kept && made) {
+      for (const button of kept.querySelectorAll("button")) {
+        button.disabled = made.querySelector(`[data-action="${button.dataset.action}"]`).disabled;
+      }
+      made.replaceWith(kept);
+    }
+    old.replaceChildren(...fresh.childNodes);
+  }
+  for (const stale of container.querySelectorAll("article[data-slot]")) {
+    if (!state.slots.has(stale.dataset.slot)) stale.remove();
+  }
   const select = $("filter-slot");
-  const chosen = select.value;
-  select.replaceChildren(el("option", { value: "" }, "all"),
-    ...[...state.slots.keys()].map((name) => el("option", { value: name }, name)));
-  select.value = chosen;
+  const listed = [...select.options].slice(1).map((option) => option.value);
+  if (listed.join("\n") !== names.join("\n")) {
+    const chosen = select.value;
+    select.replaceChildren(el("option", { value: "" }, "all"),
+      ...names.map((name) => el("option", { value: name }, name)));
+    select.value = chosen;
+  }
 }
 
 function renderRequests() {
@@ -280,10 +306,17 @@ const handlers = {
     renderSlots();
   },
   slot(data) {
-    const view = data.slot || data;
+    const view = data.view;
     state.slots.set(view.name, view);
     state.slotsAt = Date.now();
     if (!["starting", "stopped"].includes(view.state)) state.loads.delete(view.name);
+    renderSlots();
+  },
+  counts(data) {
+    const view = state.slots.get(data.slot);
+    if (!view) return;
+    view.in_flight = data.in_flight;
+    view.queued = data.queued;
     renderSlots();
   },
   load(data) {
@@ -292,7 +325,7 @@ const handlers = {
     renderSlots();
   },
   request(data) {
-    const row = data.request || data;
+    const row = data;
     state.requests.unshift(row);
     state.requests.length = Math.min(state.requests.length, MAX_ROWS);
     if (state.status) state.status.requests += 1;
@@ -388,5 +421,14 @@ $("forget-key").addEventListener("click", () => {
 });
 $("filter-slot").addEventListener("change", renderRequests);
 $("filter-errors").addEventListener("change", renderRequests);
-setInterval(() => { if (!$("live").hidden) { renderHeader(); renderSlots(); } }, 1000);
+function tick() {
+  // Once a second: the clocks on the page (uptime, idle for, unloads in), not the server.
+  if ($("live").hidden) return;
+  renderHeader();
+  for (const span of document.querySelectorAll("[data-tick]")) {
+    const view = state.slots.get(span.dataset.tick);
+    if (view) span.textContent = lifecycleLine(view) || "";
+  }
+}
+setInterval(tick, 1000);
 run();
