@@ -29,8 +29,26 @@ cli_value = $(if $(filter command line,$(origin $(1))),$($(1)))
 run: $(RUN_STAMP)
 	$(BIN)/hal0d serve --config etc/hal0d.toml $(if $(call cli_value,HOST),--host $(HOST)) $(if $(call cli_value,PORT),--port $(PORT))
 
-test: $(STAMP)
+# The status page's tests drive Debian's chromium (a browser download at run time fails on
+# machines without internet): installed here when missing and we may (root, apt-get present);
+# otherwise those tests skip and say how to run them.
+BROWSER_PACKAGES := chromium chromium-driver
+
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q
+
+.PHONY: browser
+browser:
+	@if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "make test: installing $(BROWSER_PACKAGES) for the status page's browser tests"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      $(BROWSER_PACKAGES) >/dev/null || echo "make test: could not install them"; \
+	  else \
+	    echo "make test: no chromium; the status page's browser tests will skip" \
+	      "(as root: apt-get install $(BROWSER_PACKAGES))"; \
+	  fi; \
+	fi
 
 lint: $(STAMP)
 	$(BIN)/ruff check hal0d tests

@@ -29,7 +29,7 @@ from hal0d.config import Config
 from hal0d.contexts import recorder_context, session_context, slots_context
 from hal0d.errors import ErrorCode, Hal0Error, MethodNotAllowed, NoRoute
 from hal0d.events import EventHub
-from hal0d.handlers import admin, anthropic, openai, responses
+from hal0d.handlers import admin, anthropic, openai, page, responses
 from hal0d.logs import get_logger
 from hal0d.metrics.history import COLUMNS
 from hal0d.openai.owners import ResponseOwners
@@ -189,6 +189,9 @@ def make_app(config: Config) -> web.Application:
     for path in ("/llm/v1/messages", "/v1/messages"):
         router.add_post(path, anthropic.messages)
         router.add_post(f"{path}/count_tokens", anthropic.count_tokens)
+    router.add_get("/", page.index)
+    router.add_get("/static/{name}", page.static)
+    router.add_get("/api/status", admin.status)
     router.add_get("/api/slots", admin.slots)
     router.add_post("/api/slots/{name}/load", admin.load_slot)
     router.add_post("/api/slots/{name}/unload", admin.unload_slot)

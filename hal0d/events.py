@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 QUEUE_SIZE: Final = 1000
 HEARTBEAT: Final = b": heartbeat\n\n"
+COUNTS_EVERY_S: Final = 0.25
 
 
 def frame(name: str, data: dict[str, Any]) -> bytes:
@@ -134,12 +135,28 @@ class SlotFeed:
     def __init__(self, hub: EventHub, view: SlotView) -> None:
         self.hub = hub
         self.view = view
+        self._counting: dict[str, Slot] = {}  # slots whose counts changed since the last tell
 
     def watch(self, slot: Slot) -> None:
         """Publish the slot's state changes (told after the loader's own listener, so the view
-        already holds what the loader makes of the change)."""
+        already holds what the loader makes of the change) and, coalesced, its counts."""
         if self.slot_changed not in slot.watchers:
             slot.watchers.append(self.slot_changed)
+        slot.on_counts = self.counts_changed
+
+    def counts_changed(self, slot: Slot) -> None:
+        """in_flight or queued changed: told at most every COUNTS_EVERY_S per slot, so a busy
+        slot costs the feed a few events a second, not one per lease."""
+        if slot.name in self._counting or not self.hub.subscribers:
+            return
+        self._counting[slot.name] = slot
+        asyncio.get_running_loop().call_later(COUNTS_EVERY_S, self._tell_counts, slot.name)
+
+    def _tell_counts(self, name: str) -> None:
+        slot = self._counting.pop(name, None)
+        if slot is not None:
+            self.hub.publish("counts", {"ts": time.time(), "slot": name,
+                                        "in_flight": slot.in_flight, "queued": slot.queued})
 
     def slot_changed(self, slot: Slot, old: SlotState, new: SlotState, reason: str | None
                      ) -> None:

@@ -205,6 +205,8 @@ class Slot:
         self.wants_load: Callable[[Slot], None] | None = None
         # After a failed load: (monotonic time before which no new load is tried, its cause).
         self.load_refused: tuple[float, str] | None = None
+        # Told when in_flight or queued changed (the event feed coalesces these).
+        self.on_counts: Callable[[Slot], None] | None = None
         self._drained: list[asyncio.Future[None]] = []
         # Only pending futures, oldest first; a future leaves the deque before it is resolved,
         # except a cancelled one, which lingers until its task runs or the pump skips it.
@@ -283,6 +285,7 @@ class Slot:
             fut = self._waiters.popleft()
             if not fut.done():
                 fut.set_exception(error)
+        self._counts()
 
     async def drained(self) -> None:
         """Returns once nothing is in flight (an unload waits for this before it stops the
@@ -302,10 +305,15 @@ class Slot:
     def _can_grant(self) -> bool:
         return self.state in _GRANTABLE and self.in_flight < self.config.max_concurrent
 
+    def _counts(self) -> None:
+        if self.on_counts is not None:
+            self.on_counts(self)
+
     def _take(self) -> None:
         self.in_flight += 1
         if self.state is SlotState.READY:
             self.transition(SlotState.SERVING)
+        self._counts()
 
     def _release(self) -> None:
         self.in_flight -= 1
@@ -319,6 +327,7 @@ class Slot:
         self._pump()
         if self.in_flight == 0 and self.state is SlotState.SERVING:
             self.transition(SlotState.READY)
+        self._counts()
 
     def reconfigure(self, config: SlotLimits) -> None:
         """New limits from a reload; a larger max_concurrent admits waiters at once."""
@@ -363,6 +372,7 @@ class Slot:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         self._waiters.append(fut)
+        self._counts()
         # Normally a no-op (units are handed over on release); it only matters if cancelled
         # futures still linger at the head while a unit is free, which must not strand us.
         self._pump()
@@ -394,12 +404,14 @@ class Slot:
     def _discard(self, fut: asyncio.Future[None]) -> None:
         with contextlib.suppress(ValueError):
             self._waiters.remove(fut)
+            self._counts()
 
     def _fail_waiters(self) -> None:
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
                 fut.set_exception(self._offline())
+        self._counts()
 
     def snapshot(self) -> dict[str, Any]:
         return {

@@ -784,9 +784,11 @@ async def native_messages(request: web.Request) -> web.StreamResponse:
             "type": "not_found_error", "message": f"model {model!r} not found"}}, status=404)
     limit = body.get("max_tokens")
     limit = limit if isinstance(limit, int) and limit > 0 else DEFAULT_MAX_TOKENS
-    message: dict[str, Any] = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant",
-               "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
-               "usage": {"input_tokens": prompt_tokens(body), "output_tokens": 0}}
+    message: dict[str, Any] = {
+        "id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant",
+        "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": prompt_tokens(body), "output_tokens": 0},
+    }
     pieces = anthropic_blocks(model, body, limit)
     if not body.get("stream"):
         if model in ("stall", "chatty"):

@@ -148,6 +148,9 @@ class Supervisor:
         config = self.configs.get(slot.name)
         view["group"] = config.group if config else None
         view["memory_mib"] = config.memory_mib if config else None
+        group = self.loader.groups.get(config.group) if config and config.group else None
+        view["group_memory_mib"] = group.config.memory_mib if group else None
+        view["group_max_loaded"] = group.config.max_loaded if group else None
         if slot.name in self.loader.models:
             view.update(self.loader.snapshot(slot.name))
         return view

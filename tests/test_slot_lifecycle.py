@@ -145,6 +145,8 @@ async def test_api_slots_lists_every_slot_with_state_capacity_and_the_error_reas
         "max_concurrent": 3,
         "group": None,
         "memory_mib": None,
+        "group_memory_mib": None,
+        "group_max_loaded": None,
     }
     assert gone["state"] == "error"
     assert "cannot connect" in gone["reason"]

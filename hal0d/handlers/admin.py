@@ -102,6 +102,17 @@ async def events(request: web.Request) -> web.StreamResponse:
     return response
 
 
+async def status(request: web.Request) -> web.Response:
+    """The status page's header: version, uptime, requests served, the last hour's failures."""
+    tally = request.app[RECORDER].tally
+    return json({
+        "version": __version__,
+        "uptime_s": round(time.time() - tally.started, 1),
+        "requests": tally.served,
+        "error_times": tally.error_times(),
+    })
+
+
 def on_demand_slot(request: web.Request) -> tuple[Loader, Slot]:
     name = request.match_info["name"]
     slot = request.app[SLOTS].get(name)

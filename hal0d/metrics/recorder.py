@@ -9,6 +9,7 @@ from hal0d.errors import stall_reason
 from hal0d.metrics.history import COLUMNS, HistoryWriter, RequestRecord
 from hal0d.metrics.live import SlotMetrics
 from hal0d.metrics.prometheus import PromMetrics
+from hal0d.metrics.tally import Tally
 from hal0d.requestinfo import RequestInfo
 
 
@@ -19,6 +20,7 @@ class Recorder:
         self.live: dict[str, SlotMetrics] = {}
         self._ttft_samples = ttft_samples
         self._dropped_seen = 0
+        self.tally = Tally()
         # Told each history row as its request ends (the event feed).
         self.listeners: list[Callable[[RequestRecord], None]] = []
 
@@ -29,6 +31,7 @@ class Recorder:
         return metrics
 
     def record(self, info: RequestInfo) -> None:
+        self.tally.add(info.ts, info.ok)
         record = RequestRecord(**{name: getattr(info, name) for name in COLUMNS})
         total_ms = record.total_ms or 0.0
         self.history.submit(record)

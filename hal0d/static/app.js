@@ -1,0 +1,434 @@
+// hal0d's status page: one snapshot over the JSON API, then live from GET /api/events.
+// The event stream is read with fetch (not EventSource, which cannot send the key header);
+// the key, when hal0d asks for one, lives in this browser's localStorage and only ever travels
+// in the Authorization header.
+
+const KEY_STORE = "hal0d.api_key";
+const MAX_ROWS = 200;
+const SPARK_WINDOW_S = 600;
+const RETRY_MAX_MS = 5000;
+
+const state = {
+  key: localStorage.getItem(KEY_STORE) || "",
+  status: null,          // GET /api/status, and when it was read
+  statusAt: 0,
+  slots: new Map(),      // name -> the /api/slots view
+  slotsAt: 0,
+  metrics: new Map(),    // name -> the /api/slots/metrics view
+  loads: new Map(),      // name -> the latest load event while a load lasts
+  requests: [],          // history rows, newest first
+  errorTimes: [],        // unix seconds of failed requests in the last hour
+};
+
+class NeedKey extends Error {}
+
+const $ = (id) => document.getElementById(id);
+
+function authHeaders() {
+  return state.key ? { Authorization: `Bearer ${state.key}` } : {};
+}
+
+async function api(path, options = {}) {
+  const resp = await fetch(path, { ...options, headers: { ...authHeaders(), ...options.headers } });
+  if (resp.status === 401) throw new NeedKey();
+  const body = await resp.json().catch(() => ({}));
+  if (!resp.ok) {
+    const message = body.error ? body.error.message : `${resp.status}`;
+    throw Object.assign(new Error(message), { status: resp.status });
+  }
+  return body;
+}
+
+// -- formatting ------------------------------------------------------------------------------
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(attrs)) {
+    if (value === undefined || value === null || value === false) continue;
+    if (name === "class") node.className = value;
+    else if (name.startsWith("on")) node.addEventListener(name.slice(2), value);
+    else node.setAttribute(name, value === true ? "" : value);
+  }
+  for (const child of children.flat(Infinity)) {
+    if (child !== null && child !== undefined) node.append(child);
+  }
+  return node;
+}
+
+function duration(seconds) {
+  if (seconds === null || seconds === undefined) return "–";
+  const s = Math.max(0, Math.round(seconds));
+  if (s < 60) return `${s} s`;
+  if (s < 3600) return `${Math.floor(s / 60)} min ${s % 60} s`;
+  const h = Math.floor(s / 3600);
+  return h < 48 ? `${h} h ${Math.floor((s % 3600) / 60)} min` : `${Math.floor(h / 24)} d`;
+}
+
+const ms = (value) => (value === null || value === undefined ? "–" : `${Math.round(value)} ms`);
+const num = (value, digits = 1) => (value === null || value === undefined ? "–" : value.toFixed(digits));
+const clock = (ts) => new Date(ts * 1000).toLocaleTimeString([], { hour12: false });
+
+function tokensPerSecond(row) {
+  // Only a stream shows when generation began (its TTFT); a whole answer's speed is unknown.
+  if (!row.completion_tokens || !row.total_ms || row.ttft_ms === null) return null;
+  const generating = (row.total_ms - (row.ttft_ms || 0)) / 1000;
+  return generating > 0 ? row.completion_tokens / generating : null;
+}
+
+function outcome(row) {
+  if (row.ok) return el("span", { class: "outcome-ok" }, "ok");
+  const code = row.error_code || "error";
+  if (code.startsWith("stream_stall_")) {
+    return el("span", { class: "outcome-stall", title: "the stall guard ended this stream" },
+      `stall guard: ${code.slice("stream_stall_".length)}`);
+  }
+  if (code === "client_disconnect" || code === "client_stalled") {
+    return el("span", { class: "outcome-gone", title: code }, code === "client_disconnect"
+      ? "client left" : "client stopped reading");
+  }
+  return el("span", { class: "outcome-bad" }, code);
+}
+
+// -- rendering -------------------------------------------------------------------------------
+
+function renderHeader() {
+  const status = state.status;
+  if (!status) return;
+  const since = (Date.now() - state.statusAt) / 1000;
+  $("version").textContent = status.version;
+  $("uptime").textContent = duration(status.uptime_s + since);
+  $("served").textContent = String(status.requests);
+  const hourAgo = Date.now() / 1000 - 3600;
+  state.errorTimes = state.errorTimes.filter((ts) => ts > hourAgo);
+  $("errors").textContent = String(state.errorTimes.length);
+  $("forget-key").hidden = !state.key;
+}
+
+function sparkline(name) {
+  const now = Date.now() / 1000;
+  const points = state.requests
+    .filter((row) => row.slot === name && row.ts > now - SPARK_WINDOW_S)
+    .map((row) => [row.ts, tokensPerSecond(row)])
+    .filter(([, speed]) => speed !== null)
+    .reverse();
+  const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
+  svg.setAttribute("class", "spark");
+  svg.setAttribute("viewBox", "0 0 300 36");
+  svg.setAttribute("preserveAspectRatio", "none");
+  svg.setAttribute("role", "img");
+  if (points.length === 0) {
+    svg.setAttribute("aria-label", "no tokens per second in the last 10 minutes");
+    const text = document.createElementNS(svg.namespaceURI, "text");
+    text.setAttribute("x", "0");
+    text.setAttribute("y", "22");
+    text.textContent = "no generation in the last 10 min";
+    svg.append(text);
+    return svg;
+  }
+  const top = Math.max(...points.map(([, speed]) => speed)) || 1;
+  const coords = points.map(([ts, speed]) => {
+    const x = ((ts - (now - SPARK_WINDOW_S)) / SPARK_WINDOW_S) * 300;
+    const y = 34 - (speed / top) * 32;
+    return `${x.toFixed(1)},${y.toFixed(1)}`;
+  });
+  if (coords.length === 1) coords.push(coords[0].replace(/^[\d.]+/, (x) => String(+x + 2)));
+  const line = document.createElementNS(svg.namespaceURI, "polyline");
+  line.setAttribute("points", coords.join(" "));
+  svg.setAttribute("aria-label", `tokens per second over the last 10 minutes, up to ${top.toFixed(1)}`);
+  svg.append(line);
+  return svg;
+}
+
+function groupMemory(view) {
+  if (!view.group) return null;
+  const members = [...state.slots.values()].filter((other) => other.group === view.group);
+  const used = members
+    .filter((other) => !["stopped", "offline"].includes(other.state))
+    .reduce((sum, other) => sum + (other.memory_mib || 0), 0);
+  const budget = view.group_memory_mib ? ` of ${view.group_memory_mib}` : "";
+  return `${view.group}: ${used}${budget} MiB in use`;
+}
+
+function lifecycleLine(view) {
+  if (view.start !== "on_demand") return null;
+  if (view.state === "ready" && view.idle_for_s !== null && view.idle_for_s !== undefined) {
+    const since = (Date.now() - state.slotsAt) / 1000;
+    const idle = `idle for ${duration(view.idle_for_s + since)}`;
+    if (view.idle_unload_in_s === null || view.idle_unload_in_s === undefined) return idle;
+    return `${idle}, unloads in ${duration(view.idle_unload_in_s - since)}`;
+  }
+  if (view.loaded_for_s !== null && view.loaded_for_s !== undefined) {
+    return `loaded for ${duration(view.loaded_for_s + (Date.now() - state.slotsAt) / 1000)}`;
+  }
+  return "not loaded: the next request loads it";
+}
+
+async function slotAction(name, action, force = false) {
+  const query = action === "load" ? "?wait=false" : force ? "?force=true" : "";
+  try {
+    await api(`/api/slots/${encodeURIComponent(name)}/${action}${query}`, { method: "POST" });
+  } catch (error) {
+    if (error instanceof NeedKey) return askForKey();
+    if (error.status === 409 && action === "unload" && !force
+        && window.confirm(`${error.message}\n\nUnload anyway?`)) {
+      return slotAction(name, action, true);
+    }
+    showNotice(`${action} ${name}: ${error.message}`, 5000);
+  }
+}
+
+function card(view) {
+  const metrics = state.metrics.get(view.name) || {};
+  const ttft = metrics.ttft_ms || {};
+  const load = state.loads.get(view.name);
+  const facts = [
+    ["in flight", `${view.in_flight} / ${view.max_concurrent}`],
+    ["queued", String(view.queued)],
+    ["tok/s", num(metrics.tokens_per_s)],
+    ["TTFT p50 / p95", `${ms(ttft.p50)} / ${ms(ttft.p95)}`],
+  ];
+  const lifecycle = lifecycleLine(view);
+  if (lifecycle) facts.push(["model", el("span", { "data-tick": view.name }, lifecycle)]);
+  const memory = groupMemory(view);
+  if (memory) facts.push(["memory", memory]);
+  if (load) facts.push(["loading", `${load.phase.replaceAll("_", " ")}, ${num(load.elapsed_s)} s`]);
+  const loaded = !["stopped", "offline", "stopping"].includes(view.state);
+  return el("article", { class: "card", "data-state": view.state, "data-slot": view.name },
+    el("h3", {}, el("span", {}, view.name), el("span", { class: "state" }, view.state)),
+    view.reason ? el("p", { class: "reason" }, view.reason) : null,
+    el("p", { class: "models" }, view.models.join(", ")),
+    el("dl", {}, facts.map(([term, value]) => [el("dt", {}, term), el("dd", {}, value)])),
+    sparkline(view.name),
+    view.start === "on_demand" ? el("div", { class: "actions" },
+      el("button", { type: "button", "data-action": "load", disabled: loaded,
+        onclick: () => slotAction(view.name, "load") }, "Load"),
+      el("button", { type: "button", "data-action": "unload", disabled: !loaded,
+        onclick: () => slotAction(view.name, "unload") }, "Unload")) : null);
+}
+
+function renderSlots() {
+  // Cards are updated in place: a button under the pointer is kept (only whether it is enabled
+  // changes), so a click is never lost to a redraw while the slot is busy.
+  const container = $("slots");
+  const names = [...state.slots.keys()];
+  for (const view of state.slots.values()) {
+    const fresh = card(view);
+    const old = container.querySelector(`article[data-slot="${CSS.escape(view.name)}"]`);
+    if (!old) {
+      container.append(fresh);
+      continue;
+    }
+    old.dataset.state = view.state;
+    const kept = old.querySelector(".actions");
+    const made = fresh.querySelector(".actions");
+    if (kept && made) {
+      for (const button of kept.querySelectorAll("button")) {
+        button.disabled = made.querySelector(`[data-action="${button.dataset.action}"]`).disabled;
+      }
+      made.replaceWith(kept);
+    }
+    old.replaceChildren(...fresh.childNodes);
+  }
+  for (const stale of container.querySelectorAll("article[data-slot]")) {
+    if (!state.slots.has(stale.dataset.slot)) stale.remove();
+  }
+  const select = $("filter-slot");
+  const listed = [...select.options].slice(1).map((option) => option.value);
+  if (listed.join("\n") !== names.join("\n")) {
+    const chosen = select.value;
+    select.replaceChildren(el("option", { value: "" }, "all"),
+      ...names.map((name) => el("option", { value: name }, name)));
+    select.value = chosen;
+  }
+}
+
+function renderRequests() {
+  const slot = $("filter-slot").value;
+  const errorsOnly = $("filter-errors").checked;
+  const rows = state.requests
+    .filter((row) => (!slot || row.slot === slot) && (!errorsOnly || !row.ok))
+    .map((row) => el("tr", { "data-request-id": row.request_id },
+      el("td", {}, clock(row.ts)),
+      el("td", {}, row.model || "–"),
+      el("td", {}, row.slot || "–"),
+      el("td", {}, `${row.stream ? "stream " : ""}${row.endpoint}`),
+      el("td", { class: "num" }, String(row.status || "–")),
+      el("td", {}, outcome(row)),
+      el("td", { class: "num" }, `${ms(row.queue_ms)} / ${ms(row.load_ms)}`),
+      el("td", { class: "num" }, ms(row.ttft_ms)),
+      el("td", { class: "num" }, num(tokensPerSecond(row))),
+      el("td", { class: "num" }, ms(row.total_ms))));
+  $("requests").tBodies[0].replaceChildren(...rows);
+}
+
+function render() {
+  renderHeader();
+  renderSlots();
+  renderRequests();
+}
+
+// -- data ------------------------------------------------------------------------------------
+
+async function snapshot() {
+  const [status, slots, metrics, requests] = await Promise.all([
+    api("/api/status"), api("/api/slots"), api("/api/slots/metrics"),
+    api(`/api/requests?limit=${MAX_ROWS}`),
+  ]);
+  state.status = status;
+  state.statusAt = Date.now();
+  state.errorTimes = (status.error_times || []).slice();
+  state.slots = new Map(slots.slots.map((view) => [view.name, view]));
+  state.slotsAt = Date.now();
+  state.metrics = new Map(metrics.slots.map((view) => [view.name, view]));
+  state.requests = requests.requests;
+}
+
+let metricsPending = null;
+function refreshMetricsSoon() {
+  // Figures that change with every request (TTFT percentiles) are re-read at most once a second.
+  if (metricsPending) return;
+  metricsPending = setTimeout(async () => {
+    metricsPending = null;
+    try {
+      const metrics = await api("/api/slots/metrics");
+      state.metrics = new Map(metrics.slots.map((view) => [view.name, view]));
+      renderSlots();
+    } catch { /* the event stream's own reconnect reports trouble */ }
+  }, 1000);
+}
+
+const handlers = {
+  hello(data) {
+    if (data.slots) {
+      state.slots = new Map(data.slots.map((view) => [view.name, view]));
+      state.slotsAt = Date.now();
+    }
+    renderSlots();
+  },
+  slot(data) {
+    const view = data.view;
+    state.slots.set(view.name, view);
+    state.slotsAt = Date.now();
+    if (!["starting", "stopped"].includes(view.state)) state.loads.delete(view.name);
+    renderSlots();
+  },
+  counts(data) {
+    const view = state.slots.get(data.slot);
+    if (!view) return;
+    view.in_flight = data.in_flight;
+    view.queued = data.queued;
+    renderSlots();
+  },
+  load(data) {
+    if (data.phase === "ready" || data.phase === "failed") state.loads.delete(data.slot);
+    else state.loads.set(data.slot, data);
+    renderSlots();
+  },
+  request(data) {
+    const row = data;
+    state.requests.unshift(row);
+    state.requests.length = Math.min(state.requests.length, MAX_ROWS);
+    if (state.status) state.status.requests += 1;
+    if (!row.ok) state.errorTimes.push(row.ts);
+    renderHeader();
+    renderRequests();
+    refreshMetricsSoon();
+  },
+};
+
+function dispatch(frame) {
+  let name = "message";
+  const data = [];
+  for (const line of frame.split(/\r\n|\r|\n/)) {
+    if (line.startsWith(":")) continue;
+    if (line.startsWith("event:")) name = line.slice(6).trim();
+    else if (line.startsWith("data:")) data.push(line.slice(5).replace(/^ /, ""));
+  }
+  if (!data.length || !handlers[name]) return;
+  handlers[name](JSON.parse(data.join("\n")));
+}
+
+async function follow() {
+  const resp = await fetch("/api/events", { headers: { ...authHeaders(), Accept: "text/event-stream" } });
+  if (resp.status === 401) throw new NeedKey();
+  if (!resp.ok || !resp.body) throw new Error(`/api/events answered ${resp.status}`);
+  hideNotice();
+  const reader = resp.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += value;
+    const frames = buffer.split(/\r\n\r\n|\n\n|\r\r/);
+    buffer = frames.pop();
+    frames.forEach(dispatch);
+  }
+}
+
+// -- life ------------------------------------------------------------------------------------
+
+let noticeTimer = null;
+function showNotice(text, forMs = 0) {
+  $("notice").textContent = text;
+  $("notice").hidden = false;
+  clearTimeout(noticeTimer);
+  if (forMs) noticeTimer = setTimeout(hideNotice, forMs);
+}
+function hideNotice() {
+  $("notice").hidden = true;
+}
+
+function askForKey() {
+  $("live").hidden = true;
+  $("key-form").hidden = false;
+  $("key").focus();
+}
+
+async function run() {
+  let delay = 500;
+  for (;;) {
+    try {
+      await snapshot();
+      $("key-form").hidden = true;
+      $("live").hidden = false;
+      render();
+      delay = 500;
+      await follow();
+    } catch (error) {
+      if (error instanceof NeedKey) {
+        if (state.key) showNotice("hal0d refused the key; enter another one.");
+        return askForKey();
+      }
+    }
+    showNotice("Connection to hal0d lost: reconnecting…");
+    await new Promise((resolve) => setTimeout(resolve, delay));
+    delay = Math.min(delay * 2, RETRY_MAX_MS);
+  }
+}
+
+$("key-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  state.key = $("key").value.trim();
+  localStorage.setItem(KEY_STORE, state.key);
+  $("key").value = "";
+  hideNotice();
+  run();
+});
+$("forget-key").addEventListener("click", () => {
+  localStorage.removeItem(KEY_STORE);
+  state.key = "";
+  location.reload();
+});
+$("filter-slot").addEventListener("change", renderRequests);
+$("filter-errors").addEventListener("change", renderRequests);
+function tick() {
+  // Once a second: the clocks on the page (uptime, idle for, unloads in), not the server.
+  if ($("live").hidden) return;
+  renderHeader();
+  for (const span of document.querySelectorAll("[data-tick]")) {
+    const view = state.slots.get(span.dataset.tick);
+    if (view) span.textContent = lifecycleLine(view) || "";
+  }
+}
+setInterval(tick, 1000);
+run();
