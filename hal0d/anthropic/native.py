@@ -13,6 +13,7 @@ from __future__ import annotations
 import orjson
 
 from hal0d.anthropic.stream import encode_events
+from hal0d.errors import ErrorCode
 from hal0d.transform import STALL_KEY, StallTrip, TransformFailed
 
 __all__ = ["NativeAnthropic"]
@@ -48,7 +49,8 @@ class NativeAnthropic:
         if self.done:
             return b""
         raise TransformFailed(
-            "upstream_incomplete", error_frame("upstream ended the stream without message_stop")
+            ErrorCode.UPSTREAM_INCOMPLETE,
+            error_frame("upstream ended the stream without message_stop"),
         )
 
     def stalled(self, trip: StallTrip) -> bytes:

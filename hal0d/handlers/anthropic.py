@@ -31,7 +31,13 @@ from hal0d.anthropic.stream import Translator
 from hal0d.anthropic.transform import AnthropicTransform
 from hal0d.anthropic_mode import NATIVE, TRANSLATE
 from hal0d.appkeys import ANTHROPIC_MODES, SESSION
-from hal0d.errors import InvalidRequest, UpstreamInvalid, UpstreamStatus, upstream_message
+from hal0d.errors import (
+    ErrorCode,
+    InvalidRequest,
+    UpstreamInvalid,
+    UpstreamStatus,
+    upstream_message,
+)
 from hal0d.forward import Forward, forward
 from hal0d.handlers.body import parse_json_object, read_body
 from hal0d.handlers.openai import with_model
@@ -144,7 +150,8 @@ async def relay_native(
     data = await fwd.read_whole()
     if upstream.status == 200:
         if stream:
-            fwd.info.fail("upstream_invalid")  # asked for a stream, answered with something else
+            # Asked for a stream, answered with something else.
+            fwd.info.fail(ErrorCode.UPSTREAM_INVALID)
         try:
             parsed = orjson.loads(data)
         except orjson.JSONDecodeError:

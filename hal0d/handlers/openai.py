@@ -92,13 +92,20 @@ async def requested_model(request: web.Request, endpoint: str, body: bytes) -> t
             raise InvalidRequest("multipart field 'model' is required", field="model")
         return model, False
     payload = parse_json_object(body)
+    model, stream = model_and_stream(payload)
+    check_fields(endpoint, payload)
+    return model, stream
+
+
+def model_and_stream(payload: dict[str, Any]) -> tuple[str, bool]:
+    """The two fields every OpenAI-shaped body (chat, completions, Responses) must get right
+    before a slot is taken."""
     model = payload.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' is required and must be a non-empty string", field="model")
     stream = payload.get("stream", False)
     if not isinstance(stream, bool):
         raise InvalidRequest("'stream' must be a boolean", field="stream")
-    check_fields(endpoint, payload)
     return model, stream
 
 

@@ -17,10 +17,10 @@ import orjson
 from aiohttp import hdrs, web
 
 from hal0d.appkeys import RESPONSE_OWNERS
-from hal0d.errors import InvalidRequest, NoRoute, UpstreamInvalid
+from hal0d.errors import ErrorCode, InvalidRequest, NoRoute, UpstreamInvalid
 from hal0d.forward import Forward, forward
 from hal0d.handlers.body import parse_json_object, read_body
-from hal0d.handlers.openai import with_model
+from hal0d.handlers.openai import model_and_stream, with_model
 from hal0d.limits import MAX_TOKENS_LIMIT
 from hal0d.metrics.live import normal_usage
 from hal0d.openai.responses import ResponsesTransform, response_id_of
@@ -30,12 +30,7 @@ from hal0d.upstream import response_headers
 def requested(payload: dict[str, Any]) -> tuple[str, bool]:
     """The model and whether a stream was asked for; what no upstream could serve is refused
     here, in OpenAI's envelope, before a slot is taken."""
-    model = payload.get("model")
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest("'model' is required and must be a non-empty string", field="model")
-    stream = payload.get("stream", False)
-    if not isinstance(stream, bool):
-        raise InvalidRequest("'stream' must be a boolean", field="stream")
+    model, stream = model_and_stream(payload)
     given = payload.get("input")
     if given is not None and not isinstance(given, str | list):
         raise InvalidRequest("'input' must be a string or an array", field="input")
@@ -61,7 +56,8 @@ async def create(request: web.Request) -> web.StreamResponse:
             return await relay_whole(fwd, model)
         if upstream.content_type != "text/event-stream":
             whole = await relay_whole(fwd, model)
-            fwd.info.fail("upstream_invalid")  # asked for a stream, answered with something else
+            # Asked for a stream, answered with something else.
+            fwd.info.fail(ErrorCode.UPSTREAM_INVALID)
             return whole
         response = web.StreamResponse(
             status=upstream.status, headers=response_headers(upstream.headers)

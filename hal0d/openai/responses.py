@@ -33,6 +33,7 @@ from typing import Any
 
 import orjson
 
+from hal0d.errors import ErrorCode
 from hal0d.sse import Decoder
 from hal0d.transform import STALL_KEY, StallTrip, TransformFailed
 
@@ -120,7 +121,8 @@ class ResponsesTransform:
         if self.done:
             return b""
         message = "the upstream ended the Responses stream without response.completed"
-        raise TransformFailed("upstream_incomplete", self._failed(message, "upstream_incomplete"))
+        raise TransformFailed(ErrorCode.UPSTREAM_INCOMPLETE,
+                              self._failed(message, ErrorCode.UPSTREAM_INCOMPLETE))
 
     def stalled(self, trip: StallTrip) -> bytes:
         if self.done:
@@ -152,7 +154,7 @@ class ResponsesTransform:
     def broken(self, message: str) -> bytes:
         if self.done:
             return b""
-        return self._failed(message, "upstream_broken")
+        return self._failed(message, ErrorCode.UPSTREAM_BROKEN)
 
     def _failed(self, message: str, code: str) -> bytes:
         """An `error` event (with the `error` object the OpenAI SDK raises on), then
