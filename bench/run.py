@@ -374,7 +374,7 @@ async def profile_section(run: Run, hal0d: procs.Child) -> None:
 # -- orchestration --------------------------------------------------------------------------------
 
 async def measure(run: Run, peers: bool, profile: bool, sections: set[str],
-                  uvloop: bool = False, baseline: Path | None = None) -> None:
+                  uvloop: bool = False, *, baseline: Path | None = None) -> None:
     procset = procs.Processes(run.workdir)
     try:
         upstream = await procs.start_upstream(procset, run.plan.pace_ms)
@@ -623,7 +623,7 @@ def baseline_rows(run: Run) -> list[dict[str, Any]]:
     r = run.results
     rows: list[dict[str, Any]] = []
 
-    def row(name: str, ours: float | None, theirs: float | None, unit: str, digits: int,
+    def row(name: str, ours: float | None, theirs: float | None, unit: str, *, digits: int,
             note: str = "") -> None:
         if ours is None or theirs is None:
             return
@@ -638,26 +638,27 @@ def baseline_rows(run: Run) -> list[dict[str, Any]]:
         if "hal0d" in t and BASELINE in t:
             ours, theirs = t["hal0d"], t[BASELINE]
             row(f"added latency p50, {label}", ours["added_ms_median"],
-                theirs["added_ms_median"], "ms", 3,
-                f"p99 {ours['added_ms_p99']:.3f} vs {theirs['added_ms_p99']:.3f} ms")
+                theirs["added_ms_median"], "ms", digits=3,
+                note=f"p99 {ours['added_ms_p99']:.3f} vs {theirs['added_ms_p99']:.3f} ms")
             row(f"CPU per request, {label}", ours["cpu_us_per_request"],
-                theirs["cpu_us_per_request"], "us", 0)
+                theirs["cpu_us_per_request"], "us", digits=0)
     for table, label in (("single", "1 stream"), ("multi", "64 streams")):
         t = r.get(table, {})
         if "hal0d" in t and BASELINE in t:
             ours, theirs = t["hal0d"], t[BASELINE]
             row(f"relay {label}, of direct", ours["ratio_median"], theirs["ratio_median"], "",
-                2, f"failed rounds {ours['failed_rounds']} vs {theirs['failed_rounds']}")
+                digits=2, note=f"failed rounds {ours['failed_rounds']} vs "
+                f"{theirs['failed_rounds']}")
             row(f"relay {label}, CPU per chunk", ours["cpu_us_per_chunk"],
-                theirs["cpu_us_per_chunk"], "us", 2)
+                theirs["cpu_us_per_chunk"], "us", digits=2)
     paced = r.get("paced", {})
     if "hal0d" in paced and BASELINE in paced:
         row("CPU per relayed event, paced", paced["hal0d"]["cpu_us_per_event"],
-            paced[BASELINE]["cpu_us_per_event"], "us", 1)
+            paced[BASELINE]["cpu_us_per_event"], "us", digits=1)
     if "memory" in r and "memory_baseline" in r:
         ours, theirs = r["memory"], r["memory_baseline"]
-        row("RSS per open stream", ours["kb_per_stream"], theirs["kb_per_stream"], "KB", 1,
-            f"completed {ours['completed']} vs {theirs['completed']}/{theirs['streams']}")
+        row("RSS per open stream", ours["kb_per_stream"], theirs["kb_per_stream"], "KB", digits=1,
+            note=f"completed {ours['completed']} vs {theirs['completed']}/{theirs['streams']}")
     return rows
 
 
@@ -706,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"run folder {workdir}")
     try:
         asyncio.run(measure(run, args.peers, args.profile, set(args.sections.split(",")),
-                            args.uvloop, baseline))
+                            args.uvloop, baseline=baseline))
     finally:
         if args.keep_logs:
             say(f"logs kept in {workdir}")
