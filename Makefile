@@ -124,6 +124,7 @@ uninstall:
 # `make bench`: hal0d against direct, side by side (bench/README.md). `make bench-peers` adds
 # nginx (Debian's package, installed here if missing) and LiteLLM's proxy (its own virtualenv
 # under bench/.peers, pinned: LITELLM_VERSION). A peer that cannot be installed is skipped.
+# `make bench BASELINE=<git rev>` also measures hal0d as it was at that revision, side by side.
 PEERS_DIR := bench/.peers
 LITELLM_VERSION ?= 1.81.13
 LITELLM_STAMP := $(PEERS_DIR)/litellm/.installed-$(LITELLM_VERSION)
@@ -131,7 +132,7 @@ LITELLM_STAMP := $(PEERS_DIR)/litellm/.installed-$(LITELLM_VERSION)
 .PHONY: bench-peers bench-nginx soak
 
 bench: $(STAMP)
-	$(BIN)/python -m bench
+	$(BIN)/python -m bench $(if $(BASELINE),--baseline $(BASELINE)) $(BENCH_ARGS)
 
 bench-peers: $(STAMP) bench-nginx $(LITELLM_STAMP)
 	$(BIN)/python -m bench --peers

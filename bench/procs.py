@@ -189,8 +189,10 @@ max_queue = 2000
 
 
 async def start_hal0d(procs: Processes, upstream: Child, name: str, *, guard: bool = True,
-                      no_metrics: bool = False, uvloop: bool = False) -> Child:
-    """hal0d serve as shipped; `no_metrics` and `uvloop` run it through bench.variant."""
+                      no_metrics: bool = False, uvloop: bool = False,
+                      command: Path | None = None) -> Child:
+    """hal0d serve as shipped; `no_metrics` and `uvloop` run it through bench.variant;
+    `command` runs another installed hal0d (a baseline revision's, see `install_baseline`)."""
     port = free_port()
     config = procs.workdir / f"{name}.toml"
     config.write_text(hal0d_toml(port, upstream.base, procs.workdir, name, guard=guard))
@@ -198,10 +200,58 @@ async def start_hal0d(procs: Processes, upstream: Child, name: str, *, guard: bo
     if flags:
         argv = [sys.executable, "-m", "bench.variant", *flags, "serve", "--config", str(config)]
     else:
-        argv = [str(Path(sys.executable).parent / "hal0d"), "serve", "--config", str(config)]
-    child = procs.spawn(name, argv, port, cwd=ROOT)
+        hal0d = command or Path(sys.executable).parent / "hal0d"
+        argv = [str(hal0d), "serve", "--config", str(config)]
+    # A baseline runs outside the work tree, so this tree's hal0d/ cannot shadow its own.
+    child = procs.spawn(name, argv, port, cwd=procs.workdir if command else ROOT)
     await wait_until(child, slots_ready(child.base), 30, procs)
     return child
+
+
+def install_baseline(rev: str) -> tuple[Path, str]:
+    """hal0d as it was at git revision `rev`, installed in a virtualenv of its own under
+    bench/.peers/baseline-<commit>; returns its `hal0d` command and the full commit.
+
+    The virtualenv borrows this one's site-packages (a .pth line) for hal0d's dependencies and
+    installs only hal0d itself (--no-deps): both hal0d versions run on the very same aiohttp,
+    orjson and uvloop, so the comparison shows hal0d's own change.
+    Built once per commit; a failed build is removed so the next run starts clean.
+    """
+    commit = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=ROOT,
+                            capture_output=True, text=True, check=False).stdout.strip()
+    if not commit:
+        raise RuntimeError(f"BASELINE={rev}: not a git revision of this repository")
+    venv = PEERS / f"baseline-{commit[:12]}"
+    command = venv / "bin" / "hal0d"
+    stamp = venv / ".installed"
+    if stamp.exists() and command.exists():
+        return command, commit
+    shutil.rmtree(venv, ignore_errors=True)
+    source = venv / "src"
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+        source.mkdir(parents=True)
+        archive = subprocess.run(["git", "archive", "--format=tar", commit], cwd=ROOT,
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
+        python = venv / "bin" / "python"
+        site = subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True, text=True, check=True).stdout.strip()
+        ours = subprocess.run(
+            [sys.executable, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True, text=True, check=True).stdout.strip()
+        Path(site).mkdir(parents=True, exist_ok=True)
+        # Appended after the baseline's own site-packages: its hal0d wins over this tree's.
+        (Path(site) / "zz-bench-dependencies.pth").write_text(ours + "\n")
+        subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install",
+                        "--quiet", "--no-deps", str(source)],
+                       check=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        shutil.rmtree(venv, ignore_errors=True)
+        raise RuntimeError(f"BASELINE={rev}: could not install it: {exc}") from exc
+    stamp.touch()
+    return command, commit
 
 
 # -- nginx --------------------------------------------------------------------------------------

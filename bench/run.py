@@ -37,6 +37,7 @@ TARGET_RATIO = 0.6
 TARGET_TRANSLATOR_US = 10.0
 TARGET_KB_PER_STREAM = 30.0
 TARGET_LITELLM_FACTOR = 20.0
+BASELINE = "hal0d-baseline"  # the --baseline revision's hal0d, measured beside this tree's
 
 
 @dataclass
@@ -196,7 +197,8 @@ async def paced_section(run: Run, children: dict[str, procs.Child]) -> None:
     chat = chat_body(stream=True, tokens=n, model="paced-20")
     targets: list[tuple[str, procs.Child, str, bytes, dict[str, str], bytes]] = [
         (name, children[name], CHAT, chat, client.JSON_HEADERS, b"data: [DONE]")
-        for name in ("hal0d", "hal0d-noguard", "hal0d-nometrics", "hal0d-uvloop", "nginx")
+        for name in ("hal0d", BASELINE, "hal0d-noguard", "hal0d-nometrics", "hal0d-uvloop",
+                     "nginx")
         if name in children
     ]
     targets.insert(1, ("hal0d-messages", children["hal0d"], MESSAGES,
@@ -224,11 +226,13 @@ async def paced_section(run: Run, children: dict[str, procs.Child]) -> None:
     }
 
 
-async def memory_section(run: Run, procset: procs.Processes, upstream: procs.Child) -> None:
-    """A fresh hal0d: idle RSS after a warm-up, then RSS with N slowly paced streams open."""
+async def memory_section(run: Run, procset: procs.Processes, upstream: procs.Child,
+                         command: Path | None = None, key: str = "memory") -> None:
+    """A fresh hal0d: idle RSS after a warm-up, then RSS with N slowly paced streams open.
+    `command`: another installed hal0d (the baseline's), its figures under `key`."""
     plan = run.plan
     n = plan.memory_streams
-    hal0d = await procs.start_hal0d(procset, upstream, "hal0d-memory")
+    hal0d = await procs.start_hal0d(procset, upstream, f"{key}-hal0d", command=command)
     try:
         url = hal0d.base + CHAT
         async with client.session() as s:
@@ -289,7 +293,7 @@ async def memory_section(run: Run, procset: procs.Processes, upstream: procs.Chi
             await asyncio.sleep(1.0)
             after = procs.rss_kb(hal0d.pid)
         peak = max(samples)
-        run.results["memory"] = {
+        run.results[key] = {
             "streams": n,
             "chunks_per_stream": plan.memory_chunks,
             "pace_ms": plan.pace_ms,
@@ -370,15 +374,19 @@ async def profile_section(run: Run, hal0d: procs.Child) -> None:
 # -- orchestration --------------------------------------------------------------------------------
 
 async def measure(run: Run, peers: bool, profile: bool, sections: set[str],
-                  uvloop: bool = False) -> None:
+                  uvloop: bool = False, *, baseline: Path | None = None) -> None:
     procset = procs.Processes(run.workdir)
     try:
         upstream = await procs.start_upstream(procset, run.plan.pace_ms)
         hal0d = await procs.start_hal0d(procset, upstream, "hal0d")
+        children = {"hal0d": hal0d}
+        if baseline is not None:
+            children[BASELINE] = await procs.start_hal0d(procset, upstream, BASELINE,
+                                                         command=baseline)
         noguard = await procs.start_hal0d(procset, upstream, "hal0d-noguard", guard=False)
         nometrics = await procs.start_hal0d(procset, upstream, "hal0d-nometrics",
                                             no_metrics=True)
-        children = {"hal0d": hal0d, "hal0d-noguard": noguard, "hal0d-nometrics": nometrics}
+        children.update({"hal0d-noguard": noguard, "hal0d-nometrics": nometrics})
         if uvloop:
             children["hal0d-uvloop"] = await procs.start_hal0d(procset, upstream, "hal0d-uvloop",
                                                                uvloop=True)
@@ -407,6 +415,8 @@ async def measure(run: Run, peers: bool, profile: bool, sections: set[str],
             await paced_section(run, children)
         if "memory" in sections:
             await memory_section(run, procset, upstream)
+            if baseline is not None:
+                await memory_section(run, procset, upstream, baseline, "memory_baseline")
         if profile:
             await profile_section(run, hal0d)
     finally:
@@ -607,6 +617,51 @@ def build_rows(run: Run) -> list[dict[str, Any]]:
     return rows
 
 
+def baseline_rows(run: Run) -> list[dict[str, Any]]:
+    """With --baseline: each hal0d figure beside the baseline revision's, and their ratio
+    (this tree / baseline; below 1 is cheaper or faster, except the relay ratios)."""
+    r = run.results
+    rows: list[dict[str, Any]] = []
+
+    def row(name: str, ours: float | None, theirs: float | None, unit: str, *, digits: int,
+            note: str = "") -> None:
+        if ours is None or theirs is None:
+            return
+        ratio = ours / theirs if theirs else float("nan")
+        rows.append({"row": f"vs baseline: {name}",
+                     "value": f"{ours:.{digits}f} vs {theirs:.{digits}f} {unit}",
+                     "target": "-", "verdict": "info", "note": f"ratio {ratio:.2f}; {note}"
+                     if note else f"ratio {ratio:.2f}"})
+
+    for table, label in (("latency", "non-streaming"), ("ttfb", "time to first byte")):
+        t = r.get(table, {})
+        if "hal0d" in t and BASELINE in t:
+            ours, theirs = t["hal0d"], t[BASELINE]
+            row(f"added latency p50, {label}", ours["added_ms_median"],
+                theirs["added_ms_median"], "ms", digits=3,
+                note=f"p99 {ours['added_ms_p99']:.3f} vs {theirs['added_ms_p99']:.3f} ms")
+            row(f"CPU per request, {label}", ours["cpu_us_per_request"],
+                theirs["cpu_us_per_request"], "us", digits=0)
+    for table, label in (("single", "1 stream"), ("multi", "64 streams")):
+        t = r.get(table, {})
+        if "hal0d" in t and BASELINE in t:
+            ours, theirs = t["hal0d"], t[BASELINE]
+            row(f"relay {label}, of direct", ours["ratio_median"], theirs["ratio_median"], "",
+                digits=2, note=f"failed rounds {ours['failed_rounds']} vs "
+                f"{theirs['failed_rounds']}")
+            row(f"relay {label}, CPU per chunk", ours["cpu_us_per_chunk"],
+                theirs["cpu_us_per_chunk"], "us", digits=2)
+    paced = r.get("paced", {})
+    if "hal0d" in paced and BASELINE in paced:
+        row("CPU per relayed event, paced", paced["hal0d"]["cpu_us_per_event"],
+            paced[BASELINE]["cpu_us_per_event"], "us", digits=1)
+    if "memory" in r and "memory_baseline" in r:
+        ours, theirs = r["memory"], r["memory_baseline"]
+        row("RSS per open stream", ours["kb_per_stream"], theirs["kb_per_stream"], "KB", digits=1,
+            note=f"completed {ours['completed']} vs {theirs['completed']}/{theirs['streams']}")
+    return rows
+
+
 def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     heads = ("row", "value", "target", "verdict", "note")
     widths = {h: max(len(h), *(len(str(r[h])) for r in rows)) for h in heads[:-1]}
@@ -632,6 +687,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated subset of the default")
     parser.add_argument("--uvloop", action="store_true",
                         help="experiment: add a hal0d-uvloop instance (bench/.peers/uvloop)")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="also measure hal0d at git revision REV (installed in "
+                        "bench/.peers/baseline-<commit>) side by side; rows for both and ratio")
     parser.add_argument("--out", type=Path, default=RESULTS / "latest.json")
     parser.add_argument("--keep-logs", action="store_true",
                         help="keep the run folder (configs, process logs)")
@@ -642,10 +700,14 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="hal0d-bench-"))
     run = Run(plan, workdir)
     meta_machine = machine()
+    baseline = None
+    if args.baseline:
+        say(f"baseline: installing hal0d at {args.baseline}")
+        baseline, meta_machine["baseline_commit"] = procs.install_baseline(args.baseline)
     say(f"run folder {workdir}")
     try:
         asyncio.run(measure(run, args.peers, args.profile, set(args.sections.split(",")),
-                            args.uvloop))
+                            args.uvloop, baseline=baseline))
     finally:
         if args.keep_logs:
             say(f"logs kept in {workdir}")
@@ -660,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
         "peers": args.peers,
         "quick": args.quick,
     }
-    rows = build_rows(run)
+    rows = build_rows(run) + baseline_rows(run)
     table = render(rows, meta)
     print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)

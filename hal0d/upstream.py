@@ -22,6 +22,7 @@ request bodies are small and go out in one write.)
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Mapping, MutableMapping
 from types import TracebackType
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 import aiohttp
 from aiohttp import hdrs
 from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
 
 from hal0d import USER_AGENT
 from hal0d.config import DispatcherConfig, SlotConfig
@@ -231,11 +233,13 @@ def header_tracing() -> aiohttp.TraceConfig:
     return trace
 
 
+@functools.lru_cache(maxsize=256)
 def client_timeout(
     timeouts: DispatcherConfig, sock_read: float | None = None
 ) -> aiohttp.ClientTimeout:
     """aiohttp's timeouts from ours: no total (aiohttp's default of 300 s kills long streams),
-    the pool wait and the connect, and `sock_read` for every read when given."""
+    the pool wait and the connect, and `sock_read` for every read when given. Cached: a slot's
+    timeouts change only on a reload, and both values are frozen."""
     return aiohttp.ClientTimeout(
         total=None,
         connect=timeouts.pool_timeout_s + timeouts.connect_timeout_s,
@@ -257,6 +261,14 @@ def make_session(timeouts: DispatcherConfig) -> aiohttp.ClientSession:
         # Instead of aiohttp's own "Python/3.x aiohttp/3.x", on any request that sets none.
         headers={hdrs.USER_AGENT: USER_AGENT},
     )
+
+
+@functools.lru_cache(maxsize=1024)
+def upstream_url(base: str, path: str) -> URL:
+    """The parsed URL of `path` on an upstream: aiohttp parses a string on every request, and
+    the pairs repeat (a few slots, a few endpoints). Bounded: a path that names a client's id
+    (a stored response) only takes one of the places."""
+    return URL(base + path)
 
 
 async def open_upstream(
@@ -288,7 +300,7 @@ async def open_upstream(
         async with deadline.timeout:
             return await session.request(
                 method,
-                slot.upstream + path,
+                upstream_url(slot.upstream, path),
                 params=params,
                 data=body,
                 headers=headers,

@@ -3,7 +3,8 @@ and per-slot live metrics, all at once and off the stream's path."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 from hal0d.errors import stall_reason
 from hal0d.metrics.history import COLUMNS, HistoryWriter, RequestRecord
@@ -23,6 +24,16 @@ class Recorder:
         self.tally = Tally()
         # Told each history row as its request ends (the event feed).
         self.listeners: list[Callable[[RequestRecord], None]] = []
+        # prometheus_client's labels() validates and locks on every call; a request's labels
+        # repeat (a few slots, models, endpoints), so each child is looked up once and kept.
+        self._children: dict[tuple[int, Hashable], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def slot_metrics(self, slot: str) -> SlotMetrics:
         metrics = self.live.get(slot)
@@ -42,18 +53,19 @@ class Recorder:
             self._dropped_seen = self.history.dropped
         slot = info.slot or ""
         model = info.served_model or ""
-        self.prom.requests.labels(slot, model, info.endpoint, info.error_code or "ok").inc()
-        self.prom.duration.labels(slot, info.endpoint).observe(total_ms / 1000)
+        self._child(self.prom.requests, slot, model, info.endpoint,
+                    info.error_code or "ok").inc()
+        self._child(self.prom.duration, slot, info.endpoint).observe(total_ms / 1000)
         if info.slot is None:
             return  # never reached a slot: a bad request, an unknown model
         if info.queue_ms is not None:
-            self.prom.queue_wait.labels(slot).observe(info.queue_ms / 1000)
+            self._child(self.prom.queue_wait, slot).observe(info.queue_ms / 1000)
         if info.ttft_ms is not None:
-            self.prom.ttft.labels(slot).observe(info.ttft_ms / 1000)
+            self._child(self.prom.ttft, slot).observe(info.ttft_ms / 1000)
         if info.completion_tokens:
-            self.prom.tokens.labels(slot, model).inc(info.completion_tokens)
+            self._child(self.prom.tokens, slot, model).inc(info.completion_tokens)
         if (stall := stall_reason(info.error_code)) is not None:
-            self.prom.stall_trips.labels(slot, stall).inc()
+            self._child(self.prom.stall_trips, slot, stall).inc()
         live = self.slot_metrics(slot)
         live.record(
             ok=info.ok,
