@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds before it listens, as a model loads (default 0)")
     stub.add_argument("--fail-start", metavar="MESSAGE",
                       help="after the startup delay, print MESSAGE and exit 1 instead of serving")
+    stub.add_argument("--anthropic-native", action="store_true",
+                      help="also serve the Anthropic Messages API (/v1/messages, count_tokens) "
+                      "natively, as llama-server does")
     add_client_commands(commands)
     return parser
 
@@ -178,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         from hal0d.stub import run_stub
 
         return run_stub(args.host, args.port, args.log, args.delay,
-                        startup_delay=args.startup_delay, fail_start=args.fail_start)
+                        startup_delay=args.startup_delay, fail_start=args.fail_start,
+                        anthropic_native=args.anthropic_native)
     if args.command == "print-config":
         config = configuration.Config() if args.defaults else load_or_report(args.config)
         if config is None:

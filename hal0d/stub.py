@@ -3,11 +3,12 @@
 It serves every endpoint hal0d dispatches, with small deterministic answers in the shapes the
 real servers use: chat completions and completions (streamed and not), embeddings, audio speech
 (a byte stream) and transcriptions (multipart; `response_format` json or text), image generations
-(a tiny real PNG as `b64_json`), rerank (llama-server's and Jina's shape), and llama-server's
-/tokenize, the Responses API (/v1/responses, streamed as named events, kept for GET and DELETE),
-and, made with `anthropic_native`, the Anthropic Messages API natively. Chat completions stream
-SSE the way llama-server does (a role-only first chunk, one
-chunk per token, a final chunk with finish_reason, a usage chunk when
+(a tiny real PNG as `b64_json`), rerank (llama-server's and Jina's shape), llama-server's
+/tokenize and /apply-template (a ChatML template with a default system prompt, which its usage
+counts too, as a real server's does), the Responses API (/v1/responses, streamed as named events,
+kept for GET and DELETE), and, made with `anthropic_native` (`hal0d stub --anthropic-native`),
+the Anthropic Messages API natively. Chat completions stream SSE the way llama-server does (a
+role-only first chunk, one chunk per token, a final chunk with finish_reason, a usage chunk when
 `stream_options.include_usage` is set, `data: [DONE]`).
 
 It misbehaves on demand through the model name, on every endpoint, streamed or not:
@@ -105,13 +106,64 @@ def last_user_text(messages: Any) -> str:
     return ""
 
 
+# The stub's chat template, ChatML as SmolLM2 and Qwen use it, with SmolLM2's habit of a default
+# system prompt when the request has none: tens of tokens the messages' own text does not hold,
+# which a count of the raw text misses.
+SYSTEM_PREAMBLE = (
+    "You are a helpful AI assistant named Stub, served by the hal0d stub upstream for demos and "
+    "tests. You answer briefly and kindly, you call a tool only when the user asks for one, and "
+    "you always greet the user first."
+)
+
+
+def message_text(content: Any) -> str:
+    """A message's content as text: a string, or the text of its parts (OpenAI's and
+    Anthropic's); any other part (a tool call or result) as its JSON."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return "" if content is None else str(content)
+    texts = []
+    for part in content:
+        if isinstance(part, dict) and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            texts.append(orjson.dumps(part).decode())
+    return " ".join(texts)
+
+
+def apply_template(body: dict[str, Any]) -> str:
+    """The prompt the stub's model reads for a chat request (OpenAI's shape, or Anthropic's with
+    its top-level `system`), as llama-server's /apply-template answers it."""
+    messages = [m for m in body.get("messages") or () if isinstance(m, dict)]
+    system = body.get("system")
+    if system is not None:
+        messages = [{"role": "system", "content": system}, *messages]
+    if not messages or messages[0].get("role") != "system":
+        messages = [{"role": "system", "content": SYSTEM_PREAMBLE}, *messages]
+    turns = []
+    for index, message in enumerate(messages):
+        text = message_text(message.get("content"))
+        if index == 0 and body.get("tools"):
+            text += "\nTools: " + orjson.dumps(body["tools"]).decode()
+        for call in message.get("tool_calls") or ():
+            text += "\n" + orjson.dumps(call).decode()
+        turns.append(f"<|im_start|>{message.get('role')}\n{text}<|im_end|>\n")
+    return "".join(turns) + "<|im_start|>assistant\n"
+
+
+def count_tokens(text: str, *, add_special: bool) -> int:
+    """The stub's tokenizer: a token per whitespace-separated word (a template marker is one
+    word), and the BOS token when the special tokens are added."""
+    return len(text.split()) + (1 if add_special else 0)
+
+
 def prompt_tokens(body: dict[str, Any]) -> int:
-    messages = body.get("messages")
-    text = " ".join(
-        str(m.get("content", "")) for m in messages if isinstance(m, dict)
-    ) if isinstance(messages, list) else str(body.get("prompt", ""))
-    # A chat template adds a few tokens around each message; be roughly llama-like.
-    return len(text.split()) + 4 * (len(messages) if isinstance(messages, list) else 1)
+    """What a completion reports as usage.prompt_tokens: the templated prompt (a chat request) or
+    the prompt as given (a legacy completion), tokenized as the completion does, BOS included."""
+    if isinstance(body.get("messages"), list):
+        return count_tokens(apply_template(body), add_special=True)
+    return count_tokens(str(body.get("prompt", "")), add_special=True)
 
 
 def plan(model: str, body: dict[str, Any]) -> Iterator[tuple[str, str]]:
@@ -867,12 +919,24 @@ async def native_count_tokens(request: web.Request) -> web.Response:
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    """llama-server's shape: {"content": text} -> {"tokens": [...]}."""
+    """llama-server's shape: {"content": text, "add_special": false} -> {"tokens": [...]}; like
+    llama-server's, it adds no BOS unless asked (its completion does add one)."""
     body = await read_json(request)
     content = body.get("content")
     if not isinstance(content, str):
         return web.json_response(error_body("content is required"), status=400)
-    return web.json_response({"tokens": list(range(len(content.split()) + 4))})
+    add_special = body.get("add_special", False) is True
+    return web.json_response(
+        {"tokens": list(range(count_tokens(content, add_special=add_special)))}
+    )
+
+
+async def template(request: web.Request) -> web.Response:
+    """llama-server's POST /apply-template: a chat request -> {"prompt": the templated text}."""
+    body = await read_json(request)
+    if not isinstance(body.get("messages"), list):
+        return web.json_response(error_body("messages: an array is required"), status=400)
+    return web.json_response({"prompt": apply_template(body)})
 
 
 async def models(request: web.Request) -> web.Response:
@@ -906,6 +970,7 @@ def make_stub_app(
         app.router.add_post("/v1/messages", native_messages)
         app.router.add_post("/v1/messages/count_tokens", native_count_tokens)
     app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/apply-template", template)
 
     async def close_log(app: web.Application) -> None:
         app[LOG_KEY].close()
@@ -922,10 +987,12 @@ def run_stub(
     *,
     startup_delay: float = 0.0,
     fail_start: str | None = None,
+    anthropic_native: bool = False,
 ) -> int:
     """Serve until stopped. `startup_delay`: seconds before listening, as a model server loads its
     weights first. `fail_start`: after the delay, print this line and exit 1 instead of serving,
-    as a model server does when its model file is missing or does not fit."""
+    as a model server does when its model file is missing or does not fit. `anthropic_native`:
+    also serve the Anthropic Messages API, as llama-server does."""
     if startup_delay > 0:
         print(f"stub: loading for {startup_delay:g} s", flush=True)
         time.sleep(startup_delay)
@@ -933,7 +1000,7 @@ def run_stub(
         print(fail_start, file=sys.stderr, flush=True)
         return 1
     web.run_app(
-        make_stub_app(log_path, delay),
+        make_stub_app(log_path, delay, anthropic_native=anthropic_native),
         host=host,
         port=port,
         handler_cancellation=True,

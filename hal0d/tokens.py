@@ -1,12 +1,24 @@
 """Counting prompt tokens with the upstream's own tokenizer, for Anthropic's input_tokens.
 
-Upstreams disagree on where and how: vLLM serves POST /tokenize with chat `messages` (template
-applied) and answers `count`; llama-server serves POST /tokenize with `content` and answers
-`tokens`; llama-cpp-python serves POST /extras/tokenize/count with `input`. One /tokenize body
-carries both shapes (each server ignores the other's fields), llama-cpp-python's path is the
-fallback, and when nothing answers a chars/4 estimate stands in: agents track their context from
-input_tokens, and 0 would break them. Which way works is remembered per slot, so an upstream
-without a tokenizer (a remote provider) costs two failed look-ups once, not on every request.
+The count should be what the model will really read: the messages *after* the chat template,
+whose preamble (a default system prompt, role markers) is tens of tokens the raw text does not
+have. Upstreams differ in how far they can tell:
+
+    template  llama-server: POST /apply-template with the chat request answers the templated
+              `prompt`; POST /tokenize of it, with the special tokens its completion adds (BOS)
+              and parses, answers `tokens`. Exact.
+    tokenize  vLLM: POST /tokenize with chat `messages` applies the template and answers `count`
+              (exact); an older llama-server without /apply-template tokenizes the raw `content`
+              (the template not counted). One body carries both shapes: each server ignores the
+              other's fields.
+    extras    llama-cpp-python: POST /extras/tokenize/count of the raw text (template not counted).
+    estimate  nothing answers (a remote provider): chars / 4 of the raw text. Agents track their
+              context from input_tokens, and 0 would break them.
+
+The ways are tried in that order; the one that answers is remembered per slot, so an upstream
+without /apply-template costs one 404 once, and one without any tokenizer three once, not on
+every request. Where the template is not counted, the upstream's own usage, when its stream
+reports one, still wins in message_delta (anthropic/stream.py).
 
 Counting happens before the generation is requested, never beside it: llama-cpp-python's server
 interrupts a running completion when another request arrives.
@@ -28,16 +40,25 @@ from hal0d.upstream import own_headers, upstream_errors
 
 log = get_logger()
 TOKENIZE_TIMEOUT_S = 2.0
+TEMPLATE = "/apply-template"
 TOKENIZE = "/tokenize"
 EXTRAS = "/extras/tokenize/count"
-SOURCE = {TOKENIZE: "tokenize", EXTRAS: "extras"}
+WAYS = (TEMPLATE, TOKENIZE, EXTRAS)
+SOURCE = {TEMPLATE: "template", TOKENIZE: "tokenize", EXTRAS: "extras"}
 # Statuses that say "this server has no such endpoint"; any other failure may pass (a model still
 # loading answers 503), so it is not remembered.
 ABSENT_STATUSES = frozenset({400, 404, 405, 422})
+# /apply-template judges the whole chat request: a 400 or 422 there is about this request (tools
+# its template refuses), not the endpoint, so only these say it is missing.
+NO_ENDPOINT_STATUSES = frozenset({404, 405})
 
 
 class TryLater(Exception):
     pass
+
+
+class NotThisRequest(Exception):
+    """This way could not count this request; the next way may, and nothing is remembered."""
 
 
 def estimate(text: str) -> int:
@@ -63,52 +84,83 @@ class TokenCounter:
         # upstream too: a reload that points the slot at another server asks that one afresh.
         self._ways: dict[tuple[str, str], str | None] = {}
 
-    async def _ask(self, slot: SlotConfig, path: str, body: dict[str, Any]) -> int | None:
+    async def _post(self, slot: SlotConfig, path: str, body: dict[str, Any]) -> Any:
+        """The answer's JSON; None when the endpoint is not there (or answers no JSON)."""
         headers = own_headers(slot)
         headers[hdrs.CONTENT_TYPE] = "application/json"
         async with self.session.post(
             slot.upstream + path, data=orjson.dumps(body), headers=headers
         ) as resp:
+            if path == TEMPLATE and resp.status in ABSENT_STATUSES - NO_ENDPOINT_STATUSES:
+                raise NotThisRequest(f"{path} answered {resp.status}")
             if resp.status in ABSENT_STATUSES:
                 return None
             if resp.status != 200:
                 raise TryLater(f"{path} answered {resp.status}")
             try:
-                return _count_of(orjson.loads(await resp.read()))
+                return orjson.loads(await resp.read())
             except orjson.JSONDecodeError:
                 return None
+
+    async def _templated(self, slot: SlotConfig, openai_request: dict[str, Any]) -> int | None:
+        """llama-server's own template, then its tokenizer, as its chat completion does both."""
+        # The whole chat request: the template also renders tools and chat_template_kwargs.
+        answer = await self._post(slot, TEMPLATE, openai_request)
+        prompt = answer.get("prompt") if isinstance(answer, dict) else None
+        if not isinstance(prompt, str):
+            return None
+        # add_special: the BOS its completion prepends; parse_special: the template's markers
+        # are special tokens, one each, not text.
+        body = {"content": prompt, "add_special": True, "parse_special": True}
+        return _count_of(await self._post(slot, TOKENIZE, body))
+
+    async def _ask(
+        self, slot: SlotConfig, path: str, openai_request: dict[str, Any], text: str
+    ) -> int | None:
+        if path == TEMPLATE:
+            return await self._templated(slot, openai_request)
+        if path == TOKENIZE:
+            body = {"model": openai_request.get("model"),
+                    "messages": openai_request.get("messages"),
+                    "content": text, "add_special": True, "parse_special": True}
+        else:
+            body = {"input": text}
+        return _count_of(await self._post(slot, path, body))
 
     async def count(
         self, slot: SlotConfig, openai_request: dict[str, Any], text: str
     ) -> tuple[int, str]:
-        """(token count, where it came from: tokenize, extras or estimate)."""
-        bodies: dict[str, dict[str, Any]] = {
-            TOKENIZE: {
-                "model": openai_request.get("model"),
-                "messages": openai_request.get("messages"),
-                "content": text,
-                "add_special": True,
-            },
-            EXTRAS: {"input": text},
-        }
+        """(token count, where it came from: template, tokenize, extras or estimate)."""
         key = (slot.name, slot.upstream)
         known = self._ways.get(key, "unknown")
-        ways = [TOKENIZE, EXTRAS] if known == "unknown" else [known] if known else []
+        if known == "unknown":
+            ways: tuple[str, ...] = WAYS
+        else:
+            # The remembered way first; the ones after it stand in when it cannot count one
+            # request (the ones before it are known to be missing).
+            ways = WAYS[WAYS.index(known):] if known else ()
+        conclusive = True
         try:
             # No descriptor for the count means none for the generation either: FdExhausted
             # passes, and the request gets its 503 now rather than an estimate and then the same.
             with upstream_errors(slot, "counting tokens", refused_at="tokenizer"):
                 async with asyncio.timeout(TOKENIZE_TIMEOUT_S):
                     for path in ways:
-                        count = await self._ask(slot, path, bodies[path])
+                        try:
+                            count = await self._ask(slot, path, openai_request, text)
+                        except NotThisRequest as exc:
+                            conclusive = False
+                            log.debug("tokens.way_skipped", slot=slot.name, error=str(exc))
+                            continue
                         if count is not None:
-                            self._ways[key] = path
+                            if conclusive and known != path:
+                                self._ways[key] = path
+                                log.info("tokens.way_chosen", slot=slot.name, way=SOURCE[path])
                             return count, SOURCE[path]
         except (UpstreamUnavailable, TryLater) as exc:
             log.debug("tokens.count_failed", slot=slot.name, error=str(exc))
             return estimate(text), "estimate"  # a passing failure: try the tokenizer next time
-        if known == "unknown":
+        if known == "unknown" and conclusive:
             self._ways[key] = None
             log.info("tokens.no_tokenizer", slot=slot.name, fallback="estimate (chars / 4)")
         return estimate(text), "estimate"
-

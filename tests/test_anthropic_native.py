@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from structlog.testing import capture_logs
 
-from hal0d.stub import CONTENT_TEXT, REASONING_TEXT, make_stub_app, words
+from hal0d.stub import CONTENT_TEXT, REASONING_TEXT, make_stub_app, prompt_tokens, words
 from tests.conftest import Stub, eventually, free_port
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ async def test_native_count_tokens_is_the_upstreams(
     client: AsyncAnthropic, native_stub: Stub
 ) -> None:
     counted = await client.messages.count_tokens(model="chat", messages=HI)
-    assert counted.input_tokens == 1 + 4  # the stub's count: one word, four for the template
+    assert counted.input_tokens == prompt_tokens({"messages": HI})  # the stub's own count
     assert any("native-count-tokens" in line for line in native_stub.lines())
 
 
@@ -164,7 +164,7 @@ async def test_native_history_rows_carry_ttft_and_tokens(
     found = await eventually(row, 5.0, "the stream's history row")
     assert found["ok"] and found["ttft_ms"] is not None
     assert found["completion_tokens"] == len(words(CONTENT_TEXT))
-    assert found["prompt_tokens"] == 1 + 4
+    assert found["prompt_tokens"] == prompt_tokens({"messages": HI})
 
 
 @pytest.mark.parametrize(("native", "expected"), [(True, "native"), (False, "translate")])

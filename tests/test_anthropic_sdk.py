@@ -18,7 +18,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from hal0d.config import ServerConfig
-from hal0d.stub import CONTENT_TEXT, LONG_WORDS, REASONING_TEXT, words
+from hal0d.stub import CONTENT_TEXT, LONG_WORDS, REASONING_TEXT, prompt_tokens, words
 from tests.conftest import Stub, make_config
 
 if TYPE_CHECKING:
@@ -208,7 +208,7 @@ async def test_sdk_create_non_streaming_tool_call_matches_the_stream(
     assert whole.usage.output_tokens == streamed.usage.output_tokens
 
 
-async def test_sdk_message_start_carries_input_tokens_from_upstream_tokenize(
+async def test_sdk_message_start_carries_input_tokens_from_the_upstreams_template_and_tokenizer(
     client: AsyncAnthropic,
 ) -> None:
     prompt = "hello there general kenobi how are you"
@@ -217,9 +217,10 @@ async def test_sdk_message_start_carries_input_tokens_from_upstream_tokenize(
     )
     start = events[0]
     assert start.type == "message_start"
-    # The stub's /tokenize answers words + 4; hal0d's chars/4 fallback would say 9.
-    assert start.message.usage.input_tokens == len(prompt.split()) + 4
-    assert len(prompt) // 4 != len(prompt.split()) + 4
+    # The stub's /apply-template then /tokenize: its preamble counted, as its own usage counts it.
+    expected = prompt_tokens({"messages": [{"role": "user", "content": prompt}]})
+    assert start.message.usage.input_tokens == expected
+    assert len(prompt) // 4 != expected
 
 
 async def test_sdk_message_start_echoes_the_client_model_name_through_an_alias(
@@ -233,19 +234,20 @@ async def test_sdk_message_start_echoes_the_client_model_name_through_an_alias(
     assert final.content[0].thinking == REASONING_TEXT  # the alias reached the reasoning model
 
 
-async def test_sdk_count_tokens_returns_the_upstream_tokenize_count(
+async def test_sdk_count_tokens_returns_the_upstreams_templated_count(
     client: AsyncAnthropic,
 ) -> None:
     prompt = "count these five words"
     counted = await client.messages.count_tokens(
         model="chat", messages=[{"role": "user", "content": prompt}]
     )
-    assert counted.input_tokens == len(prompt.split()) + 4
+    asked = [{"role": "user", "content": prompt}]
+    assert counted.input_tokens == prompt_tokens({"messages": asked})
     raw = await client.messages.with_raw_response.count_tokens(
         model="chat", messages=[{"role": "user", "content": prompt}]
     )
     assert raw.http_request.url.path == "/llm/v1/messages/count_tokens"
-    assert raw.headers["X-Hal0d-Token-Count"] == "tokenize"
+    assert raw.headers["X-Hal0d-Token-Count"] == "template"
 
 
 async def test_sdk_unknown_model_raises_not_found(client: AsyncAnthropic) -> None:

@@ -23,7 +23,7 @@ from aiohttp.test_utils import TestServer
 from aiohttp_sse_client import client as sse_client
 
 from hal0d.config import ServerConfig
-from hal0d.stub import CONTENT_TEXT, REASONING_TEXT, words
+from hal0d.stub import CONTENT_TEXT, REASONING_TEXT, prompt_tokens, words
 from tests.anthropic_rules import Event, assemble, assert_valid_anthropic_stream, events_from_sse
 from tests.conftest import Stub, eventually, free_port, make_config
 
@@ -340,7 +340,8 @@ async def test_v1_messages_answers_exactly_like_llm_v1_messages(
     assert answers[MESSAGES] == answers["/v1/messages"]
     streamed, whole, errors, counted = answers[MESSAGES]
     assert [s for s, _ in errors] == [404, 400, 400]
-    assert counted == (200, {"input_tokens": 3 + 4})
+    assert counted == (200, {"input_tokens": prompt_tokens(
+        {"messages": [{"role": "user", "content": "one two three"}]})})
 
 
 async def test_non_streaming_answer_is_the_messages_json(

@@ -8,7 +8,10 @@ takes about 15 minutes on two cores.
 What this server does differently from the stub, and what hal0d does about it:
 - it ignores `stream_options.include_usage` when streaming: the Anthropic translator then counts
   output tokens from the streamed deltas, and the metrics tap counts them for the history row;
-- it has no POST /tokenize: input_tokens comes from its /extras/tokenize/count instead;
+- it has no POST /apply-template and no POST /tokenize: input_tokens comes from its
+  /extras/tokenize/count of the raw text, which misses the chat template's tokens (SmolLM2's
+  default system prompt), and with no usage in its streams that estimate stays in message_delta;
+  its own usage does win in a whole answer;
 - it takes seconds to load the model: the slot is `starting` meanwhile and requests queue.
 """
 
@@ -153,6 +156,24 @@ def test_anthropic_count_tokens_uses_the_servers_tokenizer(hal0d: str) -> None:
         model=MODEL, messages=[{"role": "user", "content": "one two three four five six"}]
     )
     assert counted.input_tokens > 0
+
+
+def test_without_apply_template_input_tokens_is_the_raw_count_and_the_servers_usage_wins(
+    hal0d: str,
+) -> None:
+    messages = [{"role": "user", "content": "one two three four five six"}]
+    counted = anthropic.Anthropic(base_url=f"{hal0d}/llm", api_key="unused").messages \
+        .with_raw_response.count_tokens(model=MODEL, messages=messages)
+    assert counted.headers["X-Hal0d-Token-Count"] == "extras"
+    raw_count = counted.parse().input_tokens
+    server = openai.OpenAI(base_url=f"{hal0d}/v1", api_key="unused").chat.completions.create(
+        model=MODEL, max_tokens=4, messages=messages)
+    assert server.usage is not None
+    # The server counts its template's preamble too: tens of tokens more than the raw text.
+    assert server.usage.prompt_tokens > raw_count
+    whole = anthropic.Anthropic(base_url=f"{hal0d}/llm", api_key="unused").messages.create(
+        model=MODEL, max_tokens=4, messages=messages)
+    assert whole.usage.input_tokens > raw_count  # the server's own usage, not hal0d's count
 
 
 def test_a_disconnect_mid_stream_frees_the_slot(hal0d: str) -> None:
