@@ -253,6 +253,9 @@ def make_session(timeouts: DispatcherConfig) -> aiohttp.ClientSession:
         trace_configs=[header_tracing()],
         timeout=client_timeout(timeouts),
         connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+        # One session serves every client: a cookie an upstream sets is the client's (relayed to
+        # it), never kept here to go out again on someone else's request. No jar, no cost.
+        cookie_jar=aiohttp.DummyCookieJar(),
         auto_decompress=False,
         # readany() hands the relay what arrived, up to this much: 64 KiB reads keep per-read
         # latency low and memory per open stream small (1,000 streams: ~28 KB each).

@@ -310,3 +310,32 @@ async def test_an_alias_reaches_a_transcription_upstream_as_the_served_name(
     async with http.post(hal0d.make_url("/v1/audio/transcriptions"), data=form) as resp:
         assert resp.status == 200
         assert await resp.json() == {"model": "whisper", "intact": True}
+
+
+async def test_a_cookie_one_client_got_from_the_upstream_never_reaches_it_for_another(
+    upstream_app, start_hal0d, http
+):
+    """hal0d's one upstream session keeps no cookies: a Set-Cookie relayed to one client is that
+    client's, never sent upstream again on another client's request."""
+    seen: list[str | None] = []
+
+    async def upstream(request: web.Request) -> web.Response:
+        seen.append(request.headers.get(hdrs.COOKIE))
+        response = web.json_response({"id": "x", "choices": []})
+        response.set_cookie("session", "alice-secret-session")
+        return response
+
+    # By name, not by address: aiohttp's default cookie jar ignores cookies of IP addresses, and
+    # a remote provider has a name.
+    url = (await upstream_app({"POST /v1/chat/completions": upstream})).replace(
+        "127.0.0.1", "localhost"
+    )
+    hal0d = await start_hal0d(url, models=("chat",))
+    for _ in range(2):
+        # Two clients, each with a session of its own: they share no cookie jar.
+        async with aiohttp.ClientSession() as client, client.post(
+            hal0d.make_url("/v1/chat/completions"), json=chat_body("chat", stream=False)
+        ) as resp:
+            assert resp.status == 200
+            assert "alice-secret-session" in resp.headers.get(hdrs.SET_COOKIE, "")
+    assert seen == [None, None]
