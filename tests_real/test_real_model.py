@@ -18,88 +18,32 @@ What this server does differently from the stub, and what hal0d does about it:
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import aiohttp
 import anthropic
 import openai
 import pytest
-import tomli_w
+from realserver import free_port, require_real_server, running_hal0d, server_command, slots
 
-REAL_PYTHON = os.environ.get("HAL0D_REAL_PYTHON", "")
-REAL_MODEL = os.environ.get("HAL0D_REAL_MODEL", "")
 MODEL = "smollm2"
-STARTUP_S = 180.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def get_json(url: str) -> dict:
-    async def fetch() -> dict:
-        async with aiohttp.ClientSession() as session, session.get(url) as resp:
-            return await resp.json()
-
-    return asyncio.run(fetch())
 
 
 def slot_state(base: str) -> dict:
-    return get_json(f"{base}/api/slots")["slots"][0]
+    return slots(base)["real"]
 
 
 @pytest.fixture(scope="module")
 def hal0d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if not (Path(REAL_PYTHON).exists() and Path(REAL_MODEL).exists()):
-        pytest.fail("HAL0D_REAL_PYTHON and HAL0D_REAL_MODEL must point at the server and the model:"
-                    " run this through `make test-real`")
-    folder = tmp_path_factory.mktemp("real")
-    port, upstream_port = free_port(), free_port()
-    command = [REAL_PYTHON, "-m", "llama_cpp.server", "--model", REAL_MODEL,
-               "--model_alias", MODEL, "--host", "127.0.0.1", "--port", str(upstream_port),
-               "--n_ctx", "2048", "--verbose", "False"]
-    config = folder / "hal0d.toml"
-    config.write_text(tomli_w.dumps({
-        "server": {"port": port},
-        "metrics": {"database": str(folder / "history.sqlite3")},
-        "slots": [{"name": "real", "upstream": f"http://127.0.0.1:{upstream_port}",
-                   "models": [MODEL], "max_concurrent": 1, "command": command}],
-    }))
-    log = (folder / "hal0d.log").open("w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "hal0d", "serve", "--config", str(config)],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            assert process.poll() is None, (folder / "hal0d.log").read_text()
-            try:
-                if slot_state(base)["state"] == "ready":
-                    break
-            except (aiohttp.ClientError, OSError):
-                pass
-            assert time.monotonic() < deadline, (folder / "hal0d.log").read_text()[-3000:]
-            time.sleep(0.5)
+    require_real_server()
+    upstream_port = free_port()
+    config = {"slots": [{"name": "real", "upstream": f"http://127.0.0.1:{upstream_port}",
+                         "models": [MODEL], "max_concurrent": 1,
+                         "command": server_command(MODEL, upstream_port)}]}
+    with running_hal0d(tmp_path_factory.mktemp("real"), config,
+                       lambda views: views["real"]["state"] == "ready") as base:
         yield base
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-        log.close()
 
 
 def test_openai_sdk_non_streaming_answer_has_content_and_usage(hal0d: str) -> None:

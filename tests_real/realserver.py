@@ -1,0 +1,93 @@
+"""What the real-model tests share: the server and model paths `make test-real` passes, and a
+real `hal0d serve` started on a generated config, waited for, and stopped with SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import tomli_w
+
+REAL_PYTHON = os.environ.get("HAL0D_REAL_PYTHON", "")
+REAL_MODEL = os.environ.get("HAL0D_REAL_MODEL", "")
+STARTUP_S = 180.0
+
+
+def require_real_server() -> None:
+    if not (Path(REAL_PYTHON).exists() and Path(REAL_MODEL).exists()):
+        pytest.fail("HAL0D_REAL_PYTHON and HAL0D_REAL_MODEL must point at the server and the model:"
+                    " run this through `make test-real`")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def server_command(model: str, port: int) -> list[str]:
+    """llama-cpp-python's OpenAI server for the SmolLM2 file, answering to `model`."""
+    return [REAL_PYTHON, "-m", "llama_cpp.server", "--model", REAL_MODEL, "--model_alias", model,
+            "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--verbose", "False"]
+
+
+def get_json(url: str) -> Any:
+    async def fetch() -> Any:
+        async with aiohttp.ClientSession() as session, session.get(url) as resp:
+            return await resp.json()
+
+    return asyncio.run(fetch())
+
+
+def slots(base: str) -> dict[str, dict[str, Any]]:
+    return {s["name"]: s for s in get_json(f"{base}/api/slots")["slots"]}
+
+
+@contextlib.contextmanager
+def running_hal0d(folder: Path, config: dict[str, Any],
+                  settled: Callable[[dict[str, dict[str, Any]]], bool]) -> Iterator[str]:
+    """`hal0d serve` on `config` (its port chosen here) until `settled(slots)`; yields its URL."""
+    port = free_port()
+    path = folder / "hal0d.toml"
+    path.write_text(tomli_w.dumps({
+        "server": {"port": port},
+        "metrics": {"database": str(folder / "history.sqlite3")},
+        **config,
+    }))
+    log_path = folder / "hal0d.log"
+    base = f"http://127.0.0.1:{port}"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "hal0d", "serve", "--config", str(path)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+        try:
+            deadline = time.monotonic() + STARTUP_S
+            while True:
+                assert process.poll() is None, log_path.read_text()
+                try:
+                    if settled(slots(base)):
+                        break
+                except (aiohttp.ClientError, OSError):
+                    pass
+                assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+                time.sleep(0.5)
+            yield base
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
