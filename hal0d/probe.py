@@ -16,6 +16,11 @@ from hal0d.upstream import TRANSPORT_ERRORS, own_headers, transport_reason
 
 PROBE_TIMEOUT_S = 5.0
 STARTUP_POLL_S = 0.2
+# A starting process is asked this soon after it starts, then at twice the interval each time up
+# to STARTUP_POLL_S: a model that is up in 30 ms is served then, not at the next 200 ms tick
+# (which was most of hal0d's own cost of a swap), and a slow one costs a refused connect
+# every 200 ms, as before.
+FIRST_POLL_S = 0.01
 
 
 async def probe(session: aiohttp.ClientSession, config: SlotConfig) -> str | None:
@@ -40,8 +45,10 @@ async def answers_within(
 ) -> bool:
     """Probes until the upstream answers (True) or `timeout_s` has passed (False)."""
     deadline = time.monotonic() + timeout_s
+    pause = FIRST_POLL_S
     while time.monotonic() < deadline:
         if await probe(session, config) is None:
             return True
-        await asyncio.sleep(STARTUP_POLL_S)
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, STARTUP_POLL_S)
     return False

@@ -19,7 +19,7 @@ from hal0d.child import Child, LaunchFailed, resolve_program
 from hal0d.config import GroupConfig, SlotConfig
 from hal0d.loader import Loader, Model, UnloadReason
 from hal0d.logs import get_logger
-from hal0d.probe import STARTUP_POLL_S, answers_within, probe
+from hal0d.probe import answers_within, probe
 from hal0d.slots import Slot, SlotState, SlotTable
 
 log = get_logger()
@@ -306,15 +306,7 @@ class Supervisor:
         most drain_s), then run its successor or probe the slot."""
         if old is not None:
             try:
-                if slot.in_flight:
-                    log.info("slot.draining", slot=slot.name, in_flight=slot.in_flight)
-                async with asyncio.timeout(drain_s):
-                    # Polled: a slot has no event for "last lease released" in STARTING.
-                    while slot.in_flight:  # noqa: ASYNC110
-                        await asyncio.sleep(STARTUP_POLL_S)
-            except TimeoutError:
-                log.warning("slot.drain_timeout", slot=slot.name, in_flight=slot.in_flight,
-                            drain_s=drain_s)
+                await self._drain(slot, drain_s)
             finally:
                 # Also when cancelled by stop(): the old process is in no table any more.
                 await old.stop()
