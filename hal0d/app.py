@@ -101,7 +101,8 @@ async def request_lifecycle(
         info.fail(error.error_code)
         return error_response(error, request.path)
     except asyncio.CancelledError:
-        info.fail(ErrorCode.CLIENT_DISCONNECT)
+        if not info.answered:
+            info.fail(ErrorCode.CLIENT_DISCONNECT)
         raise
     except Exception:
         log.exception("request.failed", path=request.path)

@@ -35,6 +35,9 @@ class RequestInfo:
     tokens_per_s: float | None = None
     usage: dict[str, Any] | None = None
     ended: float | None = None
+    # The client had the whole answer before the request ended (a stream's terminal frame was
+    # written): a cancellation after that is the client closing, not a disconnect.
+    answered: bool = False
 
     def fail(self, error_code: str) -> None:
         self.ok = False

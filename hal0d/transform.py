@@ -87,3 +87,8 @@ class Transform(Protocol):
     def broken(self, message: str) -> bytes:
         """The upstream connection broke mid-body; `message` says how."""
         ...
+
+    def complete(self) -> bool:
+        """The client has the whole answer: the stream's terminal frame was written to it (a
+        client may close as soon as it reads it, before the upstream ends its body)."""
+        ...

@@ -9,7 +9,14 @@ import aiohttp
 import orjson
 from aiohttp import hdrs, web
 
-from tests.conftest import chat_body, eventually, free_port, read_http_chunks
+from tests.conftest import (
+    ROLE_CHUNK,
+    chat_body,
+    content_chunk,
+    eventually,
+    free_port,
+    read_http_chunks,
+)
 from tests.fixtures_util import fixture_path
 
 
@@ -339,3 +346,60 @@ async def test_a_cookie_one_client_got_from_the_upstream_never_reaches_it_for_an
             assert resp.status == 200
             assert "alice-secret-session" in resp.headers.get(hdrs.SET_COOKIE, "")
     assert seen == [None, None]
+
+
+async def history_rows(http: aiohttp.ClientSession, hal0d) -> list[dict]:
+    async with http.get(hal0d.make_url("/api/requests?limit=10")) as resp:
+        return (await resp.json())["requests"]
+
+
+async def test_a_client_that_closes_on_reading_the_terminal_frame_has_a_finished_request(
+    upstream_app, start_hal0d, http
+):
+    """The openai SDK closes its connection as soon as it reads `data: [DONE]`, often before the
+    upstream ends its body; the Anthropic SDK does the same on message_stop. The answer was
+    whole: the row says ok, not client_disconnect. A client that leaves before the terminal
+    frame is still a disconnect."""
+    held = asyncio.Event()
+
+    async def upstream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={hdrs.CONTENT_TYPE: "text/event-stream"})
+        await response.prepare(request)
+        await response.write(ROLE_CHUNK + content_chunk("hello"))
+        if (await request.json()).get("messages", [{}])[0].get("content") != "leave early":
+            await response.write(
+                b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+                b"data: [DONE]\n\n"
+            )
+        held.set()
+        await asyncio.sleep(5)  # the body stays open past the terminal frame
+        return response
+
+    url = await upstream_app({"POST /v1/chat/completions": upstream})
+    hal0d = await start_hal0d(url, models=("chat",))
+    ends = {
+        "openai": ("/v1/chat/completions", chat_body("chat"), b"data: [DONE]"),
+        "anthropic": ("/v1/messages", {"model": "chat", "max_tokens": 16, "stream": True,
+                                       "messages": [{"role": "user", "content": "hi"}]},
+                      b"event: message_stop"),
+        "early": ("/v1/chat/completions", chat_body("chat", content="leave early"), b"hello"),
+    }
+    for path, body, last in ends.values():
+        held.clear()
+        async with http.post(hal0d.make_url(path), json=body) as resp:
+            seen = b""
+            while last not in seen:
+                chunk = await resp.content.readany()
+                assert chunk, (path, seen)  # the end of the body before the frame: a failure
+                seen += chunk
+            await held.wait()
+            resp.connection.transport.abort()  # closes at once, with the upstream still open
+
+    async def three_rows() -> list[dict]:
+        rows = await history_rows(http, hal0d)
+        return rows if len(rows) == 3 else []
+
+    early, anthropic, openai = await eventually(three_rows, 5, "three history rows")
+    assert (openai["ok"], openai["error_code"]) == (True, None), openai
+    assert (anthropic["ok"], anthropic["error_code"]) == (True, None), anthropic
+    assert (early["ok"], early["error_code"]) == (False, "client_disconnect"), early

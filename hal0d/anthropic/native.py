@@ -45,6 +45,9 @@ class NativeAnthropic:
         self._tail = (self._tail + chunk[-TAIL_BYTES:])[-TAIL_BYTES:]
         return chunk
 
+    def complete(self) -> bool:
+        return self.done
+
     def end(self) -> bytes:
         if self.done:
             return b""

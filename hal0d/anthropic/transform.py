@@ -61,6 +61,9 @@ class AnthropicTransform:
             raise TransformFailed(ErrorCode.UPSTREAM_INCOMPLETE, frame)
         return events
 
+    def complete(self) -> bool:
+        return self.translator.done
+
     def end(self) -> bytes:
         self.decoder.close()
         if self.translator.done:

@@ -46,9 +46,14 @@ async def stream_through(
     try:
         outcome = await relay(upstream, response, transform, guard, tap)
     except asyncio.CancelledError:
-        # The client went away while a write waited, or the guard cut it (the cancellation
-        # follows its abort): recorded here, before the middleware's client_disconnect.
-        info.fail(client_gone(guard))
+        if transform.complete():
+            # The client had the whole answer and closed before the upstream ended its body,
+            # as the openai SDK does on reading [DONE]: a finished request, not a disconnect.
+            info.answered = True
+        else:
+            # The client went away while a write waited, or the guard cut it (the cancellation
+            # follows its abort): recorded here, before the middleware's client_disconnect.
+            info.fail(client_gone(guard))
         raise
     finally:
         streams.discard(guard)

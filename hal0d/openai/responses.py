@@ -117,6 +117,9 @@ class ResponsesTransform:
         elif kind == "response.output_item.done":
             self._item, self._part = None, None
 
+    def complete(self) -> bool:
+        return self.done
+
     def end(self) -> bytes:
         if self.done:
             return b""

@@ -84,11 +84,12 @@ class Passthrough:
         self._tail = (self._tail + chunk[-TAIL_BYTES:])[-TAIL_BYTES:]
         return chunk
 
-    def end(self) -> bytes:
-        if not self.expect_done:
-            return b""
+    def complete(self) -> bool:
         tail = self._tail.rstrip()
-        if tail.endswith(b"data: [DONE]") or tail.endswith(b"data:[DONE]"):
+        return self.expect_done and tail.endswith((b"data: [DONE]", b"data:[DONE]"))
+
+    def end(self) -> bytes:
+        if not self.expect_done or self.complete():
             return b""
         message = "the upstream ended the stream without data: [DONE]; the answer may be cut"
         raise TransformFailed(
