@@ -139,10 +139,9 @@ def test_alternating_models_swap_each_time_and_every_answer_is_complete(hal0d: s
     assert not sampler.overlaps, f"two models loaded at once: {sampler.overlaps[:3]}"
     rows = get_json(f"{hal0d}/api/requests?limit={len(CALLS)}")["requests"]
     assert len(rows) == len(CALLS)
-    # Every request waited for its own model's load. (`ok` is not asserted: the openai SDK closes
-    # a stream as soon as it reads [DONE], and when that comes before this server ends its body,
-    # hal0d records the complete stream as client_disconnect; the answer itself is checked above.)
-    assert all(row["status"] == 200 and row["load_ms"] > 0 for row in rows), [
+    # Every request waited for its own model's load, and finished well (the openai SDK closes a
+    # stream as soon as it reads [DONE], often before this server ends its body: still ok).
+    assert all(row["status"] == 200 and row["ok"] and row["load_ms"] > 0 for row in rows), [
         (row["slot"], row["endpoint"], row["status"], row["error_code"], row["load_ms"])
         for row in rows]
     assert [row["slot"] for row in reversed(rows)] == [slot for slot, _ in CALLS]
