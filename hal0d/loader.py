@@ -252,8 +252,8 @@ class Loader:
         self._wants_load(self.models[name].slot)
 
     async def load(self, name: str) -> None:
-        """Loads the slot (the admin API's load); returns once it is ready, or raises
-        SlotLoadFailed-like SlotLoading with the cause."""
+        """Loads the slot (the admin API's load, which an operator may ask for during a failed
+        load's backoff); returns once it is ready, or raises SlotLoadFailed with the cause."""
         model = self.models[name]
         slot = model.slot
         if slot.state in (SlotState.READY, SlotState.SERVING):
