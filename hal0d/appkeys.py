@@ -45,6 +45,8 @@ class RuntimeRef:
 
 RUNTIME = web.AppKey("runtime", RuntimeRef)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
+# The same connection pool without the header-deadline tracing (upstream.make_session).
+PLAIN_SESSION = web.AppKey("plain_session", aiohttp.ClientSession)
 SLOTS = web.AppKey("slots", SlotTable)
 SUPERVISOR: web.AppKey[Supervisor] = web.AppKey("supervisor")
 # The stall guards of the streams being relayed now: a shutdown past its grace ends them.

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from hal0d.appkeys import (
     EVENTS,
+    PLAIN_SESSION,
     RECORDER,
     RUNTIME,
     SESSION,
@@ -36,9 +37,12 @@ from hal0d.upstream import make_session
 async def session_context(app: web.Application) -> AsyncIterator[None]:
     """The one shared ClientSession for every upstream call, and the token counter that asks
     through it."""
-    app[SESSION] = make_session(app[RUNTIME].current.config.dispatcher)
-    app[TOKEN_COUNTER] = TokenCounter(app[SESSION])
+    timeouts = app[RUNTIME].current.config.dispatcher
+    app[SESSION] = make_session(timeouts)
+    app[PLAIN_SESSION] = make_session(timeouts, shared_with=app[SESSION])
+    app[TOKEN_COUNTER] = TokenCounter(app[PLAIN_SESSION])
     yield
+    await app[PLAIN_SESSION].close()  # not the pool's owner: the traced session closes it
     await app[SESSION].close()
 
 
@@ -78,7 +82,7 @@ async def slots_context(app: web.Application) -> AsyncIterator[None]:
             guard.end_now(reason)
         return len(ending)
 
-    supervisor = Supervisor(table, config.slots, app[SESSION], groups=config.groups,
+    supervisor = Supervisor(table, config.slots, app[PLAIN_SESSION], groups=config.groups,
                             end_streams=end_streams)
     recorder = app[RECORDER]  # recorder_context runs first (make_app's order)
     supervisor.loader.observers.append(recorder.prom.lifecycle)

@@ -29,7 +29,7 @@ from typing import Any, Self
 import aiohttp
 from aiohttp import hdrs, web
 
-from hal0d.appkeys import RUNTIME, SESSION, SLOTS, TOKEN_COUNTER
+from hal0d.appkeys import PLAIN_SESSION, RUNTIME, SESSION, SLOTS, TOKEN_COUNTER
 from hal0d.config import DispatcherConfig, SlotConfig
 from hal0d.handlers.streaming import stream_through
 from hal0d.requestinfo import INFO, RequestInfo
@@ -103,8 +103,10 @@ class Forward:
         headers = request_headers(self.request.headers, self.route.slot)
         if json_body:
             headers[hdrs.CONTENT_TYPE] = "application/json"
+        guarded = self.stream and guard_active(self.timeouts)
         self.upstream = upstream = await open_upstream(
-            self.request.app[SESSION],
+            # Only a guarded stream needs its header deadline moved on (upstream.make_session).
+            self.request.app[SESSION if guarded else PLAIN_SESSION],
             self.route.slot,
             self.timeouts,
             method=method,
@@ -112,7 +114,7 @@ class Forward:
             params=params,
             headers=headers,
             body=body,
-            guarded=self.stream and guard_active(self.timeouts),
+            guarded=guarded,
             slot_reason=self.lease.slot.reason,
         )
         self.info.upstream_status(upstream.status)
