@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import chat_body, eventually, free_port
 from tests.test_loader import ProcessSampler, alive, stub_pids
-from tests.test_server import Hal0d, Stream, chat, config_text, open_stream, stop
+from tests.test_server import Hal0d, Stream, chat, launch, open_stream, stop
 
 STARTUP_S = 15.0  # a Python process importing aiohttp, on a busy two-core box
 TOKEN_DELAY_S = 0.02
@@ -52,18 +52,8 @@ async def serve(tmp_path: Path) -> AsyncIterator[Serve]:
     started: list[Hal0d] = []
 
     async def start(slots: str) -> Hal0d:
-        port = free_port()
-        config = tmp_path / "hal0d.toml"
-        config.write_text(config_text("unused", port, tmp_path, slot=slots))
-        log = tmp_path / "hal0d.log"
-        with log.open("wb") as out:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "hal0d", "serve", "--config", str(config),
-                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
-            )
-        hal0d = Hal0d(process, port, config, log)
+        hal0d = await launch(tmp_path, "unused", slot=slots)
         started.append(hal0d)
-        await hal0d.wait_for_event("server.started", timeout=10)
         return hal0d
 
     yield start

@@ -104,23 +104,29 @@ async def stub(start_stub: StubFactory) -> Stub:
     return await start_stub(delay=TOKEN_DELAY_S)
 
 
+async def launch(tmp_path: Path, upstream: str, **options: Any) -> Hal0d:
+    """A real `hal0d serve` on a free port, from config_text(upstream, ...), once it serves."""
+    port = free_port()
+    config = tmp_path / "hal0d.toml"
+    config.write_text(config_text(upstream, port, tmp_path, **options))
+    log = tmp_path / "hal0d.log"
+    with log.open("wb") as out:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "hal0d", "serve", "--config", str(config),
+            stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
+        )
+    hal0d = Hal0d(process, port, config, log)
+    await hal0d.wait_for_event("server.started", timeout=10)
+    return hal0d
+
+
 @pytest.fixture
 async def start_hal0d(tmp_path: Path) -> AsyncIterator[Hal0dFactory]:
     started: list[Hal0d] = []
 
     async def start(stub: Stub, **options: Any) -> Hal0d:
-        port = free_port()
-        config = tmp_path / "hal0d.toml"
-        config.write_text(config_text(stub.url, port, tmp_path, **options))
-        log = tmp_path / "hal0d.log"
-        with log.open("wb") as out:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "hal0d", "serve", "--config", str(config),
-                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
-            )
-        hal0d = Hal0d(process, port, config, log)
+        hal0d = await launch(tmp_path, stub.url, **options)
         started.append(hal0d)
-        await hal0d.wait_for_event("server.started", timeout=10)
         return hal0d
 
     yield start
