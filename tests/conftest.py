@@ -60,12 +60,20 @@ async def eventually(condition: Callable[[], T] | Callable[[], Awaitable[T]], ti
                 result = await result
         except AssertionError as exc:
             failure = exc
-        if failure is None and result:
+        if _settled(result, failure, past, timeout, what):
             return result  # type: ignore[no-any-return]
-        if past:
-            raise AssertionError(f"not within {timeout} s: {what}; "
-                                 f"{_last_answer(result, failure)}") from failure
         await asyncio.sleep(POLL_S)
+
+
+def _settled(result: Any, failure: AssertionError | None, past: bool, timeout: float,
+             what: str) -> bool:
+    """True once the condition held; after the deadline, the failure naming `what`."""
+    if failure is None and result:
+        return True
+    if past:
+        raise AssertionError(f"not within {timeout} s: {what}; "
+                             f"{_last_answer(result, failure)}") from failure
+    return False
 
 
 def eventually_sync(condition: Callable[[], T], timeout: float, what: str) -> T:
@@ -79,11 +87,8 @@ def eventually_sync(condition: Callable[[], T], timeout: float, what: str) -> T:
             result = condition()
         except AssertionError as exc:
             failure = exc
-        if failure is None and result:
+        if _settled(result, failure, past, timeout, what):
             return result  # type: ignore[no-any-return]
-        if past:
-            raise AssertionError(f"not within {timeout} s: {what}; "
-                                 f"{_last_answer(result, failure)}") from failure
         time.sleep(POLL_S)
 
 

@@ -5,7 +5,6 @@ real `python -m hal0d` process; the served ones talk to it over real sockets."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.metadata
 import os
 import signal
@@ -15,9 +14,7 @@ import sys
 import textwrap
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import orjson
@@ -25,6 +22,7 @@ import pytest
 
 import hal0d
 from tests.conftest import Stub, free_port
+from tests.test_server import Hal0d
 
 ROOT = Path(__file__).resolve().parents[1]
 MISSING_PROGRAM = "llama-serverx-hal0d-test"
@@ -67,45 +65,14 @@ def config_toml(tmp_path: Path, port: int, slots: str) -> str:
     """) + slots
 
 
-@dataclass
-class Served:
-    process: asyncio.subprocess.Process
-    port: int
-    config: Path
-    log: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def events(self, name: str) -> list[dict[str, Any]]:
-        found = []
-        for line in self.log.read_text().splitlines():
-            with contextlib.suppress(orjson.JSONDecodeError):
-                event = orjson.loads(line)
-                if isinstance(event, dict) and event.get("event") == name:
-                    found.append(event)
-        return found
-
-    async def wait_for(self, name: str, count: int = 1) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + DEADLINE_S
-        while time.monotonic() < deadline:
-            if len(found := self.events(name)) >= count:
-                return found
-            if self.process.returncode is not None:
-                break
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"no {name} (x{count}) in hal0d's log:\n{self.log.read_text()}")
-
-
-ServeFactory = Callable[..., Awaitable[Served]]
+ServeFactory = Callable[..., Awaitable[Hal0d]]
 
 
 @pytest.fixture
 async def serve(tmp_path: Path) -> AsyncIterator[ServeFactory]:
-    started: list[Served] = []
+    started: list[Hal0d] = []
 
-    async def start(config_text: str, *flags: str, port: int, wait: bool = True) -> Served:
+    async def start(config_text: str, *flags: str, port: int, wait: bool = True) -> Hal0d:
         config = tmp_path / "hal0d.toml"
         config.write_text(config_text)
         log = tmp_path / f"hal0d-{len(started)}.log"
@@ -115,10 +82,10 @@ async def serve(tmp_path: Path) -> AsyncIterator[ServeFactory]:
                 stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
                 env=env_without(UNSET_VARIABLE),
             )
-        served = Served(process, port, config, log)
+        served = Hal0d(process, port, config, log)
         started.append(served)
         if wait:
-            await served.wait_for("server.started")
+            await served.wait_for_event("server.started", DEADLINE_S)
         return served
 
     yield start
@@ -145,7 +112,7 @@ async def test_serve_port_flag_overrides_the_config_and_a_reload_keeps_it_withou
     in_file, on_flag = free_port(), free_port()
     served = await serve(config_toml(tmp_path, in_file, slot_toml(stub.url)),
                          "--port", str(on_flag), "--host", "127.0.0.1", port=on_flag)
-    started = served.events("server.started")[0]
+    started = served.named("server.started")[0]
     assert started["port"] == on_flag
     async with http.get(f"{served.url}/healthz") as resp:
         assert resp.status == 200
@@ -157,9 +124,9 @@ async def test_serve_port_flag_overrides_the_config_and_a_reload_keeps_it_withou
         config_toml(tmp_path, free_port(), slot_toml(stub.url)) + '\n[models]\nalias = "chat"\n'
     )
     served.process.send_signal(signal.SIGHUP)
-    reloaded = await served.wait_for("config.reloaded")
-    assert reloaded[0]["aliases"] == 1
-    assert served.events("config.restart_needed") == []
+    reloaded = await served.wait_for_event("config.reloaded", DEADLINE_S)
+    assert reloaded["aliases"] == 1
+    assert served.named("config.restart_needed") == []
     async with http.post(f"{served.url}/v1/chat/completions",
                          json={"model": "alias", "messages": [{"role": "user", "content": "x"}]}
                          ) as resp:
@@ -176,7 +143,7 @@ async def test_a_taken_port_exits_1_with_a_hint_naming_the_way_out(serve, stub: 
                              wait=False)
         code = await asyncio.wait_for(served.process.wait(), DEADLINE_S)
     assert code == 1
-    failed = served.events("server.bind_failed")
+    failed = served.named("server.bind_failed")
     assert len(failed) == 1, served.log.read_text()
     assert failed[0]["port"] == port
     assert "address already in use" in failed[0]["error"].lower()
@@ -260,7 +227,7 @@ async def test_a_slot_whose_program_is_missing_says_why_in_api_slots_readyz_and_
     port = free_port()
     slots = slot_toml(f"http://127.0.0.1:{free_port()}", command=[MISSING_PROGRAM])
     served = await serve(config_toml(tmp_path, port, slots), port=port)
-    warnings = served.events("config.warning")
+    warnings = served.named("config.warning")
     assert [w["key"] for w in warnings] == ["slots[0].command"]
     assert MISSING_PROGRAM in warnings[0]["problem"]
 
@@ -297,7 +264,7 @@ async def test_a_slot_whose_program_is_missing_says_why_in_api_slots_readyz_and_
         assert resp.status == 502
         assert cause in (await resp.json())["error"]["message"]
     # Logged once at start, not again on every retry.
-    assert len(served.events("config.warning")) == 1
+    assert len(served.named("config.warning")) == 1
 
 
 # -- 3. print-config and --version
