@@ -208,8 +208,12 @@ def test_the_page_loads_live_with_no_console_error_and_shows_each_request_within
     until("the live feed", lambda: not browser.find_element(By.ID, "notice").is_displayed(), 5)
     before = len(request_rows(browser))
     until("the slot ready", lambda: card_state(browser, "llm") == "ready", 20)
-    hal0d.call("/v1/chat/completions", {"model": "chat",
-                                         "messages": [{"role": "user", "content": "hi"}]})
+    made = subprocess.run(  # made with curl, as a person would
+        ["curl", "-sS", f"{hal0d.url}/v1/chat/completions",
+         "-d", '{"model":"chat","messages":[{"role":"user","content":"hi"}]}'],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert made.returncode == 0 and '"choices"' in made.stdout, made
     rows = until("the request in the list", lambda: len(request_rows(browser)) > before
                  and request_rows(browser))
     assert "chat" in rows[0] and "ok" in rows[0]
@@ -222,6 +226,30 @@ def test_the_page_loads_live_with_no_console_error_and_shows_each_request_within
     assert console_errors(browser) == []
     assert screenshot(browser, tmp_path, 1440, 900).stat().st_size > 10_000
     assert screenshot(browser, tmp_path, 390, 844).stat().st_size > 5_000
+
+
+def timed_stream(hal0d: Daemon) -> float:
+    """Seconds for a whole streamed answer (the stub paces its tokens 5 ms apart)."""
+    started = time.monotonic()
+    raw = hal0d.call("/v1/chat/completions", {"model": "reasoning", "stream": True,
+                                               "messages": [{"role": "user", "content": "hi"}]})
+    assert raw.endswith(b"data: [DONE]\n\n") and b"x_hal0_stall" not in raw, raw[-300:]
+    return time.monotonic() - started
+
+
+def test_a_page_left_open_does_not_slow_a_stream(hal0d: Daemon, browser: Any) -> None:
+    """The page follows /api/events while streams run: a stream takes no longer with it open
+    (a generous bound: the feed carries a few events per request, none per chunk)."""
+    eventually_sync(lambda: json.loads(hal0d.call("/readyz"))["status"] == "ready", 20,
+                    "hal0d ready")
+    alone = min(timed_stream(hal0d) for _ in range(3))
+    browser.get(hal0d.url + "/")
+    until("the live feed", lambda: card_state(browser, "llm") == "ready"
+          and not browser.find_element(By.ID, "notice").is_displayed(), 20)
+    watched = min(timed_stream(hal0d) for _ in range(3))
+    until("the page saw the streams", lambda: len(request_rows(browser)) >= 6)
+    assert watched < alone + 0.5, (alone, watched)
+    assert console_errors(browser) == []
 
 
 def test_unload_and_load_buttons_drive_an_on_demand_slot(hal0d: Daemon, browser: Any) -> None:
