@@ -17,7 +17,8 @@ import aiohttp
 import pytest
 
 from tests.conftest import eventually, free_port
-from tests.test_cli import ROOT, Served, env_without
+from tests.test_cli import ROOT, env_without
+from tests.test_server import Hal0d
 
 KEY = "sk-cli-test"
 DEADLINE_S = 20.0
@@ -51,7 +52,7 @@ def daemon_toml(tmp_path: Path, port: int) -> str:
 
 
 @pytest.fixture
-async def daemon(tmp_path: Path) -> AsyncIterator[Served]:
+async def daemon(tmp_path: Path) -> AsyncIterator[Hal0d]:
     port = free_port()
     config = tmp_path / "hal0d.toml"
     config.write_text(daemon_toml(tmp_path, port))
@@ -62,9 +63,9 @@ async def daemon(tmp_path: Path) -> AsyncIterator[Served]:
             stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
             env=env_without("HAL0D_API_KEY"),
         )
-    served = Served(process, port, config, log)
+    served = Hal0d(process, port, config, log)
     try:
-        await served.wait_for("server.started")
+        await served.wait_for_event("server.started", DEADLINE_S)
         yield served
     finally:
         if process.returncode is None:
@@ -99,7 +100,7 @@ def row_of(table: str, name: str) -> list[str]:
 
 
 async def test_status_load_requests_and_unload_through_the_config_file(
-    daemon: Served, http: aiohttp.ClientSession
+    daemon: Hal0d, http: aiohttp.ClientSession
 ) -> None:
     config = str(daemon.config)
     code, out, err = await hal0d("status", "--config", config)
@@ -140,7 +141,7 @@ async def test_status_load_requests_and_unload_through_the_config_file(
 
 
 async def test_status_watch_redraws_as_events_arrive_and_ends_0_on_ctrl_c(
-    daemon: Served, http: aiohttp.ClientSession
+    daemon: Hal0d, http: aiohttp.ClientSession
 ) -> None:
     env = {**env_without("HAL0D_API_KEY"), "HAL0D_API_KEY": KEY}
     watcher = await asyncio.create_subprocess_exec(
@@ -182,7 +183,7 @@ async def test_a_daemon_that_is_not_running_is_one_line_and_exit_1() -> None:
                        "(connection refused)\n")
 
 
-async def test_a_refused_key_and_a_missing_key_are_one_line_and_exit_1(daemon: Served) -> None:
+async def test_a_refused_key_and_a_missing_key_are_one_line_and_exit_1(daemon: Hal0d) -> None:
     code, _, err = await hal0d("status", "--url", daemon.url, key="sk-wrong")
     assert code == 1
     assert err == f"hal0d status: hal0d at {daemon.url} refused the API key: the API key is " \
@@ -195,7 +196,7 @@ async def test_a_refused_key_and_a_missing_key_are_one_line_and_exit_1(daemon: S
     assert code == 0 and row_of(out, "a")[1] == "stopped", err
 
 
-async def test_a_slot_the_daemon_does_not_know_is_its_own_message(daemon: Served) -> None:
+async def test_a_slot_the_daemon_does_not_know_is_its_own_message(daemon: Hal0d) -> None:
     code, _, err = await hal0d("load", "nope", "--config", str(daemon.config))
     assert code == 1
     assert err == "hal0d load: no slot named 'nope' (HTTP 404)\n"
