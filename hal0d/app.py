@@ -7,7 +7,6 @@ import asyncio
 import re
 import secrets
 from collections.abc import Awaitable, Callable
-from typing import Final
 
 import orjson
 import structlog
@@ -18,7 +17,7 @@ from hal0d.anthropic_mode import AnthropicModes
 from hal0d.appkeys import (
     ANTHROPIC_MODES,
     EVENTS,
-    RECORDER,
+    FINISHER,
     RESPONSE_OWNERS,
     RUNTIME,
     STREAMS,
@@ -29,9 +28,9 @@ from hal0d.config import Config
 from hal0d.contexts import recorder_context, session_context, slots_context
 from hal0d.errors import ErrorCode, Hal0Error, MethodNotAllowed, NoRoute
 from hal0d.events import EventHub
+from hal0d.finished import Finisher
 from hal0d.handlers import admin, anthropic, openai, page, responses
 from hal0d.logs import get_logger
-from hal0d.metrics.history import COLUMNS
 from hal0d.openai.owners import ResponseOwners
 from hal0d.requestinfo import INFO, RequestInfo
 
@@ -42,13 +41,6 @@ REQUEST_ID_HEADER = "X-Request-Id"
 
 def is_anthropic_path(path: str) -> bool:
     return path.startswith(("/llm/v1/messages", "/v1/messages"))
-
-
-def is_dispatch_request(method: str, path: str) -> bool:
-    """Requests for a model: the ones the history and the request metrics are about (not the
-    GET /v1/models a chat front end polls)."""
-    listing = method == "GET" and path.endswith("/models")
-    return path.startswith(("/v1/", "/llm/")) and not listing
 
 
 def error_response(exc: Hal0Error, path: str) -> web.Response:
@@ -112,32 +104,8 @@ async def request_lifecycle(
     finally:
         structlog.contextvars.unbind_contextvars("request_id")
         info.end()
-        # The log line and the metrics wait for the next turn of the loop, so a non-streamed
-        # answer goes out first: they are ~70 us the client need not wait for.
-        asyncio.get_running_loop().call_soon(
-            request_finished, request.app, info, request.method, request.path
-        )
-
-
-def request_finished(app: web.Application, info: RequestInfo, method: str, path: str) -> None:
-    if is_dispatch_request(method, path) and (recorder := app.get(RECORDER)):
-        recorder.record(info)
-    if path not in ("/healthz", "/readyz"):  # polled by probes: noise in the log
-        log.info("request.done", method=method, path=path, **done_fields(info))
-
-
-# The request.done line carries the history row's columns (metrics/history.py defines them) but
-# `ts` (the line has its own time), with total_ms under the name the line always used.
-_DONE_NAMES: Final = {name: "duration_ms" if name == "total_ms" else name
-                      for name in COLUMNS if name != "ts"}
-
-
-def done_fields(info: RequestInfo) -> dict[str, object]:
-    fields = {}
-    for column, name in _DONE_NAMES.items():
-        value = getattr(info, column)
-        fields[name] = round(value, 2) if isinstance(value, float) else value
-    return fields
+        # The line and the record are made after the answer has gone out, in batches.
+        request.app[FINISHER].add(info, request.method, request.path)
 
 
 async def add_request_id(request: web.Request, response: web.StreamResponse) -> None:
@@ -168,6 +136,7 @@ def make_app(config: Config) -> web.Application:
     app[RUNTIME] = RuntimeRef(Runtime.build(config))
     app[STREAMS] = set()
     app[EVENTS] = EventHub()
+    app[FINISHER] = Finisher()
     app.on_shutdown.append(close_events)
     app[RESPONSE_OWNERS] = ResponseOwners()
     app[ANTHROPIC_MODES] = AnthropicModes()

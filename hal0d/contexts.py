@@ -15,6 +15,7 @@ from aiohttp import web
 
 from hal0d.appkeys import (
     EVENTS,
+    FINISHER,
     PLAIN_SESSION,
     RECORDER,
     RUNTIME,
@@ -65,7 +66,11 @@ async def recorder_context(app: web.Application) -> AsyncIterator[None]:
         lambda: app[SLOTS], placements, lambda: iter(app[RUNTIME].current.config.groups)
     )
     app[RECORDER] = recorder
+    finisher = app[FINISHER]
+    finisher.recorder = recorder
     yield
+    finisher.flush()  # the requests that ended last, before the history closes
+    finisher.recorder = None
     await history.close()
 
 

@@ -34,7 +34,7 @@ from hal0d.config import (
     parse,
 )
 from hal0d.handlers import openai
-from tests.conftest import STUB_MODELS, chat_body, make_config
+from tests.conftest import STUB_MODELS, chat_body, eventually, make_config
 
 KEY = "hal0-client-key-7Qx9wL"
 OTHER_KEY = "hal0-second-key-Pz4"
@@ -356,6 +356,11 @@ async def test_neither_the_client_key_nor_a_wrong_key_appears_in_any_log_event(
                                                             slot_key=SLOT_KEY))
     with capture_logs() as events:
         calls = await exercise_with_keys(http, hal0d)
+        # request.done lines are written in batches just after the answers (finished.py).
+        await eventually(
+            lambda: len([e for e in events if e["event"] == "request.done"]) >= calls, 2.0,
+            "every request's request.done line",
+        )
     assert len([e for e in events if e["event"] == "request.done"]) == calls, events
     for event in events:
         text = str(event)
@@ -364,6 +369,8 @@ async def test_neither_the_client_key_nor_a_wrong_key_appears_in_any_log_event(
 
     with rendered_logs() as buffer:
         calls = await exercise_with_keys(http, hal0d)
+        await eventually(lambda: buffer.getvalue().count('"request.done"') >= calls, 2.0,
+                         "every request's request.done line, rendered")
     text = buffer.getvalue()
     assert text.count('"request.done"') == calls, text
     for secret in (KEY, WRONG_KEY, SLOT_KEY):

@@ -18,7 +18,7 @@ from hal0d.config import SlotConfig
 from hal0d.errors import FdExhausted, UpstreamInvalid, UpstreamUnavailable
 from hal0d.probe import probe
 from hal0d.upstream import upstream_errors
-from tests.conftest import chat_body, free_port
+from tests.conftest import chat_body, eventually, free_port
 
 MESSAGES = {"model": "chat", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
 SETTLE_S = 5.0
@@ -127,8 +127,11 @@ async def test_invalid_json_and_a_malformed_completion_are_the_same_error(
         async with http.post(hal0d.make_url("/v1/messages"), json=MESSAGES) as resp:
             assert resp.status == 502
             body = await resp.json()
+        # Written in a batch just after the answer (finished.py).
+        done = await eventually(
+            lambda: [e for e in events if e["event"] == "request.done"], 2.0, "request.done"
+        )
     assert body["error"]["type"] == "api_error"
-    done = [e for e in events if e["event"] == "request.done"]
     assert [e["error_code"] for e in done] == ["upstream_invalid"]
 
 

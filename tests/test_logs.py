@@ -17,7 +17,7 @@ import structlog
 
 from hal0d import logs
 from hal0d.config import parse
-from tests.conftest import ServerFactory, Stub, chat_body
+from tests.conftest import ServerFactory, Stub, chat_body, eventually
 
 CLIENT_KEY = "sk-secret-client-key-4f9Q2"
 SLOT_KEY = "upstream-slot-key-Hq81z"  # no recognisable shape: only hide() can catch it
@@ -170,6 +170,9 @@ async def test_a_request_carrying_api_keys_never_shows_them_in_the_log(
         async with http.post(hal0d.make_url("/v1/chat/completions"), json=body,
                              headers=headers) as response:
             await response.read()
+    # The lines are written in a batch just after the answers (finished.py).
+    await eventually(lambda: path.read_text().count('"request.done"') >= len(sent), 2.0,
+                     "every request's request.done line")
     text = path.read_text()
     events = [orjson.loads(line) for line in text.splitlines()]
 

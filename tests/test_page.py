@@ -175,13 +175,19 @@ def until(what: str, check: Callable[[], Any], timeout: float = 2.0) -> Any:
         time.sleep(0.05)
 
 
+# Read in one script each: finding the elements and then asking each for its text races the page,
+# which redraws a list as its events come (a StaleElementReferenceException in between).
 def card_state(browser: Any, slot: str) -> str:
-    cards = browser.find_elements(By.CSS_SELECTOR, f'article.card[data-slot="{slot}"]')
-    return cards[0].get_attribute("data-state") if cards else ""
+    state: str | None = browser.execute_script(
+        "const card = document.querySelector(`article.card[data-slot=\"${arguments[0]}\"]`);"
+        "return card ? card.getAttribute('data-state') : '';", slot)
+    return state or ""
 
 
 def request_rows(browser: Any) -> list[str]:
-    return [row.text for row in browser.find_elements(By.CSS_SELECTOR, "#requests tbody tr")]
+    rows: list[str] = browser.execute_script(
+        "return [...document.querySelectorAll('#requests tbody tr')].map(row => row.innerText);")
+    return rows
 
 
 def screenshot(browser: Any, folder: Path, width: int, height: int) -> Path:

@@ -7,7 +7,7 @@ import sqlite3
 from contextlib import closing
 from pathlib import Path
 
-from hal0d.app import done_fields
+from hal0d.finished import done_fields
 from hal0d.metrics.history import COLUMNS, HistoryWriter
 from hal0d.requestinfo import RequestInfo
 

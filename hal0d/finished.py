@@ -1,0 +1,96 @@
+"""What a finished request leaves behind: its `request.done` line and its record (the history row,
+Prometheus, the live metrics, the event feed), done in batches after the answer has gone out.
+
+The lifecycle middleware hands each finished request to `Finisher.add` and returns; the batch is
+worked through `delay_s` later (at once when `batch_max` have piled up). Worked through one request
+at a time, the line and the record cost about twice what they cost in a batch, where the same code
+runs request after request while it is warm in the CPU's caches (bench/README.md has the figures).
+A line's timestamp is therefore up to `delay_s` after its request ended; its `duration_ms` is exact.
+
+Whoever reads what finished requests leave calls `flush()` first (the request history and metrics
+APIs, /metrics, /api/status, the shutdown), so it sees every request that ended before it asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Final
+
+from hal0d.logs import get_logger
+from hal0d.metrics.history import COLUMNS
+from hal0d.requestinfo import RequestInfo
+
+if TYPE_CHECKING:
+    from hal0d.metrics.recorder import Recorder
+
+log = get_logger()
+
+DELAY_S: Final = 0.02
+BATCH_MAX: Final = 256
+# Polled by probes: noise in the log (their metrics still count).
+UNLOGGED_PATHS: Final = frozenset({"/healthz", "/readyz"})
+# The request.done line carries the history row's columns (metrics/history.py defines them) but
+# `ts` (the line has its own time), with total_ms under the name the line always used.
+_DONE_NAMES: Final = {name: "duration_ms" if name == "total_ms" else name
+                      for name in COLUMNS if name != "ts"}
+
+
+def is_dispatch_request(method: str, path: str) -> bool:
+    """Requests for a model: the ones the history and the request metrics are about (not the
+    GET /v1/models a chat front end polls)."""
+    listing = method == "GET" and path.endswith("/models")
+    return path.startswith(("/v1/", "/llm/")) and not listing
+
+
+def done_fields(info: RequestInfo) -> dict[str, object]:
+    fields = {}
+    for column, name in _DONE_NAMES.items():
+        value = getattr(info, column)
+        fields[name] = round(value, 2) if isinstance(value, float) else value
+    return fields
+
+
+class Finisher:
+    """Finished requests waiting for their line and their record, and the timer that does them."""
+
+    __slots__ = ("_pending", "_timer", "batch_max", "delay_s", "recorder")
+
+    def __init__(self, *, delay_s: float = DELAY_S, batch_max: int = BATCH_MAX) -> None:
+        self.delay_s = delay_s
+        self.batch_max = batch_max
+        # Set once the recorder runs (contexts.recorder_context); until then, lines only.
+        self.recorder: Recorder | None = None
+        self._pending: list[tuple[RequestInfo, str, str]] = []
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def add(self, info: RequestInfo, method: str, path: str) -> None:
+        self._pending.append((info, method, path))
+        if len(self._pending) >= self.batch_max:
+            self.flush()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.delay_s, self.flush)
+
+    def flush(self) -> None:
+        """Every request handed in so far: its line written, its record made."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        batch, self._pending = self._pending, []
+        if not batch:
+            return
+        # One logger for the batch: structlog's lazy proxy builds one for every call otherwise.
+        logger = log.bind()
+        recorder = self.recorder
+        for info, method, path in batch:
+            try:
+                if recorder is not None and is_dispatch_request(method, path):
+                    recorder.record(info)
+                if path not in UNLOGGED_PATHS:
+                    logger.info("request.done", method=method, path=path, **done_fields(info))
+            except Exception:
+                # One request's failure costs its own line or record, not the rest of the batch.
+                log.exception("request.finish_failed", request_id=info.request_id, path=path)
