@@ -14,6 +14,8 @@ import aiohttp
 import orjson
 import pytest
 import structlog
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hal0d import logs
 from hal0d.config import parse
@@ -193,5 +195,70 @@ def test_hide_holds_the_current_secrets_only() -> None:
         assert logs._hidden == {SLOT_KEY, "new-slot-key-Wq7"}
         assert logs.scrub("key new-slot-key-Wq7") == f"key {logs.REDACTED}"
         assert logs.scrub("key old-slot-key-Zp4") == "key old-slot-key-Zp4"
+    finally:
+        logs.hide(saved)
+
+
+# The hint redact_secrets used before its substring tests: a case-insensitive regex.
+_REGEX_HINT = re.compile(r"(?i)bearer|basic|api[-_]?key|authorization|password|secret|token|sk-")
+
+
+def scrubbed_the_regex_way(value: Any, depth: int = 0) -> Any:
+    if isinstance(value, str):
+        for hidden in logs._hidden:
+            value = value.replace(hidden, logs.REDACTED)
+        if _REGEX_HINT.search(value):
+            for pattern, replacement in logs._SECRET_SHAPES:
+                value = pattern.sub(replacement, value)
+        return value
+    if depth > 2:
+        return value
+    if isinstance(value, dict):
+        return {k: logs.REDACTED if isinstance(k, str) and k.lower() in logs.SECRET_KEYS
+                else scrubbed_the_regex_way(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(scrubbed_the_regex_way(v, depth + 1) for v in value)
+    return value
+
+
+def redacted_field_by_field(event: dict[str, Any]) -> dict[str, Any]:
+    """What redact_secrets did before its one-pass check: every key and every value on its own,
+    with the regex hint. The one-pass check must change nothing of this."""
+    out = {}
+    for key, value in event.items():
+        if key.startswith("_"):
+            out[key] = value
+        elif key.lower() in logs.SECRET_KEYS:
+            out[key] = logs.REDACTED
+        else:
+            out[key] = scrubbed_the_regex_way(value)
+    return out
+
+
+# Text that is mostly harmless, with the words and shapes the redaction looks for mixed in.
+_WORDS = st.sampled_from([
+    "bench", "/v1/chat/completions", "POST", "Bearer", "bearer", "BEARER", "Basic", "basic",
+    "api_key", "API-KEY", "x-api-key", "token", "Authorization", "password", "secret", "sk-",
+    "sk-abcdefgh123", "=", ":", " ", "'", '"', "\n", "dGhpcyBpcyBhIGtleQ==", "paſsword",
+    "slot-secret-value", "ok", "é", "İ",
+])
+_TEXT = st.lists(_WORDS, max_size=8).map("".join)
+_KEYS = st.sampled_from(["model", "path", "request_id", "api_key", "Authorization", "token",
+                         "reason", "detail", "_record", "status"])
+_VALUES = st.one_of(
+    _TEXT, st.integers(), st.floats(allow_nan=False), st.none(), st.booleans(),
+    st.lists(_TEXT, max_size=3), st.dictionaries(_KEYS, _TEXT, max_size=3),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.dictionaries(_KEYS, _VALUES, max_size=8))
+def test_the_one_pass_check_redacts_exactly_what_field_by_field_redaction_does(
+    event: dict[str, Any],
+) -> None:
+    saved = logs._hidden
+    try:
+        logs.hide(["slot-secret-value"])
+        assert logs.redact_secrets(None, "info", dict(event)) == redacted_field_by_field(event)
     finally:
         logs.hide(saved)

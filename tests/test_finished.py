@@ -1,0 +1,110 @@
+"""What a finished request leaves (finished.py): its request.done line and its record, made in a
+batch just after the answer, seen at once by every reader of history and metrics, never lost to
+one request's failure, and flushed when hal0d stops."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+from structlog.testing import capture_logs
+
+from hal0d.appkeys import FINISHER, RECORDER
+from hal0d.metrics.recorder import Recorder
+from tests.conftest import ServerFactory, Stub, chat_body, eventually
+
+LONG_DELAY_S = 3600.0  # a batch that would wait an hour: only a flush can have made the record
+
+
+async def chat(http: aiohttp.ClientSession, url: Any, request_id: str) -> None:
+    async with http.post(url, json=chat_body("chat", stream=False),
+                         headers={"X-Request-Id": request_id}) as response:
+        assert response.status == 200
+        await response.read()
+
+
+async def test_lines_and_records_come_after_the_answer_in_one_batch(
+    stub: Stub, start_hal0d: ServerFactory, http: aiohttp.ClientSession
+) -> None:
+    hal0d = await start_hal0d(stub.url)
+    finisher = hal0d.app[FINISHER]
+
+    def logged() -> list[str]:
+        return [e["request_id"] for e in events if e["event"] == "request.done"]
+
+    with capture_logs() as events:
+        for n in range(5):
+            await chat(http, hal0d.make_url("/v1/chat/completions"), f"batch-{n}")
+        await eventually(lambda: len(logged()) >= 5, 2.0, "five request.done lines")
+    assert logged() == [f"batch-{n}" for n in range(5)]  # in the order the requests ended
+    assert finisher.pending == 0
+
+
+async def test_every_reader_sees_the_requests_that_ended_before_it_asked(
+    stub: Stub, start_hal0d: ServerFactory, http: aiohttp.ClientSession
+) -> None:
+    hal0d = await start_hal0d(stub.url)
+    hal0d.app[FINISHER].delay_s = LONG_DELAY_S
+    await chat(http, hal0d.make_url("/v1/chat/completions"), "seen-at-once")
+    assert hal0d.app[FINISHER].pending == 1  # nothing made it yet: the batch waits
+
+    async with http.get(hal0d.make_url("/api/requests")) as response:
+        rows = (await response.json())["requests"]
+    assert [row["request_id"] for row in rows] == ["seen-at-once"]
+
+    await chat(http, hal0d.make_url("/v1/chat/completions"), "counted-at-once")
+    async with http.get(hal0d.make_url("/metrics")) as response:
+        text = await response.text()
+    [line] = [line for line in text.splitlines()
+              if line.startswith("hal0d_requests_total{") and 'endpoint="/v1/chat/completions"'
+              in line]
+    assert line.endswith(" 2.0"), line
+
+    await chat(http, hal0d.make_url("/v1/chat/completions"), "in-the-status")
+    async with http.get(hal0d.make_url("/api/status")) as response:
+        status = await response.json()
+    assert status["requests"] == 3, status
+
+    await chat(http, hal0d.make_url("/v1/chat/completions"), "in-the-slot-metrics")
+    async with http.get(hal0d.make_url("/api/slots/metrics")) as response:
+        [slot] = (await response.json())["slots"]
+    assert slot["requests"] == 4, slot
+
+
+async def test_one_requests_failure_costs_its_record_only(
+    stub: Stub, start_hal0d: ServerFactory, http: aiohttp.ClientSession
+) -> None:
+    hal0d = await start_hal0d(stub.url)
+    recorder: Recorder = hal0d.app[RECORDER]
+    hal0d.app[FINISHER].delay_s = LONG_DELAY_S
+    record = recorder.record
+
+    def record_but_the_broken_one(info: Any) -> None:
+        if info.request_id == "broken-record":
+            raise RuntimeError("a broken disk, say")
+        record(info)
+
+    recorder.record = record_but_the_broken_one  # type: ignore[method-assign]
+    with capture_logs() as events:
+        for request_id in ("before", "broken-record", "after"):
+            await chat(http, hal0d.make_url("/v1/chat/completions"), request_id)
+        hal0d.app[FINISHER].flush()
+    failed = [e for e in events if e["event"] == "request.finish_failed"]
+    assert [e["request_id"] for e in failed] == ["broken-record"]
+    lines = [e["request_id"] for e in events if e["event"] == "request.done"]
+    assert lines == ["before", "after"]
+    async with http.get(hal0d.make_url("/api/requests")) as response:
+        rows = (await response.json())["requests"]
+    assert sorted(row["request_id"] for row in rows) == ["after", "before"]
+
+
+async def test_stopping_makes_the_last_records_before_the_history_closes(
+    stub: Stub, start_hal0d: ServerFactory, http: aiohttp.ClientSession
+) -> None:
+    hal0d = await start_hal0d(stub.url)
+    hal0d.app[FINISHER].delay_s = LONG_DELAY_S
+    history = hal0d.app[RECORDER].history
+    await chat(http, hal0d.make_url("/v1/chat/completions"), "the-last-one")
+    assert history.written == 0
+    await hal0d.close()
+    assert history.written == 1
