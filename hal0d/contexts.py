@@ -16,6 +16,7 @@ from aiohttp import web
 from hal0d.appkeys import (
     EVENTS,
     FINISHER,
+    H1,
     PLAIN_SESSION,
     RECORDER,
     RUNTIME,
@@ -27,6 +28,7 @@ from hal0d.appkeys import (
 )
 from hal0d.config import SlotConfig
 from hal0d.events import SlotFeed
+from hal0d.h1client import H1Pool
 from hal0d.metrics.history import HistoryWriter
 from hal0d.metrics.recorder import Recorder
 from hal0d.slots import SlotTable
@@ -42,7 +44,9 @@ async def session_context(app: web.Application) -> AsyncIterator[None]:
     app[SESSION] = make_session(timeouts)
     app[PLAIN_SESSION] = make_session(timeouts, shared_with=app[SESSION])
     app[TOKEN_COUNTER] = TokenCounter(app[PLAIN_SESSION])
+    app[H1] = H1Pool()
     yield
+    app[H1].close()
     await app[PLAIN_SESSION].close()  # not the pool's owner: the traced session closes it
     await app[SESSION].close()
 

@@ -39,6 +39,7 @@ from hal0d import USER_AGENT
 from hal0d.config import DispatcherConfig, SlotConfig
 from hal0d.descriptors import exhausted, exhaustion_errno
 from hal0d.errors import UpstreamUnavailable
+from hal0d.h1client import CannotConnect, H1Pool, WholeResponse
 
 # What a call to an upstream raises when it gets no usable answer: aiohttp's client errors (its
 # ServerTimeoutError is a TimeoutError too), asyncio's timeouts, the socket's own OSErrors, and
@@ -135,7 +136,7 @@ def transport_reason(exc: BaseException, during: str) -> str:
     `during`: what the call was waiting for, as in "timed out <during>"."""
     if isinstance(exc, TimeoutError):
         return f"timed out {during}"
-    if isinstance(exc, aiohttp.ClientConnectorError):
+    if isinstance(exc, aiohttp.ClientConnectorError | CannotConnect):
         return f"cannot connect ({exc.os_error.strerror or exc.os_error})"
     detail = str(exc)
     return f"{type(exc).__name__} {during}" + (f": {detail}" if detail else "")
@@ -327,7 +328,46 @@ async def open_upstream(
             )
 
 
-async def read_whole(upstream: aiohttp.ClientResponse, slot: SlotConfig, timeout_s: float) -> bytes:
+def plain_http(slot: SlotConfig) -> bool:
+    """Whether the slot's whole answers can go through the lean client (h1client.py): plain
+    http, which every local server speaks; https upstreams stay on aiohttp."""
+    return upstream_url(slot.upstream, "").scheme == "http"
+
+
+async def open_whole(
+    pool: H1Pool,
+    slot: SlotConfig,
+    timeouts: DispatcherConfig,
+    *,
+    method: str,
+    path: str,
+    headers: CIMultiDict[str],
+    body: bytes,
+    params: Any = None,
+    slot_reason: str | None = None,
+) -> WholeResponse:
+    """`open_upstream` for a request whose answer is read whole, through the lean client: the
+    connect within `connect_timeout_s`, the response headers within `direct_read_timeout_s` of
+    the request going out (the whole body then within the same, see read_whole)."""
+    with upstream_errors(
+        slot,
+        "waiting for the upstream's response headers",
+        refused_at="upstream_connect",
+        slot_reason=slot_reason,
+    ):
+        return await pool.request(
+            method,
+            upstream_url(slot.upstream, path),
+            headers=headers,
+            body=body,
+            params=params,
+            connect_timeout_s=timeouts.connect_timeout_s,
+            read_timeout_s=timeouts.direct_read_timeout_s,
+        )
+
+
+async def read_whole(upstream: aiohttp.ClientResponse | WholeResponse, slot: SlotConfig,
+                     timeout_s: float) -> bytes:
     """A whole (non-streamed) body within `timeout_s`. A reset, a stall or a broken framing is
     UpstreamUnavailable, a clean 502: nothing was sent to the client yet."""
     with upstream_errors(slot, "while sending its answer"):

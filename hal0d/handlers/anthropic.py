@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
@@ -38,7 +37,7 @@ from hal0d.errors import (
     UpstreamStatus,
     upstream_message,
 )
-from hal0d.forward import Forward, forward
+from hal0d.forward import Forward, UpstreamResponse, forward
 from hal0d.handlers.body import parse_json_object, read_body
 from hal0d.handlers.openai import with_model
 from hal0d.metrics.live import normal_usage
@@ -47,7 +46,7 @@ from hal0d.upstream import SSE_HEADERS, response_headers
 UPSTREAM_MESSAGE_LIMIT = 2000
 
 
-async def upstream_status_error(fwd: Forward, upstream: aiohttp.ClientResponse) -> UpstreamStatus:
+async def upstream_status_error(fwd: Forward, upstream: UpstreamResponse) -> UpstreamStatus:
     """The upstream's error status and message, kept, for Anthropic's error envelope."""
     raw = await fwd.read_whole()
     try:

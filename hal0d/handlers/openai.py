@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
 from hal0d.appkeys import RUNTIME, SLOTS
 from hal0d.errors import ErrorCode, InvalidRequest, UpstreamInvalid
-from hal0d.forward import Forward, forward
+from hal0d.forward import Forward, UpstreamResponse, forward
 from hal0d.handlers.body import (
     multipart_field,
     parse_json_object,
@@ -40,7 +39,7 @@ ALWAYS_STREAMING = frozenset({"audio/speech"})
 SSE_ENDPOINTS = frozenset({"chat/completions", "completions"})
 
 
-def not_streamed(endpoint: str, upstream: aiohttp.ClientResponse) -> bool:
+def not_streamed(endpoint: str, upstream: UpstreamResponse) -> bool:
     return (
         endpoint in SSE_ENDPOINTS
         and upstream.status == 200
@@ -158,7 +157,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
         return response
 
 
-async def copy_whole(fwd: Forward, upstream: aiohttp.ClientResponse) -> web.Response:
+async def copy_whole(fwd: Forward, upstream: UpstreamResponse) -> web.Response:
     """A non-streaming answer, copied through as it came; its usage noted when it has one."""
     data = await fwd.read_whole()
     if not data and upstream.status == 200:
