@@ -77,6 +77,7 @@ async def request_lifecycle(
     info = RequestInfo(request_id=request_id, endpoint=request.path if matched else "unmatched")
     request[INFO] = info
     structlog.contextvars.bind_contextvars(request_id=request_id)
+    request.app[FINISHER].begin()  # handed in by the `finally` below, whatever happens
     try:
         access.check(request, request.app[RUNTIME].current.config.server)
         response = await handler(request)

@@ -2,9 +2,10 @@
 Prometheus, the live metrics, the event feed), done in batches after the answer has gone out.
 
 The lifecycle middleware hands each finished request to `Finisher.add` and returns; the batch is
-worked through `delay_s` later (at once when `batch_max` have piled up). Worked through one request
-at a time, the line and the record cost about twice what they cost in a batch, where the same code
-runs request after request while it is warm in the CPU's caches (bench/README.md has the figures).
+worked through `delay_s` later, a slice of requests per turn of the event loop. Worked through one
+request at a time, the line and the record cost about twice what they cost in a batch, where the
+same code runs request after request while it is warm in the CPU's caches (bench/README.md has the
+figures); in slices, a request that arrives meanwhile waits for one slice, not the whole batch.
 A line's timestamp is therefore up to `delay_s` after its request ended; its `duration_ms` is exact.
 
 Whoever reads what finished requests leave calls `flush()` first (the request history and metrics
@@ -26,7 +27,14 @@ if TYPE_CHECKING:
 log = get_logger()
 
 DELAY_S: Final = 0.02
-BATCH_MAX: Final = 256
+# While requests are being served the batch waits (checking again every RECHECK_S), up to
+# MAX_WAIT_S after its first request ended: the work is done between requests where it can be.
+RECHECK_S: Final = 0.002
+MAX_WAIT_S: Final = 0.1
+# Requests done in one turn of the event loop: a batch is worked through in slices of this many,
+# each its own callback, so a request that arrives meanwhile waits for one slice (~0.1 ms), not
+# for the whole batch.
+SLICE: Final = 4
 # Polled by probes: noise in the log (their metrics still count).
 UNLOGGED_PATHS: Final = frozenset({"/healthz", "/readyz"})
 # The request.done line carries the history row's columns (metrics/history.py defines them) but
@@ -53,26 +61,32 @@ def done_fields(info: RequestInfo) -> dict[str, object]:
 class Finisher:
     """Finished requests waiting for their line and their record, and the timer that does them."""
 
-    __slots__ = ("_pending", "_timer", "batch_max", "delay_s", "recorder")
+    __slots__ = ("_pending", "_since", "_timer", "active", "delay_s", "recorder")
 
-    def __init__(self, *, delay_s: float = DELAY_S, batch_max: int = BATCH_MAX) -> None:
+    def __init__(self, *, delay_s: float = DELAY_S) -> None:
         self.delay_s = delay_s
-        self.batch_max = batch_max
+        self.active = 0  # requests begun and not yet handed in
         # Set once the recorder runs (contexts.recorder_context); until then, lines only.
         self.recorder: Recorder | None = None
         self._pending: list[tuple[RequestInfo, str, str]] = []
-        self._timer: asyncio.TimerHandle | None = None
+        self._since = 0.0  # when the oldest pending request was handed in (loop time)
+        self._timer: asyncio.Handle | None = None
 
     @property
     def pending(self) -> int:
         return len(self._pending)
 
+    def begin(self) -> None:
+        """A request has begun (the middleware); `add` hands it in when it ends."""
+        self.active += 1
+
     def add(self, info: RequestInfo, method: str, path: str) -> None:
+        self.active -= 1
         self._pending.append((info, method, path))
-        if len(self._pending) >= self.batch_max:
-            self.flush()
-        elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self.delay_s, self.flush)
+        if self._timer is None:
+            loop = asyncio.get_running_loop()
+            self._since = loop.time()
+            self._timer = loop.call_later(self.delay_s, self._next_slice)
 
     def flush(self) -> None:
         """Every request handed in so far: its line written, its record made."""
@@ -80,6 +94,18 @@ class Finisher:
             self._timer.cancel()
             self._timer = None
         batch, self._pending = self._pending, []
+        self._finish(batch)
+
+    def _next_slice(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.active and loop.time() - self._since < MAX_WAIT_S:
+            self._timer = loop.call_later(RECHECK_S, self._next_slice)  # a request is being served
+            return
+        batch, self._pending = self._pending[:SLICE], self._pending[SLICE:]
+        self._timer = loop.call_soon(self._next_slice) if self._pending else None
+        self._finish(batch)
+
+    def _finish(self, batch: list[tuple[RequestInfo, str, str]]) -> None:
         if not batch:
             return
         # One logger for the batch: structlog's lazy proxy builds one for every call otherwise.

@@ -4,12 +4,14 @@ one request's failure, and flushed when hal0d stops."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
 from structlog.testing import capture_logs
 
 from hal0d.appkeys import FINISHER, RECORDER
+from hal0d.finished import DELAY_S, MAX_WAIT_S
 from hal0d.metrics.recorder import Recorder
 from tests.conftest import ServerFactory, Stub, chat_body, eventually
 
@@ -108,3 +110,28 @@ async def test_stopping_makes_the_last_records_before_the_history_closes(
     assert history.written == 0
     await hal0d.close()
     assert history.written == 1
+
+
+async def test_a_stream_being_served_delays_the_batch_by_a_bounded_time_only(
+    stub: Stub, start_hal0d: ServerFactory, http: aiohttp.ClientSession
+) -> None:
+    """The batch waits while requests are being served, up to MAX_WAIT_S: a stream held open
+    (the stub's `stall` model sends a little and then nothing) does not hold the lines back."""
+    hal0d = await start_hal0d(stub.url)
+    finisher = hal0d.app[FINISHER]
+    with capture_logs() as events:
+        async with http.post(hal0d.make_url("/v1/chat/completions"),
+                             json=chat_body("stall")) as stream:
+            assert stream.status == 200
+            await stream.content.readany()  # the stream is open and being served
+            assert finisher.active == 1
+            started = asyncio.get_running_loop().time()
+            await chat(http, hal0d.make_url("/v1/chat/completions"), "beside-a-stream")
+            await eventually(
+                lambda: any(e.get("request_id") == "beside-a-stream" for e in events
+                            if e["event"] == "request.done"),
+                2.0, "the line of the request beside the stream",
+            )
+            waited = asyncio.get_running_loop().time() - started
+            assert finisher.active == 1  # the stream was still being served all along
+    assert waited < DELAY_S + MAX_WAIT_S + 0.5, waited
