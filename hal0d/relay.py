@@ -134,17 +134,23 @@ async def _pump(
     """Upstream reads to client writes until the upstream closes the body cleanly.
 
     The hot loop of every stream: per chunk it notes two times, feeds the tap and the transform
-    and writes; anything else is an exception for _body to sort out."""
+    and writes; anything else is an exception for _body to sort out. (The write is `_write`
+    inlined: one coroutine less per chunk.)"""
     read = upstream.content.readany
     feed = transform.feed
+    write = response.write
+    awaiting_upstream, upstream_answered = guard.awaiting_upstream, guard.upstream_answered
     while True:
-        guard.awaiting_upstream()
+        awaiting_upstream()
         chunk = await read()
         if not chunk:
             return
-        guard.upstream_answered()
+        upstream_answered()
         if tap is not None:
             tap.on_chunk(chunk)
         out = feed(chunk)
         if out:
-            await _write(response, out)
+            try:
+                await write(out)
+            except ConnectionResetError:
+                raise _ClientGone from None

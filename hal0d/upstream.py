@@ -93,7 +93,9 @@ def _connection_tokens(headers: Mapping[str, str]) -> set[str]:
 
 
 def request_headers(client: CIMultiDictProxy[str], slot: SlotConfig) -> CIMultiDict[str]:
-    drop = DROP_REQUEST | _connection_tokens(client)
+    named = _connection_tokens(client)
+    # Most clients name nothing or only keep-alive (dropped anyway): no new set per request.
+    drop = DROP_REQUEST if named <= DROP_REQUEST else DROP_REQUEST | named
     out = CIMultiDict((k, v) for k, v in client.items() if k.lower() not in drop)
     # A client's own User-Agent goes through, as proxies keep it: the upstream's logs and
     # per-client behaviour see the real client. Without one, the request is hal0d's.
@@ -371,5 +373,7 @@ async def read_whole(upstream: aiohttp.ClientResponse | WholeResponse, slot: Slo
     """A whole (non-streamed) body within `timeout_s`. A reset, a stall or a broken framing is
     UpstreamUnavailable, a clean 502: nothing was sent to the client yet."""
     with upstream_errors(slot, "while sending its answer"):
+        if isinstance(upstream, WholeResponse):
+            return await upstream.read(timeout_s)  # its own timer, cheaper than a Timeout's
         async with asyncio.timeout(timeout_s):
             return await upstream.read()

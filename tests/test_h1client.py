@@ -225,3 +225,29 @@ async def test_a_connection_the_upstream_closed_while_idle_is_not_reused(
     second = await ask(pool, url)
     assert await second.read() == b"ok"
     assert connections == 2
+
+
+async def test_a_body_that_never_ends_times_out_and_its_connection_is_not_reused(
+    pool: H1Pool, raw_server: Callable[[RawHandler], Awaitable[URL]]
+) -> None:
+    connections = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await read_request(reader)
+        if connections == 1:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n{\"a\"")  # and no more
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await asyncio.sleep(30)
+
+    url = await raw_server(handler)
+    stuck = await ask(pool, url)
+    with pytest.raises(TimeoutError):
+        await stuck.read(0.2)
+    stuck.release()
+    fresh = await ask(pool, url)
+    assert await fresh.read(5.0) == b"ok"
+    assert connections == 2

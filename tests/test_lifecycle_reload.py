@@ -19,7 +19,15 @@ import pytest
 
 from tests.conftest import chat_body, eventually, free_port
 from tests.test_loader import ProcessSampler, alive, stub_pids
-from tests.test_server import Hal0d, Stream, chat, launch, open_stream, stop
+from tests.test_server import (
+    Hal0d,
+    Stream,
+    after_the_stream,
+    chat,
+    launch,
+    open_stream,
+    stop,
+)
 
 STARTUP_S = 15.0  # a Python process importing aiohttp, on a busy two-core box
 TOKEN_DELAY_S = 0.02
@@ -98,14 +106,6 @@ async def stream_running(http: aiohttp.ClientSession, hal0d: Hal0d,
     return stream, task
 
 
-def after_the_stream(hal0d: Hal0d, event: str, slot: str) -> bool:
-    """Whether `event` for `slot` was logged after the streamed request ended."""
-    names = [(e["event"], e.get("slot"), e.get("stream")) for e in hal0d.events()]
-    streamed = next(i for i, (name, _, stream) in enumerate(names)
-                    if name == "request.done" and stream)
-    return names.index((event, slot, None)) > streamed
-
-
 async def test_a_changed_command_unloads_after_its_stream_and_the_next_request_loads_it(
     serve: Serve, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
@@ -121,7 +121,7 @@ async def test_a_changed_command_unloads_after_its_stream_and_the_next_request_l
     assert stream.finished_normally(), stream.data[-2:]
     view = await state_is(http, hal0d, "a", "stopped")
     assert "reload" in view["reason"] and not alive(old_pid)
-    assert after_the_stream(hal0d, "slot.unloaded", "a")
+    assert await after_the_stream(http, hal0d, "slot.unloaded", "a")
 
     status, answer = await chat(http, hal0d.url, "reasoning")
     assert status == 200, answer
@@ -142,7 +142,7 @@ async def test_a_removed_slot_drains_its_stream_then_its_process_stops(
     await task
     assert stream.finished_normally(), stream.data[-2:]
     await eventually(lambda: not alive(pid), STARTUP_S, "the removed slot's process gone")
-    assert after_the_stream(hal0d, "slot.process_stopped", "a")
+    assert await after_the_stream(http, hal0d, "slot.process_stopped", "a")
     assert "a" not in await views(http, hal0d)
 
 
@@ -160,7 +160,7 @@ async def test_always_to_on_demand_rests_stopped_after_its_stream_and_loads_on_r
     assert stream.finished_normally(), stream.data[-2:]
     await state_is(http, hal0d, "a", "stopped")
     assert not alive(pid)
-    assert after_the_stream(hal0d, "slot.process_stopped", "a")
+    assert await after_the_stream(http, hal0d, "slot.process_stopped", "a")
 
     status, answer = await chat(http, hal0d.url, "reasoning")
     assert status == 200, answer

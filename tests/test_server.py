@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import closing
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,20 @@ class Hal0d:
 
 
 Hal0dFactory = Callable[..., Awaitable[Hal0d]]
+
+
+async def after_the_stream(http: aiohttp.ClientSession, hal0d: Hal0d, event: str,
+                           slot: str) -> bool:
+    """Whether `event` for `slot` was logged after the streamed request ended: the end is the
+    request's history row (its start and its duration), the event's time its line's. (Not the
+    order of the lines: a request.done line is written in a batch after its request ended.)"""
+    async with http.get(f"{hal0d.url}/api/requests") as response:
+        rows = (await response.json())["requests"]
+    streamed = next(row for row in rows if row["stream"])
+    ended = streamed["ts"] + streamed["total_ms"] / 1000
+    [logged] = [datetime.fromisoformat(e["timestamp"]).timestamp() for e in hal0d.events()
+                if e["event"] == event and e.get("slot") == slot]
+    return logged >= ended
 
 
 @pytest.fixture
@@ -464,7 +479,4 @@ async def test_a_reloaded_slot_command_replaces_its_process_once_its_streams_are
     status, answer = await chat(http, hal0d.url, "chat")
     assert status == 200, answer
     assert "start rid=" in new_log.read_text()  # served by the reloaded command
-    names = [event["event"] for event in hal0d.events()]
-    streamed = next(i for i, event in enumerate(hal0d.events())
-                    if event["event"] == "request.done" and event.get("stream"))
-    assert names.index("slot.process_stopped") > streamed
+    assert await after_the_stream(http, hal0d, "slot.process_stopped", "proc")
