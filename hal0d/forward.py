@@ -22,6 +22,7 @@ load it asks for (loader.py); the wait for a load is the request's `load_ms`.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any, Self
@@ -146,10 +147,12 @@ class Forward:
         assert self.upstream is not None, "read_whole() after open() only"
         return await read_whole(self.upstream, self.route.slot, self.timeouts.direct_read_timeout_s)
 
-    async def relay(self, response: web.StreamResponse, transform: Transform) -> None:
-        """The opened upstream's body through the relay loop into `response`."""
+    def relay(self, response: web.StreamResponse, transform: Transform) -> Awaitable[None]:
+        """The opened upstream's body through the relay loop into `response` (to be awaited).
+        Not a coroutine of its own: each level between the task and the relay's read is resumed
+        once per chunk."""
         assert isinstance(self.upstream, aiohttp.ClientResponse), "relay() of a stream only"
-        await stream_through(
+        return stream_through(
             self.request,
             self.upstream,
             response,

@@ -89,14 +89,30 @@ async def _body(
     outcome: Outcome,
 ) -> bytes:
     """Relay the body until it ends, however it ends; returns the transform's last frame, with
-    `outcome` saying how it ended. A client that left propagates as _ClientGone."""
+    `outcome` saying how it ended; a client that left propagates as _ClientGone. The per-chunk
+    loop (two times noted, the tap, the transform, the write) is inlined: each coroutine level
+    between the task and the read is resumed for every chunk."""
+    read, feed, write = upstream.content.readany, transform.feed, response.write
+    awaiting_upstream, upstream_answered = guard.awaiting_upstream, guard.upstream_answered
     try:
         first = transform.start()
         if first:
-            guard.upstream_answered()  # a write to the client, watched like the loop's
+            upstream_answered()  # a write to the client, watched like the loop's
             await _write(response, first)
-        await _pump(upstream, response, transform, guard, tap)
-        return transform.end()
+        while True:
+            awaiting_upstream()
+            chunk = await read()
+            if not chunk:
+                return transform.end()
+            upstream_answered()
+            if tap is not None:
+                tap.on_chunk(chunk)
+            out = feed(chunk)
+            if out:
+                try:
+                    await write(out)
+                except ConnectionResetError:
+                    raise _ClientGone from None
     except StallTripped as exc:
         trip = guard.trip(exc.reason)
     except BODY_READ_TIMEOUT:
@@ -122,35 +138,3 @@ async def _body(
     outcome.ok, outcome.error_code = False, stream_stall(trip.reason)
     outcome.stall = trip
     return transform.stalled(trip)
-
-
-async def _pump(
-    upstream: aiohttp.ClientResponse,
-    response: web.StreamResponse,
-    transform: Transform,
-    guard: StallGuard,
-    tap: StreamTap | None,
-) -> None:
-    """Upstream reads to client writes until the upstream closes the body cleanly.
-
-    The hot loop of every stream: per chunk it notes two times, feeds the tap and the transform
-    and writes; anything else is an exception for _body to sort out. (The write is `_write`
-    inlined: one coroutine less per chunk.)"""
-    read = upstream.content.readany
-    feed = transform.feed
-    write = response.write
-    awaiting_upstream, upstream_answered = guard.awaiting_upstream, guard.upstream_answered
-    while True:
-        awaiting_upstream()
-        chunk = await read()
-        if not chunk:
-            return
-        upstream_answered()
-        if tap is not None:
-            tap.on_chunk(chunk)
-        out = feed(chunk)
-        if out:
-            try:
-                await write(out)
-            except ConnectionResetError:
-                raise _ClientGone from None
