@@ -58,12 +58,44 @@ async def relay(
     guard: StallGuard,
     tap: StreamTap | None = None,
 ) -> Outcome:
+    """The body until it ends, however it ends, then the transform's last frame; the Outcome
+    says how it ended. The per-chunk loop (two times noted, the tap, the transform, the write)
+    is written out here, not called: each coroutine level between the task and the read is
+    resumed for every chunk."""
     outcome = Outcome()
+    read, feed, write = upstream.content.readany, transform.feed, response.write
+    awaiting_upstream, upstream_answered = guard.awaiting_upstream, guard.upstream_answered
     guard.start()
     try:
-        last = await _body(upstream, response, transform, guard, tap=tap, outcome=outcome)
+        try:
+            if first := transform.start():
+                upstream_answered()  # a write to the client, watched like the loop's
+                await _write(response, first)
+            while True:
+                awaiting_upstream()
+                if not (chunk := await read()):
+                    break
+                upstream_answered()
+                if tap is not None:
+                    tap.on_chunk(chunk)
+                if out := feed(chunk):
+                    try:
+                        await write(out)
+                    except ConnectionResetError:
+                        raise _ClientGone from None
+            last = transform.end()
+        except StallTripped as exc:
+            last = _stalled(upstream, transform, outcome, guard.trip(exc.reason))
+        except BODY_READ_TIMEOUT:
+            # Only possible with both guard bounds 0: the transport's per-read backstop.
+            last = _stalled(upstream, transform, outcome, guard.trip("read"))
+        except TransformFailed as exc:
+            upstream.close()
+            outcome.ok, outcome.error_code, last = False, exc.error_code, exc.frame
+        except BODY_BROKEN as exc:
+            last = _broken(upstream, transform, outcome, guard.upstream, exc)
         # The last writes are watched too: a client that takes nothing is cut, not waited for.
-        guard.upstream_answered()
+        upstream_answered()
         if last:
             await _write(response, last)
         try:
@@ -79,55 +111,8 @@ async def relay(
     return outcome
 
 
-async def _body(
-    upstream: aiohttp.ClientResponse,
-    response: web.StreamResponse,
-    transform: Transform,
-    guard: StallGuard,
-    *,
-    tap: StreamTap | None,
-    outcome: Outcome,
-) -> bytes:
-    """Relay the body until it ends, however it ends; returns the transform's last frame, with
-    `outcome` saying how it ended; a client that left propagates as _ClientGone. The per-chunk
-    loop (two times noted, the tap, the transform, the write) is inlined: each coroutine level
-    between the task and the read is resumed for every chunk."""
-    read, feed, write = upstream.content.readany, transform.feed, response.write
-    awaiting_upstream, upstream_answered = guard.awaiting_upstream, guard.upstream_answered
-    try:
-        first = transform.start()
-        if first:
-            upstream_answered()  # a write to the client, watched like the loop's
-            await _write(response, first)
-        while True:
-            awaiting_upstream()
-            chunk = await read()
-            if not chunk:
-                return transform.end()
-            upstream_answered()
-            if tap is not None:
-                tap.on_chunk(chunk)
-            out = feed(chunk)
-            if out:
-                try:
-                    await write(out)
-                except ConnectionResetError:
-                    raise _ClientGone from None
-    except StallTripped as exc:
-        trip = guard.trip(exc.reason)
-    except BODY_READ_TIMEOUT:
-        # Only possible with both guard bounds 0: the transport's per-read backstop.
-        trip = guard.trip("read")
-    except TransformFailed as exc:
-        upstream.close()
-        outcome.ok, outcome.error_code = False, exc.error_code
-        return exc.frame
-    except BODY_BROKEN as exc:
-        upstream.close()
-        message = f"upstream {guard.upstream!r} broke the stream: {type(exc).__name__}"
-        log.warning("dispatch.upstream_broken", upstream=guard.upstream, error=str(exc))
-        outcome.ok, outcome.error_code = False, ErrorCode.UPSTREAM_BROKEN
-        return transform.broken(message)
+def _stalled(upstream: aiohttp.ClientResponse, transform: Transform, outcome: Outcome,
+             trip: StallTrip) -> bytes:
     upstream.close()
     log.warning(
         "dispatch.stream_stall_guard_tripped",
@@ -138,3 +123,12 @@ async def _body(
     outcome.ok, outcome.error_code = False, stream_stall(trip.reason)
     outcome.stall = trip
     return transform.stalled(trip)
+
+
+def _broken(upstream: aiohttp.ClientResponse, transform: Transform, outcome: Outcome,
+            name: str, exc: Exception) -> bytes:
+    upstream.close()
+    message = f"upstream {name!r} broke the stream: {type(exc).__name__}"
+    log.warning("dispatch.upstream_broken", upstream=name, error=str(exc))
+    outcome.ok, outcome.error_code = False, ErrorCode.UPSTREAM_BROKEN
+    return transform.broken(message)
