@@ -159,13 +159,22 @@ async def paired_differences(timer: Timer, direct: Endpoint, proxied: Endpoint, 
     Returns the per-pair difference (proxy - direct) in ms: median, p99, and the two medians;
     with `cpu`, the proxy process's CPU time per request as well.
     """
-    for _ in range(warmup):
-        await timer(direct)
-        await timer(proxied)
+    return (await interleaved_differences(
+        timer, direct, {proxied.target: proxied}, pairs=pairs, warmup=warmup, blocks=1,
+        cpu={proxied.target: cpu} if cpu else None))[proxied.target]
+
+
+@dataclass
+class _Pairs:
+    diffs: list[float]
+    direct_ms: list[float]
+    proxied_ms: list[float]
+    cpu_s: float = 0.0
+
+
+async def _pairs(timer: Timer, direct: Endpoint, proxied: Endpoint, *, pairs: int,
+                 into: _Pairs, cpu: CpuProbe | None) -> None:
     cpu0 = cpu() if cpu else 0.0
-    diffs: list[float] = []
-    direct_ms: list[float] = []
-    proxied_ms: list[float] = []
     for i in range(pairs):
         if i % 2:
             d = await timer(direct)
@@ -173,20 +182,46 @@ async def paired_differences(timer: Timer, direct: Endpoint, proxied: Endpoint, 
         else:
             p = await timer(proxied)
             d = await timer(direct)
-        direct_ms.append(d * 1000)
-        proxied_ms.append(p * 1000)
-        diffs.append((p - d) * 1000)
-    cpu_us = (cpu() - cpu0) * 1e6 / pairs if cpu else None
-    return {
-        "pairs": pairs,
-        "cpu_us_per_request": cpu_us,
-        "added_ms_median": median(diffs),
-        "added_ms_p99": pct(diffs, 99),
-        "direct_ms_median": median(direct_ms),
-        "proxied_ms_median": median(proxied_ms),
-        "direct_ms_p99": pct(direct_ms, 99),
-        "proxied_ms_p99": pct(proxied_ms, 99),
-    }
+        into.direct_ms.append(d * 1000)
+        into.proxied_ms.append(p * 1000)
+        into.diffs.append((p - d) * 1000)
+    if cpu:
+        into.cpu_s += cpu() - cpu0
+
+
+async def interleaved_differences(
+    timer: Timer, direct: Endpoint, proxies: Mapping[str, Endpoint], *, pairs: int, warmup: int,
+    blocks: int, cpu: Mapping[str, CpuProbe | None] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """paired_differences for several proxies at once, in `blocks` rounds: each round runs a
+    block of pairs/blocks pairs per proxy, the proxies' order rotating, so a drift of the shared
+    machine reaches every proxy alike (two versions of hal0d are compared by their ratio)."""
+    for proxied in proxies.values():
+        for _ in range(warmup):
+            await timer(direct)
+            await timer(proxied)
+    got = {name: _Pairs([], [], []) for name in proxies}
+    names = list(proxies)
+    per_block = max(1, pairs // blocks)
+    for block in range(blocks):
+        shift = block % len(names)
+        for name in names[shift:] + names[:shift]:
+            probe = cpu.get(name) if cpu else None
+            await _pairs(timer, direct, proxies[name], pairs=per_block, into=got[name], cpu=probe)
+    results = {}
+    for name, done in got.items():
+        count = len(done.diffs)
+        results[name] = {
+            "pairs": count,
+            "cpu_us_per_request": done.cpu_s * 1e6 / count if cpu and cpu.get(name) else None,
+            "added_ms_median": median(done.diffs),
+            "added_ms_p99": pct(done.diffs, 99),
+            "direct_ms_median": median(done.direct_ms),
+            "proxied_ms_median": median(done.proxied_ms),
+            "direct_ms_p99": pct(done.direct_ms, 99),
+            "proxied_ms_p99": pct(done.proxied_ms, 99),
+        }
+    return results
 
 
 async def throughput_rounds(

@@ -38,6 +38,7 @@ TARGET_TRANSLATOR_US = 10.0
 TARGET_KB_PER_STREAM = 30.0
 TARGET_LITELLM_FACTOR = 20.0
 BASELINE = "hal0d-baseline"  # the --baseline revision's hal0d, measured beside this tree's
+LATENCY_BLOCKS = 20  # the hal0d processes' latency pairs, interleaved in this many rounds
 
 
 @dataclass
@@ -92,29 +93,41 @@ def say(message: str) -> None:
 
 async def latency_section(run: Run, targets: dict[str, str], pids: dict[str, int],
                           upstream: str) -> None:
+    """Added latency and time to first byte: each target in pairs with the upstream straight.
+    The hal0d processes (this tree's, the baseline's, the variants) are measured interleaved,
+    in blocks of pairs, so the ratio of two hal0d versions is not a drift of the machine
+    between their turns; a peer is measured on its own, after them."""
     plan = run.plan
-    async with client.session() as direct_s:
-        direct_whole = Endpoint("direct", direct_s, upstream + CHAT,
-                                chat_body(stream=False), client.JSON_HEADERS)
-        direct_stream = Endpoint("direct", direct_s, upstream + CHAT,
-                                 chat_body(stream=True, tokens=8), client.JSON_HEADERS)
+    async with client.session() as direct_s, contextlib.AsyncExitStack() as stack:
+        direct = {
+            "whole": Endpoint("direct", direct_s, upstream + CHAT, chat_body(stream=False),
+                              client.JSON_HEADERS),
+            "stream": Endpoint("direct", direct_s, upstream + CHAT,
+                               chat_body(stream=True, tokens=8), client.JSON_HEADERS),
+        }
+        endpoints: dict[str, dict[str, Endpoint]] = {"whole": {}, "stream": {}}
         for name, base in targets.items():
-            pairs = {"litellm": plan.litellm_latency_pairs}.get(
-                name, plan.latency_pairs if name.startswith("hal0d") else plan.peer_latency_pairs)
-            warmup = min(plan.warmup, pairs)
-            cpu = functools.partial(procs.cpu_seconds, pids[name])
-            async with client.session() as s:
-                whole = Endpoint(name, s, base + CHAT, chat_body(stream=False),
-                                 client.JSON_HEADERS)
-                stream = Endpoint(name, s, base + CHAT, chat_body(stream=True, tokens=8),
-                                  client.JSON_HEADERS)
-                say(f"latency: direct vs {name}, {pairs} pairs")
-                run.results.setdefault("latency", {})[name] = await client.paired_differences(
-                    client.request_time, direct_whole, whole, pairs=pairs, warmup=warmup, cpu=cpu)
-                say(f"time to first byte: direct vs {name}, {pairs} pairs")
-                run.results.setdefault("ttfb", {})[name] = await client.paired_differences(
-                    client.first_byte_time, direct_stream, stream, pairs=pairs, warmup=warmup,
-                    cpu=cpu)
+            s = await stack.enter_async_context(client.session())
+            endpoints["whole"][name] = Endpoint(name, s, base + CHAT, chat_body(stream=False),
+                                                client.JSON_HEADERS)
+            endpoints["stream"][name] = Endpoint(name, s, base + CHAT,
+                                                 chat_body(stream=True, tokens=8),
+                                                 client.JSON_HEADERS)
+        cpu = {name: functools.partial(procs.cpu_seconds, pids[name]) for name in targets}
+        ours = [name for name in targets if name.startswith("hal0d")]
+        groups = [ours] + [[name] for name in targets if name not in ours]
+        for kind, timer, key in (("whole", client.request_time, "latency"),
+                                 ("stream", client.first_byte_time, "ttfb")):
+            for group in groups:
+                pairs = {"litellm": plan.litellm_latency_pairs}.get(
+                    group[0], plan.latency_pairs if group is ours else plan.peer_latency_pairs)
+                say(f"{key}: direct vs {', '.join(group)}, {pairs} pairs each"
+                    + (", interleaved" if len(group) > 1 else ""))
+                results = await client.interleaved_differences(
+                    timer, direct[kind], {name: endpoints[kind][name] for name in group},
+                    pairs=pairs, warmup=min(plan.warmup, pairs),
+                    blocks=LATENCY_BLOCKS if len(group) > 1 else 1, cpu=cpu)
+                run.results.setdefault(key, {}).update(results)
 
 
 def stream_endpoints(sessions: dict[str, aiohttp.ClientSession], bases: dict[str, str],

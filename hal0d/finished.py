@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Final
 
-from hal0d.logs import get_logger
+from hal0d.logs import get_logger, info_line
 from hal0d.metrics.history import COLUMNS
 from hal0d.requestinfo import RequestInfo
 
@@ -116,7 +116,9 @@ class Finisher:
                 if recorder is not None and is_dispatch_request(method, path):
                     recorder.record(info)
                 if path not in UNLOGGED_PATHS:
-                    logger.info("request.done", method=method, path=path, **done_fields(info))
+                    fields = {"method": method, "path": path, **done_fields(info)}
+                    if not info_line("request.done", fields):
+                        logger.info("request.done", **fields)
             except Exception:
                 # One request's failure costs its own line or record, not the rest of the batch.
                 log.exception("request.finish_failed", request_id=info.request_id, path=path)

@@ -3,10 +3,12 @@ no secret in any line, whatever carries it there."""
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -16,6 +18,7 @@ import pytest
 import structlog
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from structlog.testing import capture_logs
 
 from hal0d import logs
 from hal0d.config import parse
@@ -262,3 +265,77 @@ def test_the_one_pass_check_redacts_exactly_what_field_by_field_redaction_does(
         assert logs.redact_secrets(None, "info", dict(event)) == redacted_field_by_field(event)
     finally:
         logs.hide(saved)
+
+
+@contextmanager
+def configured(fmt: str) -> Iterator[io.StringIO]:
+    """logs.configure(fmt) into a buffer; structlog's configuration restored afterwards."""
+    saved = structlog.get_config()
+    root = logging.getLogger()
+    saved_root = (root.handlers[:], root.level)
+    buffer = io.StringIO()
+    logs.configure(level="info", fmt=fmt, stream=buffer)
+    try:
+        yield buffer
+    finally:
+        structlog.configure(**saved)
+        root.handlers[:], _ = saved_root
+        root.setLevel(saved_root[1])
+
+
+def without_time(line: str, fmt: str) -> str:
+    if fmt == "json":
+        event = orjson.loads(line)
+        assert event.pop("timestamp")
+        return orjson.dumps(event).decode()
+    if fmt == "logfmt":
+        stamp, rest = line.split(" ", 1)
+        assert stamp.endswith("Z"), line
+        return rest
+    return line  # journald: the journal stamps it
+
+
+_DONE_KEYS = st.sampled_from(["method", "path", "request_id", "endpoint", "slot", "model",
+                              "status", "ok", "error_code", "duration_ms", "api_key", "token",
+                              "prompt_tokens"])
+_DONE_VALUES = st.one_of(  # orjson writes 64-bit integers, as hal0d's counts and statuses are
+    _TEXT, st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=False), st.none(),
+    st.booleans(), st.lists(_TEXT, max_size=2),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(fields=st.dictionaries(_DONE_KEYS, _DONE_VALUES, max_size=10),
+       fmt=st.sampled_from(["json", "logfmt", "journald"]))
+def test_the_direct_info_line_is_the_pipelines_own_line_or_is_not_written(
+    fields: dict[str, Any], fmt: str
+) -> None:
+    """info_line() writes what log.info() writes through the configured pipeline (but for the
+    time), or writes nothing and says so, and then log.info() is the way."""
+    saved = logs._hidden
+    try:
+        logs.hide(["slot-secret-value"])
+        with configured(fmt) as buffer:
+            structlog.get_logger().info("request.done", **fields)
+            ordinary = buffer.getvalue()
+            buffer.seek(0)
+            buffer.truncate()
+            written = logs.info_line("request.done", dict(fields))
+            direct = buffer.getvalue()
+    finally:
+        logs.hide(saved)
+    if not written:
+        assert direct == ""
+        return
+    assert direct.endswith("\n") and direct.count("\n") == 1
+    assert without_time(direct.rstrip("\n"), fmt) == without_time(ordinary.rstrip("\n"), fmt)
+
+
+def test_the_direct_info_line_gives_way_to_a_replaced_pipeline_and_a_secret() -> None:
+    with configured("json") as buffer:
+        assert logs.info_line("request.done", {"path": "/v1/chat/completions", "status": 200})
+        assert logs.info_line("request.done", {"path": "/x", "model": "Bearer abcdefgh"}) is False
+        with capture_logs() as events:
+            assert logs.info_line("request.done", {"path": "/v1/chat/completions"}) is False
+        assert events == []
+    assert buffer.getvalue().count("request.done") == 1
