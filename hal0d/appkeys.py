@@ -47,8 +47,6 @@ class RuntimeRef:
 
 RUNTIME = web.AppKey("runtime", RuntimeRef)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
-# The same connection pool without the header-deadline tracing (upstream.make_session).
-PLAIN_SESSION = web.AppKey("plain_session", aiohttp.ClientSession)
 # The lean client's connections, for whole answers over plain http (h1client.py).
 H1 = web.AppKey("h1", H1Pool)
 SLOTS = web.AppKey("slots", SlotTable)

@@ -17,7 +17,6 @@ from hal0d.appkeys import (
     EVENTS,
     FINISHER,
     H1,
-    PLAIN_SESSION,
     RECORDER,
     RUNTIME,
     SESSION,
@@ -42,12 +41,10 @@ async def session_context(app: web.Application) -> AsyncIterator[None]:
     through it."""
     timeouts = app[RUNTIME].current.config.dispatcher
     app[SESSION] = make_session(timeouts)
-    app[PLAIN_SESSION] = make_session(timeouts, shared_with=app[SESSION])
-    app[TOKEN_COUNTER] = TokenCounter(app[PLAIN_SESSION])
+    app[TOKEN_COUNTER] = TokenCounter(app[SESSION])
     app[H1] = H1Pool()
     yield
     app[H1].close()
-    await app[PLAIN_SESSION].close()  # not the pool's owner: the traced session closes it
     await app[SESSION].close()
 
 
@@ -91,7 +88,7 @@ async def slots_context(app: web.Application) -> AsyncIterator[None]:
             guard.end_now(reason)
         return len(ending)
 
-    supervisor = Supervisor(table, config.slots, app[PLAIN_SESSION], groups=config.groups,
+    supervisor = Supervisor(table, config.slots, app[SESSION], groups=config.groups,
                             end_streams=end_streams)
     recorder = app[RECORDER]  # recorder_context runs first (make_app's order)
     supervisor.loader.observers.append(recorder.prom.lifecycle)

@@ -30,7 +30,7 @@ from typing import Any, Self
 import aiohttp
 from aiohttp import hdrs, web
 
-from hal0d.appkeys import H1, PLAIN_SESSION, RUNTIME, SESSION, SLOTS, TOKEN_COUNTER
+from hal0d.appkeys import H1, RUNTIME, SESSION, SLOTS, TOKEN_COUNTER
 from hal0d.config import DispatcherConfig, SlotConfig
 from hal0d.h1client import WholeResponse
 from hal0d.handlers.streaming import stream_through
@@ -127,8 +127,7 @@ class Forward:
             return upstream
         guarded = self.stream and guard_active(self.timeouts)
         self.upstream = upstream = await open_upstream(
-            # Only a guarded stream needs its header deadline moved on (upstream.make_session).
-            self.request.app[SESSION if guarded else PLAIN_SESSION],
+            self.request.app[SESSION],
             self.route.slot,
             self.timeouts,
             method=method,

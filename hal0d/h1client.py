@@ -5,7 +5,7 @@ often (embeddings, rerank, tool loops, token counts), and aiohttp's client spend
 one where this spends ~65 us (bench/README.md): it builds a request object, a response object, a
 payload, a stream reader, timers and a connection key for every request, where this writes one
 prepared buffer and hands the parser's pieces to one future. Streams stay on aiohttp (their
-reads, the stall guard and the tracing are built on its stream reader).
+reads and the stall guard are built on its stream reader).
 
 What it does: keep-alive connections per upstream address, one request at a time on each, opened
 when none is idle; the answer parsed by httptools (llhttp, Node.js's parser): Content-Length,

@@ -10,16 +10,14 @@ break is an outcome written into the stream rather than an error status.
 
 Timeouts. aiohttp's client default is total=300 s, which silently kills long streams; the session
 has no total. `connect_timeout_s` bounds the TCP connect, `pool_timeout_s` the wait for a free
-connection, `direct_read_timeout_s` the wait for response headers and, on a non-streaming
-request, every body read. When the stall guard owns a stream's body the per-read timeout is off
-for that request, and the header wait gets its own deadline instead: a HeaderDeadline, moved by
-aiohttp's tracing signals to `write_timeout_s + direct_read_timeout_s` once a connection is had
-and to `direct_read_timeout_s` as the request's headers and body go out. (aiohttp signals a body
-chunk as it starts writing it, so `write_timeout_s` bounds the request's write only loosely; LLM
-request bodies are small and go out in one write.) Every other request (a whole answer, a probe,
-a token count) keeps the per-read timeout, which bounds its header wait, and goes through an
-untraced twin of the session on the same connection pool: its open as a whole is bounded by the
-sum of the four bounds, and it does not pay for the tracing (make_session).
+connection, `direct_read_timeout_s` the wait for response headers (counted from the request's
+body written) and, unless the stall guard owns the body, every body read; an open as a whole is
+bounded by the sum of the four bounds, `write_timeout_s` included (open_upstream). When the
+stall guard owns a stream's body, the per-read timeout that bounded its header wait is switched
+off once the headers are in (`hand_body_to_guard`). (An earlier design moved a deadline along
+with aiohttp's tracing signals instead: four signals a request, ~6% of a stream's CPU and of its
+time to first byte, for a bound that differs only while the request is being written.) Whole
+answers over plain http do not come here: h1client.py, with the same bounds (open_whole).
 """
 
 from __future__ import annotations
@@ -197,48 +195,6 @@ class upstream_errors:  # lower case: read as a `with` statement, as contextlib'
         ) from None
 
 
-class HeaderDeadline:
-    """The deadline of one request's open, moved on as the request gets further."""
-
-    def __init__(self, timeouts: DispatcherConfig) -> None:
-        self.timeouts = timeouts
-        self._loop = asyncio.get_running_loop()
-        # Until a connection is had: pool wait and connect (aiohttp bounds those itself too).
-        self.timeout = asyncio.timeout(
-            timeouts.pool_timeout_s
-            + timeouts.connect_timeout_s
-            + timeouts.write_timeout_s
-            + timeouts.direct_read_timeout_s
-        )
-
-    def connected(self) -> None:
-        self.timeout.reschedule(
-            self._loop.time() + self.timeouts.write_timeout_s + self.timeouts.direct_read_timeout_s
-        )
-
-    def sent(self) -> None:
-        self.timeout.reschedule(self._loop.time() + self.timeouts.direct_read_timeout_s)
-
-
-async def _on_connected(_: Any, context: Any, __: Any) -> None:
-    if isinstance(context.trace_request_ctx, HeaderDeadline):
-        context.trace_request_ctx.connected()
-
-
-async def _on_sent(_: Any, context: Any, __: Any) -> None:
-    if isinstance(context.trace_request_ctx, HeaderDeadline):
-        context.trace_request_ctx.sent()
-
-
-def header_tracing() -> aiohttp.TraceConfig:
-    trace = aiohttp.TraceConfig()
-    trace.on_connection_create_end.append(_on_connected)
-    trace.on_connection_reuseconn.append(_on_connected)
-    trace.on_request_headers_sent.append(_on_sent)
-    trace.on_request_chunk_sent.append(_on_sent)
-    return trace
-
-
 @functools.lru_cache(maxsize=256)
 def client_timeout(
     timeouts: DispatcherConfig, sock_read: float | None = None
@@ -254,22 +210,12 @@ def client_timeout(
     )
 
 
-def make_session(
-    timeouts: DispatcherConfig, *, shared_with: aiohttp.ClientSession | None = None
-) -> aiohttp.ClientSession:
-    """The upstream session; with `shared_with`, its untraced twin on the same connection pool.
-
-    The traced session moves a streamed request's header deadline on as the request gets further
-    (HeaderDeadline); the tracing costs every request that goes through it about a sixth of
-    hal0d's CPU per request (make bench), so requests that need no moving deadline (whole
-    answers, which aiohttp's own per-read timeout bounds, probes, token counts) use the twin.
-    """
+def make_session(timeouts: DispatcherConfig) -> aiohttp.ClientSession:
+    """The one upstream session: streams, probes, token counts (whole answers over plain http
+    go through h1client.py)."""
     return aiohttp.ClientSession(
-        trace_configs=[header_tracing()] if shared_with is None else [],
         timeout=client_timeout(timeouts),
-        connector=(aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-                   if shared_with is None else shared_with.connector),
-        connector_owner=shared_with is None,
+        connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
         # One session serves every client: a cookie an upstream sets is the client's (relayed to
         # it), never kept here to go out again on someone else's request. No jar, no cost.
         cookie_jar=aiohttp.DummyCookieJar(),
@@ -304,30 +250,48 @@ async def open_upstream(
     params: Any = None,
     slot_reason: str | None = None,
 ) -> aiohttp.ClientResponse:
-    """Send the request and wait for the response headers.
+    """Send the request and wait for the response headers: within `direct_read_timeout_s` of
+    the request written, and the whole open within the sum of the four bounds.
 
-    `guarded`: the stall guard owns the body, so the per-read timeout is off for this request.
+    `guarded`: the stall guard owns the body, so the per-read timeout is off for it.
     `slot_reason`: why the slot is in error, if it is; a failed open names it.
     """
-    read_timeout = None if guarded else timeouts.direct_read_timeout_s
-    deadline = HeaderDeadline(timeouts)
     with upstream_errors(
         slot,
         "waiting for the upstream's response headers",
         refused_at="upstream_connect",
         slot_reason=slot_reason,
     ):
-        async with deadline.timeout:
-            return await session.request(
+        async with asyncio.timeout(open_bound(timeouts)):
+            upstream = await session.request(
                 method,
                 upstream_url(slot.upstream, path),
                 params=params,
                 data=body,
                 headers=headers,
-                timeout=client_timeout(timeouts, read_timeout),
+                timeout=client_timeout(timeouts, timeouts.direct_read_timeout_s),
                 allow_redirects=False,
-                trace_request_ctx=deadline,
             )
+    if guarded:
+        hand_body_to_guard(upstream)
+    return upstream
+
+
+def open_bound(timeouts: DispatcherConfig) -> float:
+    """The most an open may take: a free connection, the connect, the write, the headers."""
+    return (timeouts.pool_timeout_s + timeouts.connect_timeout_s + timeouts.write_timeout_s
+            + timeouts.direct_read_timeout_s)
+
+
+def hand_body_to_guard(upstream: aiohttp.ClientResponse) -> None:
+    """The per-read timeout that bounded the header wait, off for the body: the stall guard
+    bounds a stream's reads with its own bounds (a model may think longer than a header wait
+    may take). start_timeout() re-arms with none, which cancels the timer the headers' read
+    left running."""
+    connection = upstream.connection
+    if connection is not None and connection.protocol is not None:
+        connection.protocol.read_timeout = None
+        connection.protocol.start_timeout()
 
 
 def plain_http(slot: SlotConfig) -> bool:

@@ -494,3 +494,27 @@ async def test_a_trip_while_the_client_is_slow_is_recorded_as_the_trip(
     row = await eventually(lambda: history_row(http, hal0d), 5.0, "the stream's history row")
     assert (row["ok"], row["error_code"]) == (False, "stream_stall_total")
     writer.close()
+
+
+async def test_a_guarded_body_is_not_bound_by_the_header_wait_timeout(
+    upstream_app, start_hal0d, http
+):
+    """The per-read timeout bounds the header wait only: once the headers are in, the guard's
+    bounds alone watch the body (a token may take longer than a header wait may)."""
+    events = [b'data: {"choices":[{"delta":{"content":"late"}}]}\n\n', b"data: [DONE]\n\n"]
+
+    async def upstream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={hdrs.CONTENT_TYPE: "text/event-stream"})
+        await response.prepare(request)
+        await asyncio.sleep(0.8)  # past the header wait's 0.3 s, within the idle bound's 2 s
+        for event in events:
+            await response.write(event)
+        await response.write_eof()
+        return response
+
+    url = await upstream_app({"POST /v1/chat/completions": upstream})
+    hal0d = await start_hal0d(url, dispatcher=guard(total=0, idle=2.0, direct_read_timeout_s=0.3))
+    got = await receive(http, hal0d.make_url("/v1/chat/completions"), chat_body())
+
+    assert got.raw == b"".join(events)  # whole, with no stall frame
+    assert got.duration >= 0.8

@@ -29,7 +29,7 @@ from hal0d.anthropic.response import to_anthropic
 from hal0d.anthropic.stream import Translator
 from hal0d.anthropic.transform import AnthropicTransform
 from hal0d.anthropic_mode import NATIVE, TRANSLATE
-from hal0d.appkeys import ANTHROPIC_MODES, PLAIN_SESSION
+from hal0d.appkeys import ANTHROPIC_MODES, SESSION
 from hal0d.errors import (
     ErrorCode,
     InvalidRequest,
@@ -65,7 +65,7 @@ async def native(fwd: Forward) -> bool:
     """Whether this slot's upstream is sent the Anthropic request as it is (asked under the
     lease: an "auto" slot's upstream is up to answer the probe)."""
     modes = fwd.request.app[ANTHROPIC_MODES]
-    return await modes.mode(fwd.request.app[PLAIN_SESSION], fwd.slot) == NATIVE
+    return await modes.mode(fwd.request.app[SESSION], fwd.slot) == NATIVE
 
 
 def model_and_stream(body: dict[str, Any]) -> tuple[str, bool]:
