@@ -37,8 +37,8 @@ from hal0d.upstream import make_session
 
 
 async def session_context(app: web.Application) -> AsyncIterator[None]:
-    """The one shared ClientSession for every upstream call, and the token counter that asks
-    through it."""
+    """The one shared ClientSession for every upstream call but whole answers over plain http,
+    the token counter that asks through it, and the lean client's pool for those answers."""
     timeouts = app[RUNTIME].current.config.dispatcher
     app[SESSION] = make_session(timeouts)
     app[TOKEN_COUNTER] = TokenCounter(app[SESSION])

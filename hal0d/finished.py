@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 log = get_logger()
 
 DELAY_S: Final = 0.02
-# While requests are being served the batch waits (checking again every RECHECK_S), up to
-# MAX_WAIT_S after its first request ended: the work is done between requests where it can be.
+# While requests are being served the batch waits (checking again every RECHECK_S) until its
+# oldest request ended MAX_WAIT_S ago: the work is done between requests where it can be.
 RECHECK_S: Final = 0.002
 MAX_WAIT_S: Final = 0.1
 # Requests done in one turn of the event loop: a batch is worked through in slices of this many,
@@ -61,7 +61,7 @@ def done_fields(info: RequestInfo) -> dict[str, object]:
 class Finisher:
     """Finished requests waiting for their line and their record, and the timer that does them."""
 
-    __slots__ = ("_pending", "_since", "_timer", "active", "delay_s", "recorder")
+    __slots__ = ("_pending", "_timer", "active", "delay_s", "recorder")
 
     def __init__(self, *, delay_s: float = DELAY_S) -> None:
         self.delay_s = delay_s
@@ -69,7 +69,6 @@ class Finisher:
         # Set once the recorder runs (contexts.recorder_context); until then, lines only.
         self.recorder: Recorder | None = None
         self._pending: list[tuple[RequestInfo, str, str]] = []
-        self._since = 0.0  # when the oldest pending request was handed in (loop time)
         self._timer: asyncio.Handle | None = None
 
     @property
@@ -84,9 +83,7 @@ class Finisher:
         self.active -= 1
         self._pending.append((info, method, path))
         if self._timer is None:
-            loop = asyncio.get_running_loop()
-            self._since = loop.time()
-            self._timer = loop.call_later(self.delay_s, self._next_slice)
+            self._timer = asyncio.get_running_loop().call_later(self.delay_s, self._next_slice)
 
     def flush(self) -> None:
         """Every request handed in so far: its line written, its record made."""
@@ -98,10 +95,18 @@ class Finisher:
 
     def _next_slice(self) -> None:
         loop = asyncio.get_running_loop()
-        if self.active and loop.time() - self._since < MAX_WAIT_S:
+        if not self._pending:
+            self._timer = None
+            return
+        # The oldest request's end (RequestInfo.ended: time.monotonic, the loop's clock too).
+        overdue = loop.time() - (self._pending[0][0].ended or 0.0) >= MAX_WAIT_S
+        if self.active and not overdue:
             self._timer = loop.call_later(RECHECK_S, self._next_slice)  # a request is being served
             return
-        batch, self._pending = self._pending[:SLICE], self._pending[SLICE:]
+        # Overdue (requests are always being served): all of it at once, so that it keeps up
+        # with requests that end faster than one a turn of the loop.
+        take = len(self._pending) if overdue else SLICE
+        batch, self._pending = self._pending[:take], self._pending[take:]
         self._timer = loop.call_soon(self._next_slice) if self._pending else None
         self._finish(batch)
 

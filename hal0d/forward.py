@@ -110,34 +110,18 @@ class Forward:
         headers = request_headers(self.request.headers, self.route.slot)
         if json_body:
             headers[hdrs.CONTENT_TYPE] = "application/json"
-        upstream: UpstreamResponse
-        if not self.stream and plain_http(self.route.slot):
-            self.upstream = upstream = await open_whole(
-                self.request.app[H1],
-                self.route.slot,
-                self.timeouts,
-                method=method,
-                path=path,
-                params=params,
-                headers=headers,
-                body=body,
-                slot_reason=self.lease.slot.reason,
-            )
-            self.info.upstream_status(upstream.status)
-            return upstream
-        guarded = self.stream and guard_active(self.timeouts)
-        self.upstream = upstream = await open_upstream(
-            self.request.app[SESSION],
-            self.route.slot,
-            self.timeouts,
-            method=method,
-            path=path,
-            params=params,
-            headers=headers,
-            body=body,
-            guarded=guarded,
-            slot_reason=self.lease.slot.reason,
-        )
+        slot, reason = self.route.slot, self.lease.slot.reason
+        opened: Awaitable[UpstreamResponse]
+        if not self.stream and plain_http(slot):
+            opened = open_whole(self.request.app[H1], slot, self.timeouts, method=method,
+                                path=path, params=params, headers=headers, body=body,
+                                slot_reason=reason)
+        else:
+            opened = open_upstream(self.request.app[SESSION], slot, self.timeouts, method=method,
+                                   path=path, params=params, headers=headers, body=body,
+                                   guarded=self.stream and guard_active(self.timeouts),
+                                   slot_reason=reason)
+        self.upstream = upstream = await opened
         self.info.upstream_status(upstream.status)
         return upstream
 

@@ -50,7 +50,8 @@ class CannotConnect(ConnectionError):
 
 
 class _Connection(asyncio.Protocol):
-    """One keep-alive connection: a request written, its answer parsed into `answer`."""
+    """One keep-alive connection: a request written, its answer parsed as it comes (the headers
+    into `header_list`, then `headers_done`; the body into `body`, then `complete`)."""
 
     def __init__(self, address: tuple[str, int]) -> None:
         self.address = address
@@ -136,8 +137,9 @@ class _Connection(asyncio.Protocol):
         return int(self._parser.get_status_code())
 
     def reusable(self) -> bool:
-        return (not self.closed and self.complete is not None and self.complete.done()
-                and not self.complete.exception() and self.keep_alive)
+        complete = self.complete
+        return (not self.closed and self.keep_alive and complete is not None and complete.done()
+                and not complete.cancelled() and complete.exception() is None)
 
     def recycle(self) -> None:
         self._reset()
@@ -185,11 +187,6 @@ class WholeResponse:
             self._body = b"".join(connection.body)
             connection.body = []
         return self._body
-
-    @property
-    def finished(self) -> bool:
-        """The whole answer has been read: its connection can serve the next request."""
-        return self._body is not None
 
     def release(self) -> None:
         """Hand the connection back for reuse if its answer was read whole; otherwise close it

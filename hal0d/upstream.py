@@ -256,12 +256,7 @@ async def open_upstream(
     `guarded`: the stall guard owns the body, so the per-read timeout is off for it.
     `slot_reason`: why the slot is in error, if it is; a failed open names it.
     """
-    with upstream_errors(
-        slot,
-        "waiting for the upstream's response headers",
-        refused_at="upstream_connect",
-        slot_reason=slot_reason,
-    ):
+    with opening_errors(slot, slot_reason):
         async with asyncio.timeout(open_bound(timeouts)):
             upstream = await session.request(
                 method,
@@ -275,6 +270,12 @@ async def open_upstream(
     if guarded:
         hand_body_to_guard(upstream)
     return upstream
+
+
+def opening_errors(slot: SlotConfig, slot_reason: str | None) -> upstream_errors:
+    """upstream_errors of an open: the wait for the headers, a refusal counted at the connect."""
+    return upstream_errors(slot, "waiting for the upstream's response headers",
+                           refused_at="upstream_connect", slot_reason=slot_reason)
 
 
 def open_bound(timeouts: DispatcherConfig) -> float:
@@ -315,12 +316,7 @@ async def open_whole(
     """`open_upstream` for a request whose answer is read whole, through the lean client: the
     connect within `connect_timeout_s`, the response headers within `direct_read_timeout_s` of
     the request going out (the whole body then within the same, see read_whole)."""
-    with upstream_errors(
-        slot,
-        "waiting for the upstream's response headers",
-        refused_at="upstream_connect",
-        slot_reason=slot_reason,
-    ):
+    with opening_errors(slot, slot_reason):
         return await pool.request(
             method,
             upstream_url(slot.upstream, path),

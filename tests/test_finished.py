@@ -5,14 +5,16 @@ one request's failure, and flushed when hal0d stops."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import aiohttp
 from structlog.testing import capture_logs
 
 from hal0d.appkeys import FINISHER, RECORDER
-from hal0d.finished import DELAY_S, MAX_WAIT_S
+from hal0d.finished import DELAY_S, MAX_WAIT_S, Finisher
 from hal0d.metrics.recorder import Recorder
+from hal0d.requestinfo import RequestInfo
 from tests.conftest import ServerFactory, Stub, chat_body, eventually
 
 LONG_DELAY_S = 3600.0  # a batch that would wait an hour: only a flush can have made the record
@@ -135,3 +137,52 @@ async def test_a_stream_being_served_delays_the_batch_by_a_bounded_time_only(
             waited = asyncio.get_running_loop().time() - started
             assert finisher.active == 1  # the stream was still being served all along
     assert waited < DELAY_S + MAX_WAIT_S + 0.5, waited
+
+
+class Rows:
+    """Takes the records a Finisher makes (the recorder's place)."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+
+    def record(self, info: Any) -> None:
+        self.ids.append(info.request_id)
+
+
+async def test_an_overdue_batch_is_made_whole_even_while_requests_are_served() -> None:
+    """Requests always being served: once the oldest waited MAX_WAIT_S, the whole batch is made
+    in one turn, so a Finisher keeps up with requests that end faster than one a turn."""
+    finisher = Finisher(delay_s=0.0)
+    rows = Rows()
+    finisher.recorder = rows  # type: ignore[assignment]
+    finisher.begin()  # a stream, served all along
+    long_ago = time.monotonic() - MAX_WAIT_S - 1.0
+    for n in range(50):
+        finisher.begin()
+        info = RequestInfo(request_id=f"r{n}", endpoint="/v1/embeddings")
+        info.ended = long_ago
+        finisher.add(info, "POST", "/v1/embeddings")
+    assert finisher.active == 1 and finisher.pending == 50
+    for _ in range(3):  # the timer's turn (and not the 50 turns a slice each would take)
+        await asyncio.sleep(0)
+    assert rows.ids == [f"r{n}" for n in range(50)]
+    assert finisher.pending == 0
+
+
+async def test_a_fresh_batch_waits_while_a_request_is_served_then_goes_one_a_turn() -> None:
+    finisher = Finisher(delay_s=0.0)
+    rows = Rows()
+    finisher.recorder = rows  # type: ignore[assignment]
+    finisher.begin()  # being served
+    for n in range(3):
+        finisher.begin()
+        info = RequestInfo(request_id=f"r{n}", endpoint="/v1/embeddings")
+        info.end()
+        finisher.add(info, "POST", "/v1/embeddings")
+    await asyncio.sleep(0.02)
+    assert rows.ids == []  # nothing made while the request is served (and not overdue)
+    served = RequestInfo(request_id="served", endpoint="/v1/embeddings")
+    served.end()
+    finisher.add(served, "POST", "/v1/embeddings")  # the served request ends: nothing is served
+    await eventually(lambda: len(rows.ids) == 4, 1.0, "the batch made once nothing is served")
+    assert rows.ids[:3] == ["r0", "r1", "r2"]
