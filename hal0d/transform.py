@@ -92,3 +92,26 @@ class Transform(Protocol):
         """The client has the whole answer: the stream's terminal frame was written to it (a
         client may close as soon as it reads it, before the upstream ends its body)."""
         ...
+
+
+# How much of a relayed stream's end a pure transform keeps, to judge how the stream ended.
+TAIL_BYTES = 256
+
+
+class PureTail:
+    """The part every pure transform shares (the bytes out exactly as they came in): nothing to
+    write first, and the stream's last TAIL_BYTES bytes kept as `_tail`, however the reads cut
+    them, for the surface to judge the end by (its `[DONE]`, its `message_stop`). Copies stay
+    that small: this runs for every chunk."""
+
+    __slots__ = ("_tail",)
+
+    def __init__(self) -> None:
+        self._tail = b""
+
+    def start(self) -> bytes:
+        return b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        self._tail = (self._tail + chunk[-TAIL_BYTES:])[-TAIL_BYTES:]
+        return chunk

@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 import dataclasses
 import inspect
+import io
+import logging
 import os
 import signal
 import socket
@@ -19,9 +21,11 @@ from typing import Any, TypeVar
 import aiohttp
 import orjson
 import pytest
+import structlog
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from hal0d import logs
 from hal0d.app import make_app
 from hal0d.child import PRCTL
 from hal0d.config import Config, DispatcherConfig, MetricsConfig, SlotConfig
@@ -319,3 +323,23 @@ def content_chunk(text: str) -> bytes:
         )
         + b"\n\n"
     )
+
+
+@contextlib.contextmanager
+def logs_into_buffer(fmt: str, level: str) -> Iterator[io.StringIO]:
+    """hal0d's real logging pipeline (logs.configure, aiohttp's loggers included) into a buffer;
+    structlog's configuration and the standard library's logging restored afterwards."""
+    saved = structlog.get_config()
+    root = logging.getLogger()
+    saved_root = (root.handlers[:], root.level)
+    access = logging.getLogger("aiohttp.access")
+    saved_access = access.disabled
+    buffer = io.StringIO()
+    logs.configure(level=level, fmt=fmt, stream=buffer)
+    try:
+        yield buffer
+    finally:
+        structlog.configure(**saved)
+        root.handlers[:], _ = saved_root
+        root.setLevel(saved_root[1])
+        access.disabled = saved_access

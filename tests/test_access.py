@@ -7,22 +7,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
-import logging
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
-import structlog
 from aiohttp import hdrs, web
 from aiohttp.test_utils import TestServer
 from structlog.testing import capture_logs
 
-from hal0d import logs
 from hal0d.app import make_app, warn_if_exposed
 from hal0d.config import (
     Config,
@@ -34,7 +30,7 @@ from hal0d.config import (
     parse,
 )
 from hal0d.handlers import openai
-from tests.conftest import STUB_MODELS, chat_body, eventually, make_config
+from tests.conftest import STUB_MODELS, chat_body, eventually, logs_into_buffer, make_config
 
 KEY = "hal0-client-key-7Qx9wL"
 OTHER_KEY = "hal0-second-key-Pz4"
@@ -305,23 +301,9 @@ async def test_without_a_slot_key_the_upstream_gets_no_authorization_at_all(
         assert not lowered & {"authorization", "x-api-key"}, (what, headers)
 
 
-@contextmanager
-def rendered_logs() -> Iterator[io.StringIO]:
+def rendered_logs() -> AbstractContextManager[io.StringIO]:
     """hal0d's real logging pipeline (debug level, aiohttp's loggers included) into a buffer."""
-    saved = structlog.get_config()
-    root = logging.getLogger()
-    saved_root = (root.handlers[:], root.level)
-    access = logging.getLogger("aiohttp.access")
-    saved_access = access.disabled
-    buffer = io.StringIO()
-    logs.configure(level="debug", fmt="json", stream=buffer)
-    try:
-        yield buffer
-    finally:
-        structlog.configure(**saved)
-        root.handlers[:], _ = saved_root
-        root.setLevel(saved_root[1])
-        access.disabled = saved_access
+    return logs_into_buffer("json", "debug")
 
 
 async def exercise_with_keys(http: aiohttp.ClientSession, hal0d: TestServer) -> int:

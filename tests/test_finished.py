@@ -27,7 +27,7 @@ async def chat(http: aiohttp.ClientSession, url: Any, request_id: str) -> None:
         await response.read()
 
 
-async def test_lines_and_records_come_after_the_answer_in_one_batch(
+async def test_every_finished_request_gets_its_line_in_the_order_the_requests_ended(
     stub: Stub, start_hal0d: ServerFactory, http: aiohttp.ClientSession
 ) -> None:
     hal0d = await start_hal0d(stub.url)
@@ -75,7 +75,7 @@ async def test_every_reader_sees_the_requests_that_ended_before_it_asked(
     assert slot["requests"] == 4, slot
 
 
-async def test_one_requests_failure_costs_its_record_only(
+async def test_one_requests_failure_costs_only_its_own_line_and_record(
     stub: Stub, start_hal0d: ServerFactory, http: aiohttp.ClientSession
 ) -> None:
     hal0d = await start_hal0d(stub.url)
@@ -169,7 +169,7 @@ async def test_an_overdue_batch_is_made_whole_even_while_requests_are_served() -
     assert finisher.pending == 0
 
 
-async def test_a_fresh_batch_waits_while_a_request_is_served_then_goes_one_a_turn() -> None:
+async def test_a_fresh_batch_waits_while_a_request_is_served_and_is_made_once_none_is() -> None:
     finisher = Finisher(delay_s=0.0)
     rows = Rows()
     finisher.recorder = rows  # type: ignore[assignment]

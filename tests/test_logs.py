@@ -3,12 +3,10 @@ no secret in any line, whatever carries it there."""
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import re
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -22,7 +20,7 @@ from structlog.testing import capture_logs
 
 from hal0d import logs
 from hal0d.config import parse
-from tests.conftest import ServerFactory, Stub, chat_body, eventually
+from tests.conftest import ServerFactory, Stub, chat_body, eventually, logs_into_buffer
 
 CLIENT_KEY = "sk-secret-client-key-4f9Q2"
 SLOT_KEY = "upstream-slot-key-Hq81z"  # no recognisable shape: only hide() can catch it
@@ -267,22 +265,6 @@ def test_the_one_pass_check_redacts_exactly_what_field_by_field_redaction_does(
         logs.hide(saved)
 
 
-@contextmanager
-def configured(fmt: str) -> Iterator[io.StringIO]:
-    """logs.configure(fmt) into a buffer; structlog's configuration restored afterwards."""
-    saved = structlog.get_config()
-    root = logging.getLogger()
-    saved_root = (root.handlers[:], root.level)
-    buffer = io.StringIO()
-    logs.configure(level="info", fmt=fmt, stream=buffer)
-    try:
-        yield buffer
-    finally:
-        structlog.configure(**saved)
-        root.handlers[:], _ = saved_root
-        root.setLevel(saved_root[1])
-
-
 def without_time(line: str, fmt: str) -> str:
     if fmt == "json":
         event = orjson.loads(line)
@@ -315,7 +297,7 @@ def test_the_direct_info_line_is_the_pipelines_own_line_or_is_not_written(
     saved = logs._hidden
     try:
         logs.hide(["slot-secret-value"])
-        with configured(fmt) as buffer:
+        with logs_into_buffer(fmt, "info") as buffer:
             structlog.get_logger().info("request.done", **fields)
             ordinary = buffer.getvalue()
             buffer.seek(0)
@@ -332,7 +314,7 @@ def test_the_direct_info_line_is_the_pipelines_own_line_or_is_not_written(
 
 
 def test_the_direct_info_line_gives_way_to_a_replaced_pipeline_and_a_secret() -> None:
-    with configured("json") as buffer:
+    with logs_into_buffer("json", "info") as buffer:
         assert logs.info_line("request.done", {"path": "/v1/chat/completions", "status": 200})
         assert logs.info_line("request.done", {"path": "/x", "model": "Bearer abcdefgh"}) is False
         with capture_logs() as events:

@@ -14,12 +14,10 @@ import orjson
 
 from hal0d.anthropic.stream import encode_events
 from hal0d.errors import ErrorCode
-from hal0d.transform import STALL_KEY, StallTrip, TransformFailed
+from hal0d.transform import STALL_KEY, PureTail, StallTrip, TransformFailed
 
 __all__ = ["NativeAnthropic"]
 
-# How much of the stream's end is kept, to find its message_stop.
-TAIL_BYTES = 256
 _MESSAGE_STOP = b"event: message_stop"
 
 
@@ -28,22 +26,12 @@ def error_frame(message: str, error_type: str = "api_error") -> bytes:
     return b"\n\n" + encode_events([("error", error)])
 
 
-class NativeAnthropic:
-    __slots__ = ("_tail",)
-
-    def __init__(self) -> None:
-        self._tail = b""
+class NativeAnthropic(PureTail):
+    __slots__ = ()
 
     @property
     def done(self) -> bool:
         return _MESSAGE_STOP in self._tail or b'"type":"message_stop"' in self._tail
-
-    def start(self) -> bytes:
-        return b""
-
-    def feed(self, chunk: bytes) -> bytes:
-        self._tail = (self._tail + chunk[-TAIL_BYTES:])[-TAIL_BYTES:]
-        return chunk
 
     def complete(self) -> bool:
         return self.done

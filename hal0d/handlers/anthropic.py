@@ -32,18 +32,18 @@ from hal0d.anthropic_mode import NATIVE, TRANSLATE
 from hal0d.appkeys import ANTHROPIC_MODES, SESSION
 from hal0d.errors import (
     ErrorCode,
-    InvalidRequest,
     UpstreamInvalid,
     UpstreamStatus,
     upstream_message,
 )
 from hal0d.forward import Forward, UpstreamResponse, forward
-from hal0d.handlers.body import parse_json_object, read_body
+from hal0d.handlers.body import check_model_and_stream, parse_json_object, read_body
 from hal0d.handlers.openai import with_model
 from hal0d.metrics.live import normal_usage
 from hal0d.upstream import SSE_HEADERS, response_headers
 
 UPSTREAM_MESSAGE_LIMIT = 2000
+ANTHROPIC_FIELD = "{}:"  # how the Anthropic surface names a field in an error message
 
 
 async def upstream_status_error(fwd: Forward, upstream: UpstreamResponse) -> UpstreamStatus:
@@ -70,13 +70,7 @@ async def native(fwd: Forward) -> bool:
 
 def model_and_stream(body: dict[str, Any]) -> tuple[str, bool]:
     """What the dispatch needs of any Messages request; a native upstream judges the rest."""
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest("model: is required and must be a non-empty string", field="model")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise InvalidRequest("stream: must be a boolean", field="stream")
-    return model, stream
+    return check_model_and_stream(body, ANTHROPIC_FIELD)
 
 
 async def messages(request: web.Request) -> web.StreamResponse:

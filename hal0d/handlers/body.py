@@ -35,6 +35,22 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     return parsed
 
 
+def check_model_and_stream(payload: dict[str, Any], field_label: str) -> tuple[str, bool]:
+    """The two fields every surface must get right before a slot is taken (the upstream judges
+    the rest). `field_label` names a field in the surface's own wording: "'{}'" (OpenAI),
+    "{}:" (Anthropic)."""
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest(
+            f"{field_label.format('model')} is required and must be a non-empty string",
+            field="model",
+        )
+    stream = payload.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidRequest(f"{field_label.format('stream')} must be a boolean", field="stream")
+    return model, stream
+
+
 # Bodies larger than this are parsed in a worker thread: a 20 MiB upload takes ~0.6 s to parse,
 # which must not stall every stream the event loop is relaying.
 PARSE_IN_THREAD_BYTES = 256 * 1024

@@ -15,6 +15,7 @@ from hal0d.appkeys import RUNTIME, SLOTS
 from hal0d.errors import ErrorCode, InvalidRequest, UpstreamInvalid
 from hal0d.forward import Forward, UpstreamResponse, forward
 from hal0d.handlers.body import (
+    check_model_and_stream,
     multipart_field,
     parse_json_object,
     read_body,
@@ -37,6 +38,7 @@ ENDPOINTS = (
 ALWAYS_STREAMING = frozenset({"audio/speech"})
 # Endpoints whose stream is SSE.
 SSE_ENDPOINTS = frozenset({"chat/completions", "completions"})
+OPENAI_FIELD = "'{}'"  # how the OpenAI surface names a field in an error message
 
 
 def not_streamed(endpoint: str, upstream: UpstreamResponse) -> bool:
@@ -99,13 +101,7 @@ async def requested_model(request: web.Request, endpoint: str, body: bytes) -> t
 def model_and_stream(payload: dict[str, Any]) -> tuple[str, bool]:
     """The two fields every OpenAI-shaped body (chat, completions, Responses) must get right
     before a slot is taken."""
-    model = payload.get("model")
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest("'model' is required and must be a non-empty string", field="model")
-    stream = payload.get("stream", False)
-    if not isinstance(stream, bool):
-        raise InvalidRequest("'stream' must be a boolean", field="stream")
-    return model, stream
+    return check_model_and_stream(payload, OPENAI_FIELD)
 
 
 def with_model(body: bytes, served_model: str) -> bytes:

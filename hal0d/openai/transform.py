@@ -15,13 +15,11 @@ from typing import Any
 import orjson
 
 from hal0d.errors import ErrorCode
-from hal0d.transform import STALL_KEY, StallTrip, TransformFailed
+from hal0d.transform import STALL_KEY, PureTail, StallTrip, TransformFailed
 
 __all__ = ["STALL_ID", "Passthrough", "error_event", "stall_frame"]
 
 STALL_ID = "hal0-stall-guard"
-# How much of the stream's end Passthrough keeps, to find its `data: [DONE]`.
-TAIL_BYTES = 256
 
 
 def error_event(message: str, code: str) -> bytes:
@@ -58,14 +56,14 @@ def stall_frame(trip: StallTrip, *, legacy_completion: bool, model: str | None) 
     return b"\n\ndata: " + orjson.dumps(chunk) + b"\n\ndata: [DONE]\n\n"
 
 
-class Passthrough:
+class Passthrough(PureTail):
     """Bytes out exactly as they came in; frames only for hal0d's own endings.
 
     The only thing it looks at is the end of a successful SSE stream: one without `data: [DONE]`
     was cut short by the upstream, and the client is told so instead of being left to guess.
     """
 
-    __slots__ = ("_tail", "expect_done", "legacy_completion", "model", "sse")
+    __slots__ = ("expect_done", "legacy_completion", "model", "sse")
 
     def __init__(
         self, *, sse: bool, legacy_completion: bool, model: str | None, expect_done: bool
@@ -74,15 +72,7 @@ class Passthrough:
         self.legacy_completion = legacy_completion
         self.model = model
         self.expect_done = expect_done
-        self._tail = b""
-
-    def start(self) -> bytes:
-        return b""
-
-    def feed(self, chunk: bytes) -> bytes:
-        # The stream's last TAIL_BYTES bytes, however the reads cut them; copies stay that small.
-        self._tail = (self._tail + chunk[-TAIL_BYTES:])[-TAIL_BYTES:]
-        return chunk
+        super().__init__()
 
     def complete(self) -> bool:
         tail = self._tail.rstrip()
