@@ -3,8 +3,8 @@ serves and torn down on shutdown, in the order make_app registers them (aiohttp 
 in reverse).
 
 They live here, above the domain modules, because they wire those modules into the app's shared
-state (appkeys.py): the recorder, the supervisor and the token counter know nothing of the app,
-and appkeys.py can name their types without any of them importing it back.
+state (appkeys.py): the recorder, the lifecycle manager and the token counter know nothing of the
+app, and appkeys.py can name their types without any of them importing it back.
 """
 
 from __future__ import annotations
@@ -17,21 +17,21 @@ from hal0d.appkeys import (
     EVENTS,
     FINISHER,
     H1,
+    LIFECYCLE,
     RECORDER,
     RUNTIME,
     SESSION,
     SLOTS,
     STREAMS,
-    SUPERVISOR,
     TOKEN_COUNTER,
 )
 from hal0d.config import SlotConfig
 from hal0d.events import SlotFeed
 from hal0d.h1client import H1Pool
+from hal0d.lifecycle.manager import LifecycleManager, log_state_change
+from hal0d.lifecycle.slots import SlotTable
 from hal0d.metrics.history import HistoryWriter
 from hal0d.metrics.recorder import Recorder
-from hal0d.slots import SlotTable
-from hal0d.supervisor import Supervisor, log_state_change
 from hal0d.tokens import TokenCounter
 from hal0d.upstream import make_session
 
@@ -56,8 +56,8 @@ async def recorder_context(app: web.Application) -> AsyncIterator[None]:
     recorder = Recorder(history, config.metrics.ttft_samples)
 
     def restarts() -> dict[str, int]:
-        supervisor = app.get(SUPERVISOR)
-        return {} if supervisor is None else supervisor.restarts()
+        lifecycle = app.get(LIFECYCLE)
+        return {} if lifecycle is None else lifecycle.restarts()
 
     def placements() -> dict[str, SlotConfig]:
         return {slot.name: slot for slot in app[RUNTIME].current.config.slots}
@@ -76,7 +76,7 @@ async def recorder_context(app: web.Application) -> AsyncIterator[None]:
 
 
 async def slots_context(app: web.Application) -> AsyncIterator[None]:
-    """The slot table, its processes and its probe, stopped on shutdown."""
+    """The slot table and the lifecycle manager of its slots, stopped on shutdown."""
     config = app[RUNTIME].current.config
     table = SlotTable(config.slots, on_change=log_state_change)
     app[SLOTS] = table
@@ -88,17 +88,17 @@ async def slots_context(app: web.Application) -> AsyncIterator[None]:
             guard.end_now(reason)
         return len(ending)
 
-    supervisor = Supervisor(table, config.slots, app[SESSION], groups=config.groups,
-                            end_streams=end_streams)
+    lifecycle = LifecycleManager(table, config.slots, app[SESSION], groups=config.groups,
+                                 end_streams=end_streams)
     recorder = app[RECORDER]  # recorder_context runs first (make_app's order)
-    supervisor.loader.observers.append(recorder.prom.lifecycle)
-    app[SUPERVISOR] = supervisor
-    feed = SlotFeed(app[EVENTS], supervisor.slot_view)
+    lifecycle.observers.append(recorder.prom.lifecycle)
+    app[LIFECYCLE] = lifecycle
+    feed = SlotFeed(app[EVENTS], lifecycle.slot_view)
     for slot in table:
         feed.watch(slot)
-    supervisor.slot_added.append(feed.watch)
-    supervisor.loader.observers.append(feed)
+    lifecycle.slot_added.append(feed.watch)
+    lifecycle.observers.append(feed)
     recorder.listeners.append(feed.request_finished)
-    await supervisor.start()
+    await lifecycle.start()
     yield
-    await supervisor.stop()
+    await lifecycle.stop()

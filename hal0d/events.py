@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any, Final
 import orjson
 
 from hal0d import sse
-from hal0d.slots import Slot, SlotState
+from hal0d.lifecycle.slots import Slot, SlotState
 
 if TYPE_CHECKING:
-    from hal0d.loader import LoadPhase, UnloadReason
+    from hal0d.lifecycle.manager import LoadPhase, UnloadReason
     from hal0d.metrics.history import RequestRecord
 
 QUEUE_SIZE: Final = 1000

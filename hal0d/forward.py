@@ -34,9 +34,9 @@ from hal0d.appkeys import H1, RUNTIME, SESSION, SLOTS, TOKEN_COUNTER
 from hal0d.config import DispatcherConfig, SlotConfig
 from hal0d.h1client import WholeResponse
 from hal0d.handlers.streaming import stream_through
+from hal0d.lifecycle.slots import Lease
 from hal0d.requestinfo import INFO, RequestInfo
 from hal0d.routing import Route
-from hal0d.slots import Lease
 from hal0d.stallguard import guard_active
 from hal0d.transform import Transform
 from hal0d.upstream import open_upstream, open_whole, plain_http, read_whole, request_headers

@@ -16,8 +16,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hal0d.child import resolve_program
 from hal0d.config import Config, SlotConfig
+from hal0d.lifecycle.process import resolve_program
 
 
 @dataclass(frozen=True, slots=True)

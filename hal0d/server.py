@@ -24,7 +24,7 @@ what is left of the grace.
 
 Reload (SIGHUP): RELOADING=1, then the config file is read and validated again. Invalid: hal0d
 keeps running on the old one and logs `config.reload_failed` with every problem. Valid: slot
-changes are applied (Supervisor.reload), then app[RUNTIME] points at a new Runtime, which new
+changes are applied (LifecycleManager.apply), then app[RUNTIME] points at a new Runtime, which new
 requests use; in-flight ones keep the one they started with. READY=1 either way. The keys in
 RESTART_KEYS only take effect at start: they keep their running values and a warning says so.
 `serve --host/--port` override [server] for the whole run: a reload applies them to the reloaded
@@ -51,8 +51,9 @@ from aiohttp import web
 from hal0d import config as configuration
 from hal0d import descriptors, logs, preflight, systemd
 from hal0d.app import make_app
-from hal0d.appkeys import RUNTIME, SLOTS, STREAMS, SUPERVISOR, Runtime
+from hal0d.appkeys import LIFECYCLE, RUNTIME, SLOTS, STREAMS, Runtime
 from hal0d.config import Config
+from hal0d.lifecycle.manager import ConfigDiff
 from hal0d.preflight import Finding
 from hal0d.stallguard import StallGuard
 
@@ -315,8 +316,7 @@ class Daemon:
         if streams:
             log.warning("server.grace_expired", grace_s=self.grace_s, streams=len(streams))
         systemd.status(f"stopping: ending {len(streams)} streams")
-        for slot in self.app[SLOTS]:
-            slot.mark_offline()  # requests still queued for a slot get their 503 now
+        self.app[LIFECYCLE].shut()  # requests still queued for a slot get their 503 now
         ended: set[StallGuard] = set()
         # Until the runner is done: a request that had a lease but no upstream headers yet at
         # the end of the grace starts its stream later, and is ended as soon as it does.
@@ -386,10 +386,12 @@ class Daemon:
             logs.configure(effective.logging.level, effective.logging.format)
         logs.hide(known_secrets(effective))
         drain_s = drain_time(running)
-        changes = await self.app[SUPERVISOR].reload(effective.slots, drain_s=drain_s,
-                                                     groups=effective.groups)
-        # No await between the slot table change and this swap: see Supervisor.reload.
+        lifecycle = self.app[LIFECYCLE]
+        diff = ConfigDiff.between(lifecycle.configs, effective.slots, effective.groups)
+        await lifecycle.apply(diff, drain_s=drain_s)
+        # No await between the slot table change and this swap: see LifecycleManager.apply.
         self.app[RUNTIME].current = Runtime.build(effective)
+        changes = diff.names()
         log.info(
             "config.reloaded",
             config=str(self.config_path),

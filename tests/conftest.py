@@ -27,8 +27,8 @@ from aiohttp.test_utils import TestServer
 
 from hal0d import logs
 from hal0d.app import make_app
-from hal0d.child import PRCTL
 from hal0d.config import Config, DispatcherConfig, MetricsConfig, SlotConfig
+from hal0d.lifecycle.process import PRCTL
 from hal0d.stub import make_stub_app
 
 ROLE_CHUNK = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}\n\n'

@@ -22,10 +22,11 @@ from aiohttp.test_utils import TestServer
 from aiohttp_sse_client import client as sse_client
 
 from hal0d import events
-from hal0d.appkeys import EVENTS, SUPERVISOR
+from hal0d.appkeys import EVENTS, LIFECYCLE
 from hal0d.config import ServerConfig
 from hal0d.events import EventHub
 from hal0d.handlers import admin
+from hal0d.lifecycle.manager import ConfigDiff
 from hal0d.metrics.history import RequestRecord
 from hal0d.sse import Decoder
 from tests.conftest import Stub, chat_body, eventually, make_config
@@ -152,7 +153,8 @@ async def test_a_slot_a_reload_adds_is_in_the_feed_too(
     reader = Reader(http, hal0d)
     await reader.wait_for("hello", "the hello event")
     added = on_demand("b", tmp_path)
-    await hal0d.app[SUPERVISOR].reload((first, added))
+    lifecycle = hal0d.app[LIFECYCLE]
+    await lifecycle.apply(ConfigDiff.between(lifecycle.configs, (first, added), {}))
     async with http.post(hal0d.make_url("/api/slots/b/load")) as resp:
         assert resp.status == 200, await resp.text()
     ready = await reader.wait_for("slot", "the added slot ready", slot="b", new="ready")

@@ -16,7 +16,7 @@ from structlog.testing import capture_logs
 from hal0d import descriptors
 from hal0d.config import SlotConfig
 from hal0d.errors import FdExhausted, UpstreamInvalid, UpstreamUnavailable
-from hal0d.probe import probe
+from hal0d.lifecycle.probe import probe
 from hal0d.upstream import upstream_errors
 from tests.conftest import chat_body, eventually, free_port
 

@@ -17,7 +17,7 @@ import aiohttp
 from aiohttp.test_utils import TestServer
 from structlog.testing import capture_logs
 
-from hal0d.appkeys import SUPERVISOR
+from hal0d.appkeys import LIFECYCLE
 from hal0d.config import Config, GroupConfig, MetricsConfig, SlotConfig
 from tests.conftest import free_port
 
@@ -327,8 +327,7 @@ async def test_a_memory_budget_evicts_the_least_recently_used_and_free_memory_on
     assert [(e["slot"], e["for"]) for e in evicting] == [("a", "c")]
 
     # Now with the free-memory command: a's 4 GiB evicts b (the budget), then c (free memory).
-    loader = hal0d.app[SUPERVISOR].loader
-    loader.set_groups({"gpu0": GroupConfig("gpu0", memory_mib=10240,
+    hal0d.app[LIFECYCLE].groups.replace({"gpu0": GroupConfig("gpu0", memory_mib=10240,
                                            free_memory_command=free_memory)})
     with capture_logs() as logs:
         assert (await chat(http, hal0d, "chat"))[0] == 200

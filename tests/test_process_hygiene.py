@@ -27,10 +27,10 @@ import pytest
 import uvloop
 from structlog.testing import capture_logs
 
-from hal0d.child import PARENT_DEATH_SIGNAL, PRCTL
 from hal0d.config import SlotConfig
-from hal0d.slots import Slot
-from hal0d.supervisor import SlotProcess
+from hal0d.lifecycle.manager import LifecycleManager
+from hal0d.lifecycle.process import PARENT_DEATH_SIGNAL, PRCTL
+from hal0d.lifecycle.slots import SlotTable
 from tests.conftest import free_port, kill_with_its_group, process_state, running
 
 pytestmark = pytest.mark.skipif(PRCTL is None, reason="parent-death signals are Linux's prctl")
@@ -59,26 +59,25 @@ def run_on(loop_name: str, main: Callable[[], Coroutine[Any, Any, str]]) -> str:
 def test_a_slot_process_gets_the_parent_death_signal_and_a_session_of_its_own(
     loop_name: str,
 ) -> None:
-    """SlotProcess's real start, on both loops hal0d can run on: uvloop (what `hal0d serve`
-    uses) and asyncio's own (the in-process tests). Either loop could drop preexec_fn or
-    start_new_session silently; the process reports what the kernel holds for it."""
+    """A slot process's real start (the lifecycle manager's), on both loops hal0d can run on:
+    uvloop (what `hal0d serve` uses) and asyncio's own (the in-process tests). Either loop could
+    drop preexec_fn or start_new_session silently; the process reports what the kernel holds
+    for it."""
 
     async def main() -> str:
         config = SlotConfig(name="llm", upstream=f"http://127.0.0.1:{free_port()}",
                             models=("chat",), command=(sys.executable, "-c", REPORT_ITSELF))
         async with aiohttp.ClientSession() as session:
-            process = SlotProcess(Slot(config), config, session)
+            lifecycle = LifecycleManager(SlotTable([config]), [config], session)
             with capture_logs() as logs:
-                task = asyncio.create_task(process.run())
+                await lifecycle.start()
                 try:
                     async with asyncio.timeout(READY_WITHIN_S):
                         while not (lines := [e["line"] for e in logs
                                              if e["event"] == "slot.process_output"]):
                             await asyncio.sleep(0.02)
                 finally:
-                    await process.stop()
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
+                    await lifecycle.stop()
         return str(lines[0])
 
     line = run_on(loop_name, main)
@@ -90,7 +89,7 @@ def test_a_slot_process_gets_the_parent_death_signal_and_a_session_of_its_own(
 # then runs the hook, as a slot process would had hal0d died between its fork and the prctl.
 ORPHANED_BEFORE_THE_HOOK = textwrap.dedent("""
     import os, sys, time
-    from hal0d.child import die_with_hal0d
+    from hal0d.lifecycle.process import die_with_hal0d
     hook = die_with_hal0d()
     parent = os.getpid()
     if os.fork():

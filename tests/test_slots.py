@@ -9,16 +9,12 @@ from dataclasses import dataclass
 import pytest
 
 from hal0d.errors import QueueFull, SlotLoading
-from hal0d.slots import (
-    TRANSITIONS,
-    IllegalTransition,
-    Lease,
-    Slot,
-    SlotState,
-    SlotTable,
-)
+from hal0d.lifecycle.machine import RULES, UP, Action, Event, IllegalEvent, allows
+from hal0d.lifecycle.manager import LifecycleManager
+from hal0d.lifecycle.slots import Lease, Slot, SlotState, SlotTable
 
 S = SlotState
+E = Event
 
 
 @dataclass(frozen=True)
@@ -50,76 +46,136 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-# -- the transition table --------------------------------------------------------------------
+# -- the lifecycle table, both ways (as h11 tests its own) ------------------------------------
 
 
-@pytest.mark.parametrize(("old", "new"), sorted(TRANSITIONS))
-def test_every_allowed_transition_works_and_is_announced(old: SlotState, new: SlotState) -> None:
-    slot, changes = make_slot(old)
-    slot.in_flight = 1 if new is S.SERVING else 0
-    slot.transition(new, "why")
-    assert slot.state is new
+def consistent_in_flight(state: SlotState, event: Event) -> int:
+    """What is in flight when `event` arrives in `state` in a running hal0d: admission tells
+    `leased` once the first lease is counted and `released` once the last one is gone; a
+    serving slot has leases; an `exited`/`probe_*` in serving too."""
+    if event is E.LEASED:
+        return 1
+    if event is E.RELEASED:
+        return 0
+    return 1 if state is S.SERVING else 0
+
+
+@pytest.mark.parametrize(("state", "event"), sorted(RULES))
+def test_every_listed_pair_steps_to_its_target_and_returns_its_actions(
+    state: SlotState, event: Event
+) -> None:
+    slot, changes = make_slot(state)
+    slot.in_flight = consistent_in_flight(state, event)
+    rule = RULES[(state, event)]
+    returned = slot.handle(event, "why")
+    target = rule.target
+    if target is UP:
+        target = S.SERVING if slot.in_flight else S.READY
+    assert slot.state is target
+    assert returned is rule
+    if target is state:
+        assert changes == []  # a step into the same state tells nobody
+    else:
+        assert changes == [("llm", state, target, "why")]
     assert slot.reason == "why"
-    assert changes == [("llm", old, new, "why")]
+
+
+def test_every_pair_outside_the_table_is_refused_and_changes_nothing() -> None:
+    refused = 0
+    for state in S:
+        for event in E:
+            if (state, event) in RULES:
+                continue
+            slot, changes = make_slot(state)
+            slot.reason = "before"
+            with pytest.raises(IllegalEvent) as info:
+                slot.handle(event, "after")
+            assert "'llm'" in str(info.value) and str(event) in str(info.value)
+            assert (slot.state, slot.reason, changes) == (state, "before", [])
+            assert not allows(state, event)
+            refused += 1
+    assert refused > 0 and refused + len(RULES) == len(S) * len(E)
 
 
 @pytest.mark.parametrize(
-    ("old", "new", "in_flight"),
+    ("state", "event", "in_flight"),
     [
-        (S.OFFLINE, S.SERVING, 1),  # back from shutdown with old leases in flight
-        (S.OFFLINE, S.OFFLINE, 0),
-        (S.READY, S.READY, 0),
-        (S.STARTING, S.STARTING, 0),
-        (S.READY, S.SERVING, 0),  # serving with nothing in flight
-        (S.ERROR, S.READY, 2),  # ready with leases in flight
-        (S.SERVING, S.READY, 1),
+        (S.STARTING, E.LOAD_FAILED, 1),  # stopped with a lease in flight
+        (S.STOPPING, E.GONE, 2),  # the process gone before the drain
+        (S.ERROR, E.REST, 1),
+        (S.SERVING, E.RELEASED, 1),  # ready with a lease in flight
     ],
 )
-def test_illegal_transitions_raise_and_change_nothing(
-    old: SlotState, new: SlotState, in_flight: int
+def test_a_target_that_contradicts_what_is_in_flight_is_refused(
+    state: SlotState, event: Event, in_flight: int
 ) -> None:
-    slot, changes = make_slot(old)
+    slot, changes = make_slot(state)
     slot.in_flight = in_flight
-    with pytest.raises(IllegalTransition) as info:
-        slot.transition(new)
-    assert "'llm'" in str(info.value)
-    assert slot.state is old
-    assert changes == []
+    with pytest.raises(IllegalEvent):
+        slot.handle(event)
+    assert (slot.state, changes) == (state, [])
 
 
-def test_every_pair_outside_the_table_is_illegal() -> None:
-    for old in S:
-        for new in S:
-            if (old, new) in TRANSITIONS:
-                continue
-            slot, _ = make_slot(old)
-            slot.in_flight = 1 if new is S.SERVING else 0
-            with pytest.raises(IllegalTransition):
-                slot.transition(new)
+def test_every_state_event_and_action_is_in_the_table_and_every_action_is_carried_out() -> None:
+    assert {state for state, _ in RULES} == set(S)
+    assert {event for _, event in RULES} == set(E)
+    assert {action for rule in RULES.values() for action in rule.actions} == set(Action)
+    assert set(LifecycleManager._ACTIONS) == set(Action)
+    reached = {rule.target for rule in RULES.values()}
+    assert reached - {UP} | {S.READY, S.SERVING} == set(S)
 
 
-def test_marks_into_the_current_state_are_no_ops() -> None:
+def test_an_always_slot_and_an_on_demand_slot_run_through_the_same_table() -> None:
+    """Playbooks: the events of a life, the states and actions they lead to."""
+    always, _ = make_slot(S.OFFLINE)
+    steps = [(E.START, S.OFFLINE, (Action.BRING_UP,)), (E.LAUNCH, S.STARTING, ()),
+             (E.ANSWERED, S.READY, (Action.LOADED,)), (E.EXITED, S.ERROR, (Action.RECOVER,)),
+             (E.START, S.ERROR, (Action.BRING_UP,)), (E.LAUNCH, S.STARTING, ()),
+             (E.START_FAILED, S.ERROR, (Action.RETRY_LATER,)), (E.START, S.ERROR,
+                                                                 (Action.BRING_UP,)),
+             (E.LAUNCH, S.STARTING, ()), (E.ANSWERED, S.READY, (Action.LOADED,)),
+             (E.SHUTDOWN, S.OFFLINE, ())]
+    for event, state, actions in steps:
+        assert always.handle(event).actions == actions, event
+        assert always.state is state, event
+    on_demand, _ = make_slot(S.OFFLINE)
+    steps = [(E.REST, S.STOPPED, ()), (E.START, S.STOPPED, (Action.BRING_UP,)),
+             (E.LAUNCH, S.STARTING, ()), (E.LOAD_FAILED, S.STOPPED, (Action.REFUSE_LOADS,)),
+             (E.START, S.STOPPED, (Action.BRING_UP,)), (E.LAUNCH, S.STARTING, ()),
+             (E.ANSWERED, S.READY, (Action.LOADED,)), (E.UNLOAD, S.STOPPING,
+                                                       (Action.STOP_PROCESS,)),
+             (E.GONE, S.STOPPED, (Action.UNLOADED,)), (E.START, S.STOPPED, (Action.BRING_UP,)),
+             (E.LAUNCH, S.STARTING, ()), (E.ANSWERED, S.READY, (Action.LOADED,)),
+             (E.EXITED, S.ERROR, (Action.RECOVER,)), (E.REST, S.STOPPED, ())]
+    for event, state, actions in steps:
+        assert on_demand.handle(event).actions == actions, event
+        assert on_demand.state is state, event
+
+
+def test_a_late_answer_after_an_unload_is_refused() -> None:
+    """The race a forced unload during a load once lost: stopped -> ready is no step."""
+    slot, _ = make_slot(S.STARTING)
+    slot.handle(E.UNLOAD)
+    slot.handle(E.GONE)
+    with pytest.raises(IllegalEvent):
+        slot.handle(E.ANSWERED)
+    assert slot.state is S.STOPPED
+
+
+def test_a_step_into_the_same_state_only_updates_the_reason() -> None:
     slot, changes = make_slot(S.OFFLINE)
-    slot.mark_offline()
-    slot.mark_starting("boot")
-    slot.mark_starting("again")
-    assert slot.reason == "boot"
-    slot.mark_ready()
-    slot.mark_ready()
-    slot.mark_error("probe: connection refused")
-    slot.mark_error("probe: timeout")
+    slot.handle(E.PROBE_FAILED, "probe: connection refused")
+    slot.handle(E.PROBE_FAILED, "probe: timeout")
     assert slot.reason == "probe: timeout"
-    assert [(old, new) for _, old, new, _ in changes] == [
-        (S.OFFLINE, S.STARTING),
-        (S.STARTING, S.READY),
-        (S.READY, S.ERROR),
-    ]
+    slot.handle(E.PROBE_OK)
+    slot.handle(E.PROBE_OK)
+    assert [(old, new) for _, old, new, _ in changes] == [(S.OFFLINE, S.ERROR), (S.ERROR, S.READY)]
 
 
-def test_mark_ready_lands_in_serving_when_leases_are_in_flight() -> None:
+def test_answering_again_lands_in_serving_when_leases_are_in_flight() -> None:
     slot, _ = make_slot(S.ERROR)
     slot.in_flight = 2
-    slot.mark_ready()
+    slot.handle(E.PROBE_OK)
     assert slot.state is S.SERVING
     assert slot.reason is None
 
@@ -129,7 +185,7 @@ def test_a_failing_listener_does_not_wedge_admission() -> None:
         raise RuntimeError("metrics broke")
 
     slot = Slot(Cfg(), on_change=boom, state=S.STARTING)
-    slot.mark_ready()
+    slot.handle(E.ANSWERED)
     assert slot.state is S.READY
 
 
@@ -315,7 +371,7 @@ async def test_waiters_on_a_starting_slot_go_in_order_once_it_is_ready() -> None
     tasks = [asyncio.create_task(user(i)) for i in range(5)]
     await settle()
     assert (slot.queued, slot.in_flight, order) == (5, 0, [])
-    slot.mark_ready()
+    slot.handle(E.ANSWERED)
     await asyncio.gather(*tasks)
     assert order == [0, 1, 2, 3, 4]
     assert (slot.in_flight, slot.queued, slot.state) == (0, 0, S.READY)
@@ -358,10 +414,10 @@ async def test_failing_under_load_keeps_counting_and_recovers_to_serving() -> No
     slot, _ = make_slot(S.READY, max_concurrent=2)
     a = slot.lease()
     await a.__aenter__()
-    slot.mark_error("probe: 500")
+    slot.handle(E.PROBE_FAILED, "probe: 500")
     async with slot.lease():
         assert slot.in_flight == 2
-    slot.mark_ready()
+    slot.handle(E.PROBE_OK)
     assert slot.state is S.SERVING
     await a.__aexit__(None, None, None)
     assert (slot.state, slot.in_flight) == (S.READY, 0)
@@ -371,12 +427,13 @@ async def test_a_restart_under_load_waits_for_ready_and_old_leases_do_not_touch_
     slot, _ = make_slot(S.READY)
     old = slot.lease()
     await old.__aenter__()
-    slot.mark_starting("restart: model swap")
+    slot.handle(E.EXITED, "process exited with code 1")
+    slot.handle(E.LAUNCH, "restart: relaunching")
     waiter = asyncio.create_task(slot.lease().__aenter__())
     await old.__aexit__(None, None, None)
     await settle()
     assert (slot.state, slot.in_flight, slot.queued) == (S.STARTING, 0, 1)
-    slot.mark_ready()
+    slot.handle(E.ANSWERED)
     lease = await waiter
     assert slot.state is S.SERVING
     assert lease.slot is slot
@@ -386,10 +443,10 @@ async def test_an_offline_slot_refuses_and_going_offline_fails_the_queue() -> No
     slot, _ = make_slot(S.OFFLINE)
     with pytest.raises(SlotLoading):
         await slot.lease().__aenter__()
-    slot.mark_starting()
+    slot.handle(E.LAUNCH)
     waiters = [asyncio.create_task(slot.lease().__aenter__()) for _ in range(3)]
     await settle()
-    slot.mark_offline()
+    slot.handle(E.SHUTDOWN)
     results = await asyncio.gather(*waiters, return_exceptions=True)
     assert all(isinstance(r, SlotLoading) for r in results)
     assert slot.queued == 0
@@ -436,7 +493,7 @@ def test_slot_table_looks_up_iterates_and_snapshots() -> None:
     assert len(table) == 2 and "a" in table and "z" not in table
     assert table.get("z") is None
     assert table["a"] is table.get("a")
-    table["a"].mark_error("probe: refused")
+    table["a"].handle(E.PROBE_FAILED, "probe: refused")
     assert seen == [("a", S.OFFLINE, S.ERROR, "probe: refused")]
     assert table.snapshot() == [
         {

@@ -17,9 +17,9 @@ import aiohttp
 from aiohttp.test_utils import TestServer
 from structlog.testing import capture_logs
 
-from hal0d.appkeys import SLOTS, SUPERVISOR
+from hal0d.appkeys import LIFECYCLE, SLOTS
+from hal0d.lifecycle.manager import Runner
 from hal0d.stub import make_stub_app
-from hal0d.supervisor import SlotProcess
 from tests.conftest import chat_body, eventually, free_port
 
 CHAT = "/v1/chat/completions"
@@ -61,8 +61,8 @@ async def wait_slot(
     return await eventually(matching, timeout, "the slot in the awaited state")
 
 
-def slot_process(hal0d: TestServer) -> SlotProcess:
-    return hal0d.app[SUPERVISOR].processes["llm"]
+def slot_process(hal0d: TestServer) -> Runner:
+    return hal0d.app[LIFECYCLE].runners["llm"]
 
 
 async def start_with_command(start_hal0d, tmp_path: Path, **slot: Any) -> tuple[TestServer, Path]:
@@ -100,8 +100,8 @@ async def test_a_killed_slot_process_is_logged_restarted_and_ready_again(
     hal0d, _ = await start_with_command(start_hal0d, tmp_path)
     await wait_slot(http, hal0d, lambda v: v["state"] == "ready", STARTUP_S)
     process = slot_process(hal0d)
-    assert process.process is not None
-    old_pid = process.process.pid
+    assert process.child is not None
+    old_pid = process.child.pid
     with capture_logs() as logs:
         os.kill(old_pid, signal.SIGKILL)
         died = await wait_slot(http, hal0d, lambda v: v["state"] == "error", 2.0)
@@ -110,7 +110,7 @@ async def test_a_killed_slot_process_is_logged_restarted_and_ready_again(
         assert "launching" in restarting["reason"]
         await wait_slot(http, hal0d, lambda v: v["state"] == "ready", STARTUP_S)
     assert process.restarts == 1
-    assert process.process is not None and process.process.pid != old_pid
+    assert process.child is not None and process.child.pid != old_pid
     exited = [e for e in logs if e["event"] == "slot.process_exited"]
     assert len(exited) == 1
     assert exited[0]["slot"] == "llm"
@@ -184,11 +184,11 @@ async def test_the_probe_moves_a_slot_without_command_to_error_and_back_to_ready
     port = free_port()
     upstream = await aiohttp_server(make_stub_app(tmp_path / "a.log", 0.001), port=port)
     hal0d = await start_hal0d(f"http://127.0.0.1:{port}")
-    supervisor = hal0d.app[SUPERVISOR]
+    lifecycle = hal0d.app[LIFECYCLE]
     assert (await slot_view(http, hal0d))["state"] == "ready"
 
     await upstream.close()
-    await supervisor.probe_once("llm")
+    await lifecycle.probe_once("llm")
     view = await slot_view(http, hal0d)
     assert view["state"] == "error"
     assert "cannot connect" in view["reason"]
@@ -196,7 +196,7 @@ async def test_the_probe_moves_a_slot_without_command_to_error_and_back_to_ready
         assert resp.status == 502  # still tried: the probe may be stale
 
     await aiohttp_server(make_stub_app(tmp_path / "b.log", 0.001), port=port)
-    await supervisor.probe_once("llm")
+    await lifecycle.probe_once("llm")
     view = await slot_view(http, hal0d)
     assert (view["state"], view["reason"]) == ("ready", None)
     await stream_ok(http, hal0d)
@@ -205,7 +205,9 @@ async def test_the_probe_moves_a_slot_without_command_to_error_and_back_to_ready
 async def test_slot_processes_are_stopped_when_hal0d_shuts_down(start_hal0d, tmp_path, http):
     hal0d, _ = await start_with_command(start_hal0d, tmp_path)
     await wait_slot(http, hal0d, lambda v: v["state"] == "ready", STARTUP_S)
-    process = slot_process(hal0d).process
+    child = slot_process(hal0d).child
+    assert child is not None
+    process = child.process
     assert process is not None and process.returncode is None
     slots = hal0d.app[SLOTS]
     started = time.monotonic()

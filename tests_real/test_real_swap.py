@@ -21,7 +21,7 @@ from realserver import free_port, get_json, require_real_server, running_hal0d, 
 from realserver import slots as slot_views
 
 MODELS = {"smol-a": "smollm2-a", "smol-b": "smollm2-b"}
-# The states in which a slot's process is alive or being started (hal0d.loader.LOADED).
+# The states in which a slot's process is alive or being started (hal0d.lifecycle.groups.LOADED).
 LOADED = {"starting", "ready", "serving", "error", "stopping"}
 PROMPT = [{"role": "user", "content": "Say hello."}]
 

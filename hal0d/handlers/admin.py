@@ -12,11 +12,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hal0d import __version__, access
 from hal0d import events as feed
-from hal0d.appkeys import EVENTS, FINISHER, RECORDER, RUNTIME, SLOTS, SUPERVISOR
+from hal0d.appkeys import EVENTS, FINISHER, LIFECYCLE, RECORDER, RUNTIME, SLOTS
 from hal0d.errors import Conflict, InvalidRequest, NoRoute
-from hal0d.loader import Loader, UnloadReason
+from hal0d.lifecycle.manager import LifecycleManager, UnloadReason
+from hal0d.lifecycle.slots import Slot, SlotState
 from hal0d.metrics.recorder import Recorder
-from hal0d.slots import Slot, SlotState
 
 MAX_HISTORY_ROWS = 1000
 # A comment this often keeps a quiet feed's connection from looking dead to proxies and readers.
@@ -54,7 +54,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 def loadable(slot: Slot) -> bool:
     """An on-demand slot at rest, not refusing loads after a failure: a request would load it."""
-    if slot.state is not SlotState.STOPPED or slot.wants_load is None:
+    if slot.state is not SlotState.STOPPED or slot.demand is None:
         return False
     return slot.load_refused is None or slot.load_refused[0] <= time.monotonic()
 
@@ -66,8 +66,8 @@ def recorded(request: web.Request) -> Recorder:
 
 
 async def slots(request: web.Request) -> web.Response:
-    supervisor = request.app[SUPERVISOR]
-    return json({"slots": [supervisor.slot_view(slot) for slot in request.app[SLOTS]]})
+    lifecycle = request.app[LIFECYCLE]
+    return json({"slots": [lifecycle.slot_view(slot) for slot in request.app[SLOTS]]})
 
 
 async def events(request: web.Request) -> web.StreamResponse:
@@ -88,7 +88,7 @@ async def events(request: web.Request) -> web.StreamResponse:
     # Subscribing and taking the snapshot in one step: every later change is in the queue.
     subscriber = hub.subscribe()
     hello = feed.frame("hello", {"ts": time.time(), "slots": [
-        request.app[SUPERVISOR].slot_view(slot) for slot in request.app[SLOTS]
+        request.app[LIFECYCLE].slot_view(slot) for slot in request.app[SLOTS]
     ]})
     try:
         await response.write(hello)
@@ -120,13 +120,14 @@ async def status(request: web.Request) -> web.Response:
     })
 
 
-def on_demand_slot(request: web.Request) -> tuple[Loader, Slot]:
+def on_demand_slot(request: web.Request) -> tuple[LifecycleManager, Slot]:
     name = request.match_info["name"]
     slot = request.app[SLOTS].get(name)
     if slot is None:
         raise NoRoute(f"no slot named {name!r}")
-    loader = request.app[SUPERVISOR].loader
-    if name not in loader.models:
+    loader = request.app[LIFECYCLE]
+    runner = loader.runners.get(name)
+    if runner is None or not runner.config.on_demand:
         raise Conflict(f"slot {name!r} is not start = 'on_demand': hal0d does not load or "
                        "unload it")
     return loader, slot

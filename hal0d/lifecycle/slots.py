@@ -4,67 +4,31 @@ A slot is one upstream (a llama-server, a vLLM, a remote provider) with a capaci
 *lease* on it for as long as they use the upstream -- for a stream, until the client has drained
 it -- so that the upstream never sees more than ``max_concurrent`` requests and everyone else waits
 in a bounded, strictly FIFO queue instead of piling onto a box that serves one sequence at a time.
-The process supervisor and the health probe drive the state machine through the ``mark_*`` methods.
 
-This module is pure asyncio: no sockets, no aiohttp, so admission can be tested to the last race.
-
-States and the transitions allowed between them (``TRANSITIONS``; anything else raises
-``IllegalTransition``)::
-
-    from      to        when
-    offline   starting  the supervisor launches the process
-    offline   ready     a slot without a command answered its first probe
-    offline   error     the first probe or the launch failed
-    starting  ready     the process answered its probe
-    starting  serving   ... while leases from before a restart are still in flight
-    starting  error     the launch failed
-    ready     serving   the first lease is granted
-    ready     starting  the process is restarted
-    ready     error     a probe failed
-    serving   ready     the last lease is released
-    serving   starting  the process is restarted under load
-    serving   error     a probe or the process failed under load; in_flight keeps counting
-    error     ready     a probe succeeded again and nothing is in flight
-    error     serving   ... and leases are in flight
-    error     starting  the process is restarted
-    offline   stopped   an on-demand slot at start: not loaded, loads on demand
-    stopped   starting  a request (or the API) asked for it: the load begins
-    starting  stopped   the load failed (the reason says why)
-    ready     stopping  an unload begins (idle, evicted, api, reload)
-    serving   stopping  ... while requests are in flight: it drains, admitting nothing new
-    error     stopping  ... from error
-    starting  stopping  ... during a load (the API or a reload)
-    stopping  stopped   the process is gone (its memory is free only now)
-    ready     stopped   an on-demand slot's process exited on its own with nothing to do
-    error     stopped   ... the same, from error
-    (any)     offline   shutdown
+The state changes only in ``Slot.handle(event)``, by the table in machine.py: the lifecycle
+manager tells the lifecycle's events, admission here tells ``leased`` (the first lease) and
+``released`` (the last one). This module is pure asyncio: no sockets, no aiohttp, so admission can
+be tested to the last race.
 
 Semantics worth knowing:
 
-* READY means in_flight == 0 and SERVING means in_flight > 0; a transition that would break this
-  raises ``IllegalTransition`` too. ``mark_ready()`` therefore lands in SERVING when leases are in
-  flight. Self-transitions are not transitions: ``mark_*`` into the current state is a no-op
-  (the probe calls ``mark_ready()`` every round); ``mark_error`` in ERROR only updates ``reason``.
+* READY means in_flight == 0 and SERVING means in_flight > 0 (machine.UP).
 * Leases are granted in READY, SERVING and ERROR. ERROR is still tried because the probe may be
   stale; a lease granted in ERROR leaves the state alone, and releasing the last one leaves it
-  in ERROR. Releasing the last lease in STARTING or OFFLINE leaves those alone too.
+  in ERROR. Releasing the last lease in STARTING, STOPPING or OFFLINE leaves those alone too.
 * In STARTING, STOPPED and STOPPING, callers wait in the same FIFO queue and go, in order, once
   the slot is READY (or ERROR). A waiter that finds the slot STOPPED asks for a load
-  (``wants_load``, set by the loader on an on-demand slot); while such a slot loads, a wait is
+  (``demand``, set by the manager on an on-demand slot); while such a slot loads, a wait is
   bounded by ``load_timeout_s`` when that is longer than ``queue_timeout_s``. A waiter still
   waiting when its bound runs out gets ``SlotLoading`` (503) if the slot is still loading, else
   ``QueueFull`` (429). A full queue answers the same way: ``SlotLoading`` while loading -- the
   honest reason -- else ``QueueFull``. A failed load fails every waiter at once with
-  ``SlotLoadFailed`` (``fail_load``) and refuses new requests the same way until its backoff
+  ``SlotLoadFailed`` (``refuse_loads``) and refuses new requests the same way until its backoff
   has passed.
-* STOPPED holds nothing in flight (a transition into it with leases in flight is an
-  ``IllegalTransition``); STOPPING admits nothing new and drains what is in flight
+* STOPPED holds nothing in flight; STOPPING admits nothing new and drains what is in flight
   (``drained()``), so an unload never cuts a request.
-* OFFLINE means nobody is bringing the slot up (not yet probed, or shut down): ``lease()`` fails
-  at once with ``SlotLoading``, and going offline fails every queued waiter the same way. The
-  supervisor is expected to mark a slot starting/ready before traffic arrives. Coming back from
-  OFFLINE while old leases are still in flight is an ``IllegalTransition`` (offline -> serving is
-  not in the table): a shutdown is final, a reload builds new slots.
+* OFFLINE means nobody is bringing the slot up (not yet started, or shut down): ``lease()`` fails
+  at once with ``SlotLoading``, and going offline fails every queued waiter the same way.
 * ``reason`` says why the slot is in its state (the error text, the restart cause); it is None
   in READY and SERVING.
 * Admission never polls: each waiter is a future, resolved exactly once -- by a grant (the
@@ -78,9 +42,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import enum
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, Protocol
@@ -88,6 +51,7 @@ from typing import Any, Final, Protocol
 import structlog
 
 from hal0d.errors import Hal0Error, QueueFull, SlotLoadFailed, SlotLoading
+from hal0d.lifecycle.machine import Event, Rule, SlotState, step
 
 # Retry-After hints: a queue usually moves within a couple of seconds, a model load takes longer.
 QUEUE_RETRY_AFTER_S: Final = 2.0
@@ -96,63 +60,9 @@ LOADING_RETRY_AFTER_S: Final = 5.0
 log = structlog.get_logger(__name__)
 
 
-class SlotState(enum.StrEnum):
-    OFFLINE = "offline"
-    STOPPED = "stopped"
-    STARTING = "starting"
-    READY = "ready"
-    SERVING = "serving"
-    ERROR = "error"
-    STOPPING = "stopping"
-
-
-_S = SlotState
-
-TRANSITIONS: Final[Mapping[tuple[SlotState, SlotState], str]] = {
-    (_S.OFFLINE, _S.STARTING): "process launching",
-    (_S.OFFLINE, _S.READY): "first probe ok (no command)",
-    (_S.OFFLINE, _S.ERROR): "first probe or launch failed",
-    (_S.STARTING, _S.READY): "process answered its probe",
-    (_S.STARTING, _S.SERVING): "process answered its probe, leases from before still in flight",
-    (_S.STARTING, _S.ERROR): "launch failed",
-    (_S.READY, _S.SERVING): "first lease granted",
-    (_S.READY, _S.STARTING): "process restart",
-    (_S.READY, _S.ERROR): "probe failed",
-    (_S.SERVING, _S.READY): "last lease released",
-    (_S.SERVING, _S.STARTING): "process restart under load",
-    (_S.SERVING, _S.ERROR): "probe or process failed under load",
-    (_S.ERROR, _S.READY): "probe ok again",
-    (_S.ERROR, _S.SERVING): "probe ok again, leases in flight",
-    (_S.ERROR, _S.STARTING): "process restart",
-    (_S.OFFLINE, _S.STOPPED): "on-demand slot at start",
-    (_S.STOPPED, _S.STARTING): "load requested",
-    (_S.STARTING, _S.STOPPED): "load failed",
-    (_S.READY, _S.STOPPING): "unload",
-    (_S.SERVING, _S.STOPPING): "unload, draining the requests in flight",
-    (_S.ERROR, _S.STOPPING): "unload from error",
-    (_S.STARTING, _S.STOPPING): "unload during a load",
-    (_S.STOPPING, _S.STOPPED): "process gone",
-    (_S.READY, _S.STOPPED): "process exited on its own while idle",
-    (_S.ERROR, _S.STOPPED): "process exited on its own while idle, from error",
-    (_S.STARTING, _S.OFFLINE): "shutdown",
-    (_S.READY, _S.OFFLINE): "shutdown",
-    (_S.SERVING, _S.OFFLINE): "shutdown",
-    (_S.ERROR, _S.OFFLINE): "shutdown",
-    (_S.STOPPED, _S.OFFLINE): "shutdown",
-    (_S.STOPPING, _S.OFFLINE): "shutdown",
-}
-
 _GRANTABLE: Final = frozenset({SlotState.READY, SlotState.SERVING, SlotState.ERROR})
 # The states in which a request waits for a model to be (re)loaded rather than for capacity.
 LOADING: Final = frozenset({SlotState.STOPPED, SlotState.STARTING, SlotState.STOPPING})
-
-
-class IllegalTransition(RuntimeError):
-    def __init__(self, slot: str, old: SlotState, new: SlotState, why: str) -> None:
-        super().__init__(f"slot {slot!r}: {old} -> {new}: {why}")
-        self.slot = slot
-        self.old = old
-        self.new = new
 
 
 class SlotLimits(Protocol):
@@ -199,10 +109,11 @@ class Slot:
         self.reason: str | None = None
         self.in_flight = 0
         self.on_change = on_change
-        # Further listeners (the loader, the event feed), told after on_change.
+        # Further listeners (the lifecycle manager, the event feed), told after on_change.
         self.watchers: list[StateListener] = []
-        # Set by the loader on an on-demand slot: asked for a load when a request finds it stopped.
-        self.wants_load: Callable[[Slot], None] | None = None
+        # Set by the lifecycle manager on an on-demand slot: told when a request finds it
+        # stopped, so that it loads the slot.
+        self.demand: Callable[[Slot], None] | None = None
         # After a failed load: (monotonic time before which no new load is tried, its cause).
         self.load_refused: tuple[float, str] | None = None
         # Told when in_flight or queued changed (the event feed coalesces these).
@@ -221,15 +132,17 @@ class Slot:
 
     # -- the state machine -------------------------------------------------------------------
 
-    def transition(self, new: SlotState, reason: str | None = None) -> None:
-        """The one checked step; ``mark_*`` and admission all go through it."""
+    def handle(self, event: Event, reason: str | None = None) -> Rule:
+        """The one place the state changes: `event` by the table (machine.py), which refuses
+        a pair it does not list with IllegalEvent. A step into the current state only updates
+        the reason (when one is given) and tells nobody. Returns the rule, whose actions are
+        the caller's to carry out."""
         old = self.state
-        if (old, new) not in TRANSITIONS:
-            raise IllegalTransition(self.name, old, new, "not in the transition table")
-        if new is SlotState.SERVING and self.in_flight == 0:
-            raise IllegalTransition(self.name, old, new, "serving with nothing in flight")
-        if new in (SlotState.READY, SlotState.STOPPED) and self.in_flight > 0:
-            raise IllegalTransition(self.name, old, new, f"{new} with {self.in_flight} in flight")
+        new, rule = step(self.name, old, event, self.in_flight)
+        if new is old:
+            if reason is not None:
+                self.reason = reason
+            return rule
         self.state = new
         self.reason = reason
         self._notify(old, new, reason)
@@ -237,27 +150,7 @@ class Slot:
             self._fail_waiters()
         elif new in _GRANTABLE and old not in _GRANTABLE:
             self._pump()
-
-    def mark_starting(self, reason: str | None = None) -> None:
-        if self.state is SlotState.STARTING:
-            return
-        self.transition(SlotState.STARTING, reason)
-
-    def mark_ready(self) -> None:
-        if self.state in (SlotState.READY, SlotState.SERVING):
-            return
-        self.transition(SlotState.SERVING if self.in_flight else SlotState.READY)
-
-    def mark_error(self, reason: str) -> None:
-        if self.state is SlotState.ERROR:
-            self.reason = reason
-            return
-        self.transition(SlotState.ERROR, reason)
-
-    def mark_offline(self) -> None:
-        if self.state is SlotState.OFFLINE:
-            return
-        self.transition(SlotState.OFFLINE)
+        return rule
 
     def _notify(self, old: SlotState, new: SlotState, reason: str | None) -> None:
         listeners = [self.on_change, *self.watchers] if self.on_change else self.watchers
@@ -268,11 +161,11 @@ class Slot:
             except Exception:
                 log.exception("slot.listener_failed", slot=self.name, old=old, new=new)
 
-    # -- the model lifecycle (driven by the loader) -----------------------------------------
+    # -- what the lifecycle manager asks of admission ---------------------------------------
 
-    def fail_load(self, cause: str, retry_after_s: float) -> None:
+    def refuse_loads(self, cause: str, retry_after_s: float) -> None:
         """A load failed: every waiter gets SlotLoadFailed with `cause` at once, and so do new
-        requests until the backoff has passed (the loader moves the slot to STOPPED first)."""
+        requests until the backoff has passed."""
         self.load_refused = (time.monotonic() + retry_after_s, cause)
         self.fail_waiters(SlotLoadFailed(self._load_failure(cause), retry_after=retry_after_s))
 
@@ -311,8 +204,8 @@ class Slot:
 
     def _take(self) -> None:
         self.in_flight += 1
-        if self.state is SlotState.READY:
-            self.transition(SlotState.SERVING)
+        if self.in_flight == 1:
+            self.handle(Event.LEASED)
         self._counts()
 
     def _release(self) -> None:
@@ -325,8 +218,8 @@ class Slot:
         # Hand the unit on before looking at the state, so a busy slot does not flap
         # serving -> ready -> serving between two requests.
         self._pump()
-        if self.in_flight == 0 and self.state is SlotState.SERVING:
-            self.transition(SlotState.READY)
+        if self.in_flight == 0:
+            self.handle(Event.RELEASED)
         self._counts()
 
     def reconfigure(self, config: SlotLimits) -> None:
@@ -377,11 +270,11 @@ class Slot:
         # futures still linger at the head while a unit is free, which must not strand us.
         self._pump()
         timeout_s = self.config.queue_timeout_s
-        if self.state in LOADING and self.wants_load is not None:
+        if self.state in LOADING and self.demand is not None:
             # An on-demand slot: the request waits for the load it asks for (or joins).
             timeout_s = max(timeout_s, self.config.load_timeout_s)
             if self.state is SlotState.STOPPED:
-                self.wants_load(self)
+                self.demand(self)
         timer = loop.call_later(timeout_s, self._expire, fut, timeout_s)
         try:
             await fut

@@ -1,0 +1,1 @@
+"""Slots and their lifecycle: admission, the state table, processes, probes, groups."""

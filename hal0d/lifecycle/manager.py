@@ -1,0 +1,812 @@
+"""The lifecycle manager: the one that brings slots up, watches them, and takes them down.
+
+Every slot with a command, `start = "always"` or `"on_demand"`, runs through one process machine:
+start (the group's turn and room, launch, probe until it answers), serve, stop, with one backoff.
+The policies differ only in when a process is wanted: an `always` slot's all the time (started
+with hal0d, restarted after its backoff when it exits), an on-demand slot's while requests want
+it (loaded by the first one, unloaded when idle for `idle_unload_s` or evicted to make room in
+its group). A slot without a command is an upstream hal0d only probes.
+
+The manager is the only teller of a slot's lifecycle events (machine.py has the table): its own
+tasks (a start, a stop, a process's watch, the probe) report what happened as events, the table
+decides the step, and the manager carries out the step's actions. A task that is no longer
+current (a start an unload cancelled) tells nothing, so nothing stale reaches the table.
+
+A load that fails (the process exits, or does not answer within `load_timeout_s`, or the group has
+no room) fails every waiter at once with `slot.load_failed` naming the cause, and the next load is
+not tried before the backoff (requests meanwhile get the same 503 with Retry-After). An unload
+drains: the slot admits nothing new (`stopping`; its new requests queue and will load it again in
+their turn) and its in-flight requests run to their end before its process is stopped. No request
+is ever cut to make room. A reload is a config diff (ConfigDiff) handed to `apply`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
+
+import aiohttp
+
+from hal0d.config import GroupConfig, SlotConfig
+from hal0d.errors import SlotLoadFailed, SlotLoading
+from hal0d.lifecycle.groups import Groups, Member, NoRoom
+from hal0d.lifecycle.machine import Action, Event, allows
+from hal0d.lifecycle.probe import answers_within, probe
+from hal0d.lifecycle.process import Child, LaunchFailed, resolve_program
+from hal0d.lifecycle.slots import Slot, SlotState, SlotTable
+from hal0d.logs import get_logger
+
+log = get_logger()
+
+PROBE_INTERVAL_S: Final = 10.0
+BACKOFF_FIRST_S: Final = 1.0
+BACKOFF_MAX_S: Final = 60.0
+# A process that was up this long before it exited starts again from the first backoff step.
+HEALTHY_RUN_S: Final = 60.0
+FORCED_RETRY_AFTER_S: Final = 5.0
+LOAD_TICK_S: Final = 1.0
+UP_STATES: Final = frozenset({SlotState.READY, SlotState.SERVING})
+
+
+class UnloadReason(enum.StrEnum):
+    IDLE = "idle"
+    EVICTED = "evicted"
+    API = "api"
+    RELOAD = "reload"
+    SHUTDOWN = "shutdown"
+
+
+class LoadPhase(enum.StrEnum):
+    WAITING_FOR_ROOM = "waiting_for_room"
+    STARTING = "starting"
+    PROBING = "probing"
+    READY = "ready"
+    FAILED = "failed"
+
+
+class LifecycleObserver(Protocol):
+    """Told what the manager does, for the event feed and the metrics (never the slot's own
+    state changes: those reach Slot.watchers)."""
+
+    def load_phase(self, slot: str, phase: LoadPhase, elapsed_s: float,
+                   reason: str | None) -> None:
+        """A start's phase; repeated every LOAD_TICK_S while it lasts."""
+
+    def unloaded(self, slot: str, reason: UnloadReason, loaded_s: float | None) -> None: ...
+
+
+def log_state_change(slot: Slot, old: SlotState, new: SlotState, reason: str | None) -> None:
+    if new == SlotState.SERVING or (old == SlotState.SERVING and new == SlotState.READY):
+        return  # every lease would log twice; in_flight is in /api/slots and /metrics instead
+    level = log.warning if new == SlotState.ERROR else log.info
+    level("slot.state_changed", slot=slot.name, old=str(old), new=str(new), reason=reason)
+
+
+@dataclass
+class Backoff:
+    """The pause before a failed or exited process is started again: 1 s, doubling to 60 s."""
+
+    next_s: float = BACKOFF_FIRST_S
+
+    def take(self) -> float:
+        delay = self.next_s
+        self.next_s = min(delay * 2, BACKOFF_MAX_S)
+        return delay
+
+    def reset(self) -> None:
+        self.next_s = BACKOFF_FIRST_S
+
+
+@dataclass(eq=False)
+class Runner:
+    """What the manager keeps for one slot with a command: its process, its one task (a start
+    or a stop), its watch, its timers."""
+
+    slot: Slot
+    config: SlotConfig
+    child: Child | None = None
+    job: asyncio.Task[None] | None = None
+    watch: asyncio.Task[None] | None = None
+    retry: asyncio.TimerHandle | None = None
+    idle_timer: asyncio.TimerHandle | None = None
+    backoff: Backoff = field(default_factory=Backoff)
+    retry_in_s: float = 0.0  # the backoff of the last failure, for its actions
+    cause: str | None = None  # why the last start failed
+    last_used: float = field(default_factory=time.monotonic)
+    loaded_at: float | None = None
+    restarts: int = 0
+    unloading: UnloadReason = UnloadReason.API
+    drain_s: float | None = None  # the bound of the unload's drain (a reload's), None: none
+    successor: SlotConfig | None = None  # a reload's config, taken on once the process is gone
+
+    @property
+    def name(self) -> str:
+        return self.slot.name
+
+    @property
+    def busy(self) -> bool:
+        return self.job is not None and not self.job.done()
+
+    def wanted(self) -> bool:
+        """An `always` slot is wanted all the time; an on-demand one while requests are there."""
+        return not self.config.on_demand or bool(self.slot.queued or self.slot.in_flight)
+
+    def cancel_timers(self) -> None:
+        for timer in (self.retry, self.idle_timer):
+            if timer is not None:
+                timer.cancel()
+        self.retry = self.idle_timer = None
+
+
+class _Progress:
+    """A start's current phase, told to the observers at once and every LOAD_TICK_S."""
+
+    def __init__(self, manager: LifecycleManager, slot: str) -> None:
+        self.manager = manager
+        self.slot = slot
+        self.started = time.monotonic()
+        self.phase = LoadPhase.STARTING
+        self._ticker: asyncio.Task[None] | None = None
+
+    def elapsed(self) -> float:
+        return round(time.monotonic() - self.started, 3)
+
+    def enter(self, phase: LoadPhase, reason: str | None = None) -> None:
+        self.phase = phase
+        self.manager.tell_phase(self.slot, phase, self.elapsed(), reason)
+        if phase in (LoadPhase.READY, LoadPhase.FAILED):
+            self.stop()
+        elif self._ticker is None:
+            self._ticker = asyncio.create_task(self._tick())
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(LOAD_TICK_S)
+            self.manager.tell_phase(self.slot, self.phase, self.elapsed(), None)
+
+    def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            self._ticker = None
+
+
+@dataclass(frozen=True)
+class ConfigDiff:
+    """What a reload changes in [[slots]] and [groups]."""
+
+    added: tuple[SlotConfig, ...]
+    removed: tuple[str, ...]
+    changed: tuple[SlotConfig, ...]
+    groups: dict[str, GroupConfig]
+
+    @classmethod
+    def between(cls, before: dict[str, SlotConfig], after: Iterable[SlotConfig],
+                groups: dict[str, GroupConfig]) -> ConfigDiff:
+        new = {c.name: c for c in after}
+        return cls(
+            added=tuple(c for name, c in new.items() if name not in before),
+            removed=tuple(name for name in before if name not in new),
+            changed=tuple(c for name, c in new.items() if name in before and c != before[name]),
+            groups=groups,
+        )
+
+    def names(self) -> dict[str, list[str]]:
+        return {"added": [c.name for c in self.added], "removed": list(self.removed),
+                "changed": [c.name for c in self.changed]}
+
+
+class LifecycleManager:
+    """Every slot's lifecycle in one application."""
+
+    def __init__(
+        self,
+        table: SlotTable,
+        configs: Iterable[SlotConfig],
+        session: aiohttp.ClientSession,
+        *,
+        groups: dict[str, GroupConfig] | None = None,
+        end_streams: Callable[[str, str], int] = lambda slot, reason: 0,
+    ) -> None:
+        self.table = table
+        self.session = session
+        # Every slot's config, the ones without a command too (probed; counted in groups).
+        self.configs: dict[str, SlotConfig] = {}
+        self.runners: dict[str, Runner] = {}
+        self.groups = Groups(groups or {}, self._members, self._evict, self._settled)
+        # Ends the in-flight streams of a slot with their surface's terminal frame (a forced
+        # unload); returns how many it ended.
+        self.end_streams = end_streams
+        self.observers: list[LifecycleObserver] = []
+        # Told of each slot a reload adds, once the manager has it (the event feed watches it).
+        self.slot_added: list[Callable[[Slot], None]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stopping = False
+        for config in configs:
+            self._adopt(config)
+
+    # -- the one teller ----------------------------------------------------------------------
+
+    def tell(self, runner: Runner, event: Event, reason: str | None = None) -> None:
+        """Step the runner's slot by `event` and carry out what the table says. Once hal0d is
+        shutting down, only `shutdown` is told: what a start or a stop still reports then is
+        about a slot that is offline for good."""
+        if self._stopping and event is not Event.SHUTDOWN:
+            return
+        rule = runner.slot.handle(event, reason)
+        for action in rule.actions:
+            self._ACTIONS[action](self, runner)
+
+    def _spawn(self, coro: Any) -> asyncio.Task[None]:
+        """A task of the manager's own (stop() cancels what is left of them)."""
+        name = getattr(coro, "__qualname__", None)
+        task: asyncio.Task[None] = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            # A bug of hal0d's: said once, loudly, instead of a waiter left hanging unawares.
+            log.error("lifecycle.task_failed", task=task.get_name(),
+                      error=repr(exc), exc_info=exc)
+
+    # -- wiring ------------------------------------------------------------------------------
+
+    def _adopt(self, config: SlotConfig) -> None:
+        self.configs[config.name] = config
+        if not config.command:
+            return
+        slot = self.table[config.name]
+        self.runners[config.name] = Runner(slot, config)
+        slot.watchers.append(self._on_change)
+        slot.demand = self._demand if config.on_demand else None
+
+    def _members(self, group: str) -> Iterator[Member]:
+        for name, config in self.configs.items():
+            runner = self.runners.get(name)
+            if config.group == group and name in self.table:
+                yield Member(self.table[name], config.memory_mib or 0,
+                             evictable=runner is not None and config.on_demand,
+                             last_used=runner.last_used if runner else 0.0)
+
+    def _on_change(self, slot: Slot, old: SlotState, new: SlotState, reason: str | None) -> None:
+        """The idle timer of an on-demand slot: armed while it is ready, cancelled otherwise."""
+        runner = self.runners.get(slot.name)
+        if runner is None or runner.slot is not slot:
+            return
+        if runner.idle_timer is not None:
+            runner.idle_timer.cancel()
+            runner.idle_timer = None
+        if new in UP_STATES:
+            runner.last_used = time.monotonic()
+        if new is SlotState.READY:
+            self._arm_idle(runner, runner.config.idle_unload_s)
+
+    def _arm_idle(self, runner: Runner, after_s: float) -> None:
+        if runner.config.on_demand and runner.config.idle_unload_s > 0:
+            runner.idle_timer = asyncio.get_running_loop().call_later(
+                max(0.0, after_s), self._idle, runner)
+
+    def _idle(self, runner: Runner) -> None:
+        runner.idle_timer = None
+        slot = runner.slot
+        if slot.state is SlotState.READY and not slot.queued and not self._stopping:
+            self._unload_now(runner, UnloadReason.IDLE)
+
+    def _demand(self, slot: Slot) -> None:
+        """A request found the on-demand slot stopped: it loads."""
+        runner = self.runners.get(slot.name)
+        if runner is not None and runner.slot is slot:
+            self._start_if_resting(runner)
+
+    def _start_if_resting(self, runner: Runner) -> None:
+        if self._stopping or runner.busy or runner.slot.state is not SlotState.STOPPED:
+            return
+        self.tell(runner, Event.START)
+
+    # -- the actions -------------------------------------------------------------------------
+
+    def _bring_up(self, runner: Runner) -> None:
+        if runner.retry is not None:
+            runner.retry.cancel()
+            runner.retry = None
+        runner.job = self._spawn(self._start(runner))
+
+    async def _start(self, runner: Runner) -> None:
+        """The group's turn with room made, the launch, the probe until it answers; the outcome
+        told as `answered`, `start_failed` or `load_failed`."""
+        slot, config = runner.slot, runner.config
+        progress = _Progress(self, runner.name)
+        log.info("slot.load_started", slot=runner.name, queued=slot.queued)
+        cause: str | None = None
+        try:
+            if self.groups.get(config.group) is not None:
+                progress.enter(LoadPhase.WAITING_FOR_ROOM)
+            async with self.groups.turn(config, pinned=not config.on_demand):
+                argv = " ".join(resolve_program(config.command or ()))
+                launching = f"launching {argv}" if not config.on_demand else f"loading: {argv}"
+                if runner.cause is not None:
+                    launching += f" (the last attempt failed: {runner.cause})"
+                self.tell(runner, Event.LAUNCH, launching)
+                progress.enter(LoadPhase.STARTING)
+                child = await self._launch(runner)
+                progress.enter(LoadPhase.PROBING)
+                cause = await self._until_answering(
+                    runner, child, config.load_timeout_s - progress.elapsed())
+        except (LaunchFailed, NoRoom) as exc:
+            cause = str(exc)
+        finally:
+            progress.stop()
+        elapsed = progress.elapsed()
+        runner.job = None  # done: what the outcome's actions start is a job of its own
+        if cause is not None:
+            exit_code = runner.child.returncode if runner.child is not None else None
+            await self._stop_child(runner)
+            progress.enter(LoadPhase.FAILED, cause)
+            self._failed(runner, cause, elapsed, exit_code)
+            return
+        up = runner.child
+        assert up is not None
+        runner.loaded_at = time.monotonic()
+        runner.watch = self._spawn(self._watch(runner, up))
+        log.info("slot.loaded", slot=runner.name, elapsed_s=elapsed, pid=up.pid)
+        progress.enter(LoadPhase.READY)
+        self.tell(runner, Event.ANSWERED)
+
+    async def _launch(self, runner: Runner) -> Child:
+        """Child.start, never left half done: cancelled while the process is being created, the
+        process is still recorded (and so stopped by whoever cancelled)."""
+        starting = asyncio.ensure_future(Child.start(runner.name, runner.config.command or ()))
+        try:
+            runner.child = await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            if not starting.cancelled():
+                await asyncio.wait({starting})
+                if starting.exception() is None:
+                    runner.child = starting.result()
+            raise
+        return runner.child
+
+    async def _until_answering(self, runner: Runner, child: Child, timeout_s: float) -> str | None:
+        """None once the new process answers its probe; else why it never will."""
+        answering = asyncio.create_task(answers_within(self.session, runner.config, timeout_s))
+        exited = asyncio.create_task(child.wait())
+        try:
+            await asyncio.wait({answering, exited}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            answering.cancel()
+            exited.cancel()
+        if exited.done() and not exited.cancelled():
+            return child.exit_summary(exited.result())
+        if answering.done() and not answering.cancelled() and answering.result():
+            return None
+        return f"not answering within load_timeout_s = {runner.config.load_timeout_s:g} s"
+
+    def _failed(self, runner: Runner, cause: str, elapsed_s: float,
+                exit_code: int | None) -> None:
+        runner.cause = cause
+        runner.retry_in_s = runner.backoff.take()
+        if not runner.config.on_demand:
+            runner.restarts += 1
+        if exit_code is not None:
+            log.warning("slot.process_exited", slot=runner.name, code=exit_code, reason=cause,
+                        ran_s=elapsed_s, restart_in_s=runner.retry_in_s,
+                        restarts=runner.restarts)
+        log.warning("slot.load_failed", slot=runner.name, reason=cause, elapsed_s=elapsed_s,
+                    retry_in_s=runner.retry_in_s)
+        if runner.config.on_demand:
+            self.tell(runner, Event.LOAD_FAILED, f"load failed: {cause}")
+        else:
+            self.tell(runner, Event.START_FAILED,
+                      f"{cause}; retrying in {runner.retry_in_s:g} s")
+
+    def _loaded(self, runner: Runner) -> None:
+        runner.cause = None
+        runner.slot.load_refused = None
+
+    def _retry_later(self, runner: Runner) -> None:
+        runner.retry = asyncio.get_running_loop().call_later(
+            runner.retry_in_s, self._retry, runner)
+
+    def _retry(self, runner: Runner) -> None:
+        runner.retry = None
+        if self._stopping or runner.busy or runner.slot.state is not SlotState.ERROR:
+            return
+        if runner.wanted():
+            self.tell(runner, Event.START)
+        elif not runner.slot.in_flight:
+            self.tell(runner, Event.REST)
+
+    def _refuse_loads(self, runner: Runner) -> None:
+        runner.slot.refuse_loads(runner.cause or "unknown", runner.retry_in_s)
+
+    async def _watch(self, runner: Runner, child: Child) -> None:
+        """A process that exits on its own (not stopped by hal0d) is told as `exited`."""
+        code = await child.wait()
+        if runner.child is not child or self._stopping:
+            return  # a stop ended it
+        runner.child = None
+        ran_s = time.monotonic() - (runner.loaded_at or time.monotonic())
+        runner.loaded_at = None
+        if ran_s >= HEALTHY_RUN_S:
+            runner.backoff.reset()
+        cause = child.exit_summary(code)
+        slot = runner.slot
+        if runner.wanted():
+            runner.retry_in_s = runner.backoff.take()
+            if not runner.config.on_demand:
+                runner.restarts += 1
+            log.warning("slot.process_exited", slot=runner.name, code=code, reason=cause,
+                        ran_s=round(ran_s, 1), restart_in_s=runner.retry_in_s,
+                        restarts=runner.restarts, in_flight=slot.in_flight, queued=slot.queued)
+            cause = f"{cause}; restarting in {runner.retry_in_s:g} s"
+        else:
+            log.warning("slot.process_exited", slot=runner.name, code=code, reason=cause,
+                        ran_s=round(ran_s, 1), in_flight=slot.in_flight, queued=slot.queued)
+        if allows(slot.state, Event.EXITED):
+            self.tell(runner, Event.EXITED, cause)
+
+    def _recover(self, runner: Runner) -> None:
+        """After an exit: started again after the backoff when wanted, else at rest now."""
+        if runner.wanted():
+            self._retry_later(runner)
+        else:
+            self.tell(runner, Event.REST, runner.slot.reason)
+
+    def _stop_process(self, runner: Runner) -> None:
+        cancelled, runner.job = runner.job, None
+        runner.job = self._spawn(self._stop(runner, cancelled))
+
+    async def _stop(self, runner: Runner, start: asyncio.Task[None] | None) -> None:
+        """An unload: the start it interrupts cancelled, the requests in flight drained, the
+        process stopped; told as `gone`."""
+        slot, reason = runner.slot, runner.unloading
+        runner.cancel_timers()
+        if start is not None and not start.done():
+            start.cancel()
+            await asyncio.wait({start})
+        if slot.in_flight:
+            log.info("slot.draining", slot=runner.name, in_flight=slot.in_flight,
+                     reason=str(reason))
+        await self._drain(slot, runner.drain_s)
+        loaded_s = round(time.monotonic() - runner.loaded_at, 1) if runner.loaded_at else None
+        await self._stop_child(runner)
+        if runner.cause is None:
+            runner.backoff.reset()  # a clean stop: the next start owes nothing to earlier ones
+        log.info("slot.unloaded", slot=runner.name, reason=str(reason), loaded_s=loaded_s)
+        for observer in self.observers:
+            observer.unloaded(runner.name, reason, loaded_s)
+        runner.job = None  # done: a start that `gone` leads to is a job of its own
+        self.tell(runner, Event.GONE, f"unloaded ({reason})")
+
+    async def _stop_child(self, runner: Runner) -> None:
+        child, runner.child = runner.child, None
+        runner.loaded_at = None
+        if runner.watch is not None:
+            runner.watch.cancel()
+            runner.watch = None
+        if child is not None:
+            await child.stop()
+
+    def _unloaded(self, runner: Runner) -> None:
+        """The process is gone: a reload's new config is taken on; started again if wanted."""
+        runner.drain_s = None
+        if runner.successor is not None:
+            self._take_on(runner, runner.successor)
+        if self.runners.get(runner.name) is runner and runner.wanted():
+            self._start_if_resting(runner)
+
+    async def _drain(self, slot: Slot, drain_s: float | None) -> None:
+        if drain_s is None:
+            await slot.drained()
+            return
+        try:
+            async with asyncio.timeout(drain_s):
+                await slot.drained()
+        except TimeoutError:
+            log.warning("slot.drain_timeout", slot=slot.name, in_flight=slot.in_flight,
+                        drain_s=drain_s)
+
+    _ACTIONS: Final[dict[Action, Callable[[LifecycleManager, Runner], None]]] = {
+        Action.BRING_UP: _bring_up,
+        Action.LOADED: _loaded,
+        Action.RETRY_LATER: _retry_later,
+        Action.REFUSE_LOADS: _refuse_loads,
+        Action.RECOVER: _recover,
+        Action.STOP_PROCESS: _stop_process,
+        Action.UNLOADED: _unloaded,
+    }
+
+    # -- what the API, the groups and the idle timer ask -------------------------------------
+
+    def tell_phase(self, slot: str, phase: LoadPhase, elapsed_s: float,
+                   reason: str | None) -> None:
+        for observer in self.observers:
+            observer.load_phase(slot, phase, elapsed_s, reason)
+
+    def request_load(self, name: str) -> None:
+        """Starts a load if the slot rests; returns at once."""
+        self._start_if_resting(self.runners[name])
+
+    async def load(self, name: str) -> None:
+        """Loads the slot (the admin API's load, which an operator may ask for during a failed
+        load's backoff); returns once it is ready, or raises SlotLoadFailed with the cause."""
+        runner = self.runners[name]
+        slot = runner.slot
+        for _ in range(3):  # an unload under way, then the load (once more if one cut in)
+            if slot.state in UP_STATES or self._stopping:
+                break
+            if not runner.busy and runner.child is None and slot.state in (SlotState.STOPPED,
+                                                                            SlotState.ERROR):
+                self.tell(runner, Event.START)  # at rest, or waiting out a backoff
+            job = runner.job
+            if job is None or job.done():
+                break
+            await asyncio.wait({job})  # not shield(): a cancelled job is an outcome here
+        if slot.state not in UP_STATES:
+            raise SlotLoadFailed(f"slot {name!r} did not load: {slot.reason}",
+                                 retry_after=BACKOFF_FIRST_S)
+
+    async def unload(self, name: str, reason: UnloadReason, *, force: bool = False) -> None:
+        """Drains the slot (nothing new admitted, in-flight requests run to their end; with
+        `force`, they are ended with their surface's terminal frame and the queued get a 503),
+        then stops its process; returns once the process is gone."""
+        runner = self.runners[name]
+        if force:
+            ended = self.end_streams(name, "unloaded")
+            runner.slot.fail_waiters(SlotLoading(f"slot {name!r} was unloaded",
+                                                 retry_after=FORCED_RETRY_AFTER_S))
+            log.info("slot.unload_forced", slot=name, streams_ended=ended)
+        self._unload_now(runner, reason)
+        job = runner.job
+        if runner.slot.state is SlotState.STOPPING and job is not None:
+            await asyncio.wait({job})
+
+    def _unload_now(self, runner: Runner, reason: UnloadReason) -> None:
+        slot = runner.slot
+        if slot.state is SlotState.STOPPED and runner.busy:
+            assert runner.job is not None
+            runner.job.cancel()  # a load still waiting for its group's room
+            return
+        if not allows(slot.state, Event.UNLOAD) or slot.state is SlotState.STOPPING:
+            return
+        runner.unloading = reason
+        self.tell(runner, Event.UNLOAD, f"unloading ({reason})")
+
+    async def _evict(self, name: str) -> None:
+        await self.unload(name, UnloadReason.EVICTED)
+
+    async def _settled(self, name: str) -> None:
+        runner = self.runners.get(name)
+        if runner is not None and runner.job is not None:
+            await asyncio.wait({runner.job})
+
+    # -- probing -----------------------------------------------------------------------------
+
+    async def probe_once(self, name: str) -> None:
+        slot = self.table.get(name)
+        config = self.configs.get(name)
+        if slot is None or config is None:
+            return  # removed by a reload while this probe round was starting
+        runner = self.runners.get(name)
+        if runner is not None and (runner.child is None or runner.busy):
+            return  # no process to ask, or its own start or stop owns the slot now
+        if slot.in_flight:
+            # Requests in flight already show the upstream alive (the stall guard watches them),
+            # and llama-cpp-python's server interrupts a running completion for any request.
+            return
+        if slot.state not in (SlotState.OFFLINE, SlotState.READY, SlotState.ERROR):
+            return
+        child = runner.child if runner else None
+        reason = await probe(self.session, config)
+        if self.table.get(name) is not slot or self.configs.get(name) is not config:
+            return  # a reload replaced the slot meanwhile: this answer is about the old one
+        if runner is not None and (runner.child is not child or runner.busy):
+            return  # its process changed meanwhile
+        event = Event.PROBE_OK if reason is None else Event.PROBE_FAILED
+        if allows(slot.state, event):
+            slot.handle(event, reason)
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            await asyncio.gather(*(self.probe_once(name) for name in list(self.configs)))
+
+    # -- the whole set -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for runner in self.runners.values():
+            self.tell(runner, Event.REST if runner.config.on_demand else Event.START)
+        await asyncio.gather(*(self.probe_once(name) for name in self.configs
+                               if name not in self.runners))
+        self._spawn(self._probe_forever())
+
+    def restarts(self) -> dict[str, int]:
+        """How often each `always` slot's process was restarted since hal0d started."""
+        return {name: r.restarts for name, r in self.runners.items() if not r.config.on_demand}
+
+    def shut(self) -> None:
+        """hal0d is shutting down: every slot goes offline (requests still queued get their
+        503 now) and nothing is started or loaded any more."""
+        self._stopping = True
+        for runner in self.runners.values():
+            runner.cancel_timers()
+        for slot in self.table:
+            slot.handle(Event.SHUTDOWN)
+
+    async def stop(self) -> None:
+        """hal0d is stopping: every process is stopped (the server's shutdown drained or ended
+        the streams first), every slot goes offline."""
+        self.shut()
+        runners = list(self.runners.values())
+        jobs = [r.job for r in runners if r.job is not None and not r.job.done()]
+        for job in jobs:
+            job.cancel()
+        await asyncio.gather(*jobs, return_exceptions=True)
+
+        async def stop_one(runner: Runner) -> None:
+            loaded = runner.child is not None
+            await self._stop_child(runner)
+            if loaded and runner.config.on_demand:
+                log.info("slot.unloaded", slot=runner.name, reason=str(UnloadReason.SHUTDOWN))
+                for observer in self.observers:
+                    observer.unloaded(runner.name, UnloadReason.SHUTDOWN, None)
+
+        await asyncio.gather(*(stop_one(runner) for runner in runners))
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def apply(self, diff: ConfigDiff, *, drain_s: float = 900.0) -> None:
+        """A reload. New slots join the table and are probed (or started) before this returns;
+        everything after that await runs in one step, and the caller swaps the Runtime right
+        after, so no request is ever routed to a slot missing from the table. Removed slots go
+        offline (their queued requests get a 503) and leave the table; their process stops once
+        their leases are released (for at most `drain_s`). A slot whose command, upstream or
+        start changed is unloaded (it drains, for at most `drain_s`, so in-flight streams
+        finish on the old settings, and new requests queue meanwhile), then takes on its new
+        config: an `always` one starts again at once, an on-demand one on its next request."""
+        self.groups.replace(diff.groups)
+        await self._add(diff.added)
+        for name in diff.removed:
+            self._remove(name, drain_s)
+        for config in diff.changed:
+            self._change(config, drain_s)
+
+    async def _add(self, configs: Iterable[SlotConfig]) -> None:
+        # Whatever listener contexts.lifecycle_context wired into the first slots, new ones get.
+        listener = next((slot.on_change for slot in self.table), log_state_change)
+        plain = []
+        for config in configs:
+            self.table.add(Slot(config, on_change=listener))
+            self._adopt(config)
+            for tell in self.slot_added:
+                tell(self.table[config.name])
+            runner = self.runners.get(config.name)
+            if runner is None:
+                plain.append(config.name)
+            else:
+                self.tell(runner, Event.REST if config.on_demand else Event.START)
+        await asyncio.gather(*(self.probe_once(name) for name in plain))
+
+    def _remove(self, name: str, drain_s: float) -> None:
+        slot = self.table.remove(name)
+        del self.configs[name]
+        slot.handle(Event.SHUTDOWN)
+        runner = self.runners.pop(name, None)
+        if runner is not None:
+            runner.cancel_timers()
+            self._spawn(self._retire(runner, drain_s))
+
+    async def _retire(self, runner: Runner, drain_s: float) -> None:
+        """A removed slot's process, stopped once its leases are released."""
+        job = runner.job
+        if job is not None and not job.done():
+            job.cancel()
+            await asyncio.wait({job})
+        try:
+            await self._drain(runner.slot, drain_s)
+        finally:
+            await self._stop_child(runner)
+
+    def _change(self, after: SlotConfig, drain_s: float) -> None:
+        name = after.name
+        before = self.configs[name]
+        self.table[name].reconfigure(after)  # limits and the view; leases held keep counting
+        self.configs[name] = after
+        runner = self.runners.get(name)
+        process = (before.command, before.upstream, before.start)
+        if runner is None or process == (after.command, after.upstream, after.start):
+            if runner is None and after.command:
+                self._adopt(after)  # a probed upstream that hal0d now starts itself
+                self.tell(self.runners[name], Event.START if not after.on_demand else Event.REST)
+            elif runner is not None:
+                self._reconfigure(runner, after)
+            return
+        state = runner.slot.state
+        if state is SlotState.STOPPED and not runner.busy:
+            self._take_on(runner, after)
+            if self.runners.get(name) is runner and runner.wanted():
+                self._start_if_resting(runner)
+            return
+        runner.successor, runner.drain_s = after, drain_s
+        if state is SlotState.STOPPED:  # a load waiting for its group's room: cancelled
+            self._unload_now(runner, UnloadReason.RELOAD)
+            self._spawn(self._after(runner))
+        elif state is SlotState.ERROR and runner.child is None and not runner.busy:
+            # A process that exited and waits for its restart: the restart is the new one's.
+            runner.cancel_timers()
+            self._take_on(runner, after)
+            if self.runners.get(name) is runner:
+                if runner.wanted():
+                    self.tell(runner, Event.START)
+                elif not runner.slot.in_flight:
+                    self.tell(runner, Event.REST, "reloaded: loads on the next request")
+        else:
+            self._unload_now(runner, UnloadReason.RELOAD)
+
+    async def _after(self, runner: Runner) -> None:
+        if runner.job is not None:
+            await asyncio.wait({runner.job})
+        if runner.slot.state is SlotState.STOPPED:
+            self._unloaded(runner)
+
+    def _take_on(self, runner: Runner, after: SlotConfig) -> None:
+        """A reload's config for a runner whose process is gone."""
+        runner.successor = None
+        if not after.command:  # now an upstream hal0d only probes
+            del self.runners[runner.name]
+            runner.slot.demand = None
+            runner.slot.watchers.remove(self._on_change)
+            self._spawn(self.probe_once(runner.name))
+            return
+        runner.config = after
+        runner.slot.demand = self._demand if after.on_demand else None
+
+    def _reconfigure(self, runner: Runner, after: SlotConfig) -> None:
+        """Limits only. A changed idle_unload_s applies to the wait already running, counted
+        from the slot's last use."""
+        idle_before = runner.config.idle_unload_s
+        runner.config = after
+        if idle_before != after.idle_unload_s and runner.slot.state is SlotState.READY:
+            if runner.idle_timer is not None:
+                runner.idle_timer.cancel()
+                runner.idle_timer = None
+            self._arm_idle(runner, after.idle_unload_s - (time.monotonic() - runner.last_used))
+
+    # -- views -------------------------------------------------------------------------------
+
+    def slot_view(self, slot: Slot) -> dict[str, Any]:
+        """A slot as /api/slots and the event feed show it."""
+        view = slot.snapshot()
+        config = self.configs.get(slot.name)
+        view["group"] = config.group if config else None
+        view["memory_mib"] = config.memory_mib if config else None
+        group = self.groups.get(config.group) if config else None
+        view["group_memory_mib"] = group.config.memory_mib if group else None
+        view["group_max_loaded"] = group.config.max_loaded if group else None
+        runner = self.runners.get(slot.name)
+        if runner is not None and runner.config.on_demand:
+            view.update(self._lifecycle_view(runner))
+        return view
+
+    @staticmethod
+    def _lifecycle_view(runner: Runner) -> dict[str, object]:
+        now = time.monotonic()
+        ready = runner.slot.state is SlotState.READY
+        idle_unload_in = None
+        if ready and runner.config.idle_unload_s > 0:
+            idle_unload_in = max(0.0, runner.config.idle_unload_s - (now - runner.last_used))
+        return {
+            "start": runner.config.start,
+            "loaded_for_s": round(now - runner.loaded_at, 1) if runner.loaded_at else None,
+            "idle_for_s": round(now - runner.last_used, 1) if ready else None,
+            "idle_unload_in_s": None if idle_unload_in is None else round(idle_unload_in, 1),
+            "pid": runner.child.pid if runner.child else None,
+        }
