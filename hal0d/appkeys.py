@@ -9,7 +9,6 @@ import aiohttp
 from aiohttp import web
 
 from hal0d.config import Config
-from hal0d.h1client import H1Pool
 from hal0d.openai.owners import ResponseOwners
 from hal0d.routing import Router
 from hal0d.slots import SlotTable
@@ -47,8 +46,6 @@ class RuntimeRef:
 
 RUNTIME = web.AppKey("runtime", RuntimeRef)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
-# The lean client's connections, for whole answers over plain http (h1client.py).
-H1 = web.AppKey("h1", H1Pool)
 SLOTS = web.AppKey("slots", SlotTable)
 SUPERVISOR: web.AppKey[Supervisor] = web.AppKey("supervisor")
 # The stall guards of the streams being relayed now: a shutdown past its grace ends them.

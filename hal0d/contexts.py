@@ -16,7 +16,6 @@ from aiohttp import web
 from hal0d.appkeys import (
     EVENTS,
     FINISHER,
-    H1,
     RECORDER,
     RUNTIME,
     SESSION,
@@ -27,7 +26,6 @@ from hal0d.appkeys import (
 )
 from hal0d.config import SlotConfig
 from hal0d.events import SlotFeed
-from hal0d.h1client import H1Pool
 from hal0d.metrics.history import HistoryWriter
 from hal0d.metrics.recorder import Recorder
 from hal0d.slots import SlotTable
@@ -37,14 +35,12 @@ from hal0d.upstream import make_session
 
 
 async def session_context(app: web.Application) -> AsyncIterator[None]:
-    """The one shared ClientSession for every upstream call but whole answers over plain http,
-    the token counter that asks through it, and the lean client's pool for those answers."""
+    """The one shared ClientSession for every upstream call, and the token counter that asks
+    through it."""
     timeouts = app[RUNTIME].current.config.dispatcher
     app[SESSION] = make_session(timeouts)
     app[TOKEN_COUNTER] = TokenCounter(app[SESSION])
-    app[H1] = H1Pool()
     yield
-    app[H1].close()
     await app[SESSION].close()
 
 
