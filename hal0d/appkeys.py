@@ -16,7 +16,6 @@ from hal0d.slots import SlotTable
 if TYPE_CHECKING:
     from hal0d.anthropic_mode import AnthropicModes
     from hal0d.events import EventHub
-    from hal0d.finished import Finisher
     from hal0d.metrics.recorder import Recorder
     from hal0d.stallguard import StallGuard
     from hal0d.supervisor import Supervisor
@@ -51,8 +50,6 @@ SUPERVISOR: web.AppKey[Supervisor] = web.AppKey("supervisor")
 # The stall guards of the streams being relayed now: a shutdown past its grace ends them.
 STREAMS: web.AppKey[set[StallGuard]] = web.AppKey("streams")
 RECORDER: web.AppKey[Recorder] = web.AppKey("recorder")
-# Finished requests waiting for their request.done line and their record (finished.py).
-FINISHER: web.AppKey[Finisher] = web.AppKey("finisher")
 TOKEN_COUNTER: web.AppKey[TokenCounter] = web.AppKey("token_counter")
 # The readers of GET /api/events.
 EVENTS: web.AppKey[EventHub] = web.AppKey("events")

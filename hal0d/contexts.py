@@ -15,7 +15,6 @@ from aiohttp import web
 
 from hal0d.appkeys import (
     EVENTS,
-    FINISHER,
     RECORDER,
     RUNTIME,
     SESSION,
@@ -63,11 +62,7 @@ async def recorder_context(app: web.Application) -> AsyncIterator[None]:
         lambda: app[SLOTS], placements, lambda: iter(app[RUNTIME].current.config.groups)
     )
     app[RECORDER] = recorder
-    finisher = app[FINISHER]
-    finisher.recorder = recorder
     yield
-    finisher.flush()  # the requests that ended last, before the history closes
-    finisher.recorder = None
     await history.close()
 
 

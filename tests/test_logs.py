@@ -173,7 +173,6 @@ async def test_a_request_carrying_api_keys_never_shows_them_in_the_log(
         async with http.post(hal0d.make_url("/v1/chat/completions"), json=body,
                              headers=headers) as response:
             await response.read()
-    # The lines are written in a batch just after the answers (finished.py).
     await eventually(lambda: path.read_text().count('"request.done"') >= len(sent), 2.0,
                      "every request's request.done line")
     text = path.read_text()
