@@ -1,5 +1,12 @@
 """make_app(config): routes, the request lifecycle middleware, and the cleanup contexts
-(contexts.py) in the order they start."""
+(contexts.py) in the order they start.
+
+A request is finished where it ends: the lifecycle middleware's last step writes its
+`request.done` line and makes its record (Prometheus, the live metrics, the event feed, the
+history writer's queue) before it returns, so the log and every reader of the metrics have a
+request by the time its client has the answer (a read of the history waits for the writer's
+queue). Nothing is deferred, so no reader has to flush anything first.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +24,7 @@ from hal0d.anthropic_mode import AnthropicModes
 from hal0d.appkeys import (
     ANTHROPIC_MODES,
     EVENTS,
-    FINISHER,
+    RECORDER,
     RESPONSE_OWNERS,
     RUNTIME,
     STREAMS,
@@ -28,9 +35,9 @@ from hal0d.config import Config
 from hal0d.contexts import recorder_context, session_context, slots_context
 from hal0d.errors import ErrorCode, Hal0Error, MethodNotAllowed, NoRoute
 from hal0d.events import EventHub
-from hal0d.finished import Finisher
 from hal0d.handlers import admin, anthropic, openai, page, responses
 from hal0d.logs import get_logger
+from hal0d.metrics.recorder import UNLOGGED_PATHS, done_fields, is_dispatch_request
 from hal0d.openai.owners import ResponseOwners
 from hal0d.requestinfo import INFO, RequestInfo
 
@@ -77,7 +84,6 @@ async def request_lifecycle(
     info = RequestInfo(request_id=request_id, endpoint=request.path if matched else "unmatched")
     request[INFO] = info
     structlog.contextvars.bind_contextvars(request_id=request_id)
-    request.app[FINISHER].begin()  # handed in by the `finally` below, whatever happens
     try:
         access.check(request, request.app[RUNTIME].current.config.server)
         response = await handler(request)
@@ -105,8 +111,21 @@ async def request_lifecycle(
     finally:
         structlog.contextvars.unbind_contextvars("request_id")
         info.end()
-        # The line and the record are made after the answer has gone out, in batches.
-        request.app[FINISHER].add(info, request.method, request.path)
+        finish(request, info)
+
+
+def finish(request: web.Request, info: RequestInfo) -> None:
+    """The ended request's record (once the recorder runs) and its request.done line. A failure
+    here costs this request's line or record, never its answer nor any other request's."""
+    method, path = request.method, request.path
+    try:
+        recorder = request.app.get(RECORDER)
+        if recorder is not None and is_dispatch_request(method, path):
+            recorder.record(info)
+        if path not in UNLOGGED_PATHS:
+            log.info("request.done", method=method, path=path, **done_fields(info))
+    except Exception:
+        log.exception("request.finish_failed", request_id=info.request_id, path=path)
 
 
 async def add_request_id(request: web.Request, response: web.StreamResponse) -> None:
@@ -137,7 +156,6 @@ def make_app(config: Config) -> web.Application:
     app[RUNTIME] = RuntimeRef(Runtime.build(config))
     app[STREAMS] = set()
     app[EVENTS] = EventHub()
-    app[FINISHER] = Finisher()
     app.on_shutdown.append(close_events)
     app[RESPONSE_OWNERS] = ResponseOwners()
     app[ANTHROPIC_MODES] = AnthropicModes()

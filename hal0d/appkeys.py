@@ -9,7 +9,6 @@ import aiohttp
 from aiohttp import web
 
 from hal0d.config import Config
-from hal0d.h1client import H1Pool
 from hal0d.lifecycle.slots import SlotTable
 from hal0d.openai.owners import ResponseOwners
 from hal0d.routing import Router
@@ -17,7 +16,6 @@ from hal0d.routing import Router
 if TYPE_CHECKING:
     from hal0d.anthropic_mode import AnthropicModes
     from hal0d.events import EventHub
-    from hal0d.finished import Finisher
     from hal0d.lifecycle.manager import LifecycleManager
     from hal0d.metrics.recorder import Recorder
     from hal0d.stallguard import StallGuard
@@ -47,16 +45,12 @@ class RuntimeRef:
 
 RUNTIME = web.AppKey("runtime", RuntimeRef)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
-# The lean client's connections, for whole answers over plain http (h1client.py).
-H1 = web.AppKey("h1", H1Pool)
 SLOTS = web.AppKey("slots", SlotTable)
 # Every slot's lifecycle: its process, its probe, loads and unloads, reloads.
 LIFECYCLE: web.AppKey[LifecycleManager] = web.AppKey("lifecycle")
 # The stall guards of the streams being relayed now: a shutdown past its grace ends them.
 STREAMS: web.AppKey[set[StallGuard]] = web.AppKey("streams")
 RECORDER: web.AppKey[Recorder] = web.AppKey("recorder")
-# Finished requests waiting for their request.done line and their record (finished.py).
-FINISHER: web.AppKey[Finisher] = web.AppKey("finisher")
 TOKEN_COUNTER: web.AppKey[TokenCounter] = web.AppKey("token_counter")
 # The readers of GET /api/events.
 EVENTS: web.AppKey[EventHub] = web.AppKey("events")

@@ -15,8 +15,6 @@ from aiohttp import web
 
 from hal0d.appkeys import (
     EVENTS,
-    FINISHER,
-    H1,
     LIFECYCLE,
     RECORDER,
     RUNTIME,
@@ -27,7 +25,6 @@ from hal0d.appkeys import (
 )
 from hal0d.config import SlotConfig
 from hal0d.events import SlotFeed
-from hal0d.h1client import H1Pool
 from hal0d.lifecycle.manager import LifecycleManager, log_state_change
 from hal0d.lifecycle.slots import SlotTable
 from hal0d.metrics.history import HistoryWriter
@@ -37,14 +34,12 @@ from hal0d.upstream import make_session
 
 
 async def session_context(app: web.Application) -> AsyncIterator[None]:
-    """The one shared ClientSession for every upstream call but whole answers over plain http,
-    the token counter that asks through it, and the lean client's pool for those answers."""
+    """The one shared ClientSession for every upstream call, and the token counter that asks
+    through it."""
     timeouts = app[RUNTIME].current.config.dispatcher
     app[SESSION] = make_session(timeouts)
     app[TOKEN_COUNTER] = TokenCounter(app[SESSION])
-    app[H1] = H1Pool()
     yield
-    app[H1].close()
     await app[SESSION].close()
 
 
@@ -67,11 +62,7 @@ async def recorder_context(app: web.Application) -> AsyncIterator[None]:
         lambda: app[SLOTS], placements, lambda: iter(app[RUNTIME].current.config.groups)
     )
     app[RECORDER] = recorder
-    finisher = app[FINISHER]
-    finisher.recorder = recorder
     yield
-    finisher.flush()  # the requests that ended last, before the history closes
-    finisher.recorder = None
     await history.close()
 
 

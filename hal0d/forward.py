@@ -30,20 +30,15 @@ from typing import Any, Self
 import aiohttp
 from aiohttp import hdrs, web
 
-from hal0d.appkeys import H1, RUNTIME, SESSION, SLOTS, TOKEN_COUNTER
+from hal0d.appkeys import RUNTIME, SESSION, SLOTS, TOKEN_COUNTER
 from hal0d.config import DispatcherConfig, SlotConfig
-from hal0d.h1client import WholeResponse
 from hal0d.handlers.streaming import stream_through
 from hal0d.lifecycle.slots import Lease
 from hal0d.requestinfo import INFO, RequestInfo
 from hal0d.routing import Route
 from hal0d.stallguard import guard_active
 from hal0d.transform import Transform
-from hal0d.upstream import open_upstream, open_whole, plain_http, read_whole, request_headers
-
-# What an opened upstream is: aiohttp's response for a stream, the lean client's for a whole
-# answer over plain http (h1client.py). Both have the status, the headers, the content type.
-UpstreamResponse = aiohttp.ClientResponse | WholeResponse
+from hal0d.upstream import open_upstream, read_whole, request_headers
 
 
 class Forward:
@@ -64,7 +59,7 @@ class Forward:
         self.stream = stream
         self.timeouts: DispatcherConfig = self.route.slot.timeouts(runtime.config.dispatcher)
         self.lease: Lease | None = None
-        self.upstream: UpstreamResponse | None = None
+        self.upstream: aiohttp.ClientResponse | None = None
         self._lease_context: AbstractAsyncContextManager[Lease] | None = None
 
     @property
@@ -100,28 +95,21 @@ class Forward:
         json_body: bool = True,
         params: Any = None,
         method: str = hdrs.METH_POST,
-    ) -> UpstreamResponse:
+    ) -> aiohttp.ClientResponse:
         """Send `body` to the slot's `path` (a POST unless `method` says otherwise) and wait for
         the response headers; the status is the request's from here on. `json_body`: say the
-        body is JSON, whatever the client said. A whole answer over plain http goes through
-        the lean client (h1client.py), everything else through aiohttp.
+        body is JSON, whatever the client said.
         """
         assert self.lease is not None, "open() inside `async with forward(...)` only"
         headers = request_headers(self.request.headers, self.route.slot)
         if json_body:
             headers[hdrs.CONTENT_TYPE] = "application/json"
-        slot, reason = self.route.slot, self.lease.slot.reason
-        opened: Awaitable[UpstreamResponse]
-        if not self.stream and plain_http(slot):
-            opened = open_whole(self.request.app[H1], slot, self.timeouts, method=method,
-                                path=path, params=params, headers=headers, body=body,
-                                slot_reason=reason)
-        else:
-            opened = open_upstream(self.request.app[SESSION], slot, self.timeouts, method=method,
-                                   path=path, params=params, headers=headers, body=body,
-                                   guarded=self.stream and guard_active(self.timeouts),
-                                   slot_reason=reason)
-        self.upstream = upstream = await opened
+        self.upstream = upstream = await open_upstream(
+            self.request.app[SESSION], self.route.slot, self.timeouts, method=method, path=path,
+            params=params, headers=headers, body=body,
+            guarded=self.stream and guard_active(self.timeouts),
+            slot_reason=self.lease.slot.reason,
+        )
         self.info.upstream_status(upstream.status)
         return upstream
 
@@ -134,7 +122,7 @@ class Forward:
         """The opened upstream's body through the relay loop into `response` (to be awaited).
         Not a coroutine of its own: each level between the task and the relay's read is resumed
         once per chunk."""
-        assert isinstance(self.upstream, aiohttp.ClientResponse), "relay() of a stream only"
+        assert self.upstream is not None, "relay() after open() only"
         return stream_through(
             self.request,
             self.upstream,
@@ -157,12 +145,10 @@ def forward(request: web.Request, model: str, *, stream: bool) -> Forward:
     return Forward(request, model, stream=stream)
 
 
-def release_upstream(upstream: UpstreamResponse) -> None:
+def release_upstream(upstream: aiohttp.ClientResponse) -> None:
     """Keep the connection for reuse when its body was read to the end; otherwise close it,
     which is what tells the upstream to stop generating."""
-    if isinstance(upstream, WholeResponse):
-        upstream.release()  # decides the same way
-    elif upstream.content.at_eof():
+    if upstream.content.at_eof():
         upstream.release()
     else:
         upstream.close()

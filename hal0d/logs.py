@@ -7,6 +7,10 @@ own, so `journalctl -p warning` filters and nothing is printed twice. Standard-l
 renderer, after tracebacks are formatted: by key (`authorization`, `api_key`...), by shape
 (`Bearer ...`, `sk-...`, `x-api-key: ...` inside any text) and by value (the slots' own keys,
 registered with `hide`).
+
+`hal0d serve` caches each logger on its first use (structlog's faster way). The level and the
+format live in the one processor chain, changed in place, so a reload's new ones reach the
+cached loggers too.
 """
 
 from __future__ import annotations
@@ -16,11 +20,11 @@ import os
 import re
 import sys
 from collections.abc import Iterable, MutableMapping
-from dataclasses import dataclass
 from typing import Any, TextIO
 
 import orjson
 import structlog
+from structlog.processors import NAME_TO_LEVEL
 
 # Keys whose values are credentials wherever they appear in an event.
 SECRET_KEYS = frozenset(
@@ -196,57 +200,29 @@ def choose_renderer(fmt: str, stream: TextIO) -> Any:
     return LineRenderer(journald=fmt == "journald")
 
 
-@dataclass(frozen=True, slots=True)
-class _Pipeline:
-    """What configure() set up, for info_line(): the processors as configured (to see that
-    nobody replaced them since, as the tests' capture_logs does), and the parts it reuses."""
-
-    processors: tuple[Any, ...]
-    renderer: Any
-    logger: structlog.WriteLogger
-    timestamper: Any | None  # None under journald: the journal stamps each line
-    level: int
+# The processor chain, one list for the process's life: configure() changes it in place, so a
+# logger cached on its first use keeps following it (structlog's capture_logs changes the
+# configured list in place for the same reason).
+_CHAIN: list[Any] = []
 
 
-_pipeline: _Pipeline | None = None
+def _below(threshold: int) -> Any:
+    """The chain's first step: events under `threshold` dropped. A step of the chain rather than
+    structlog's filtering logger class, which a cached logger would keep after a reload."""
+
+    def drop_below(_: Any, method: str, event: MutableMapping[str, Any]) -> Any:
+        if NAME_TO_LEVEL.get(method, logging.INFO) < threshold:
+            raise structlog.DropEvent
+        return event
+
+    return drop_below
 
 
-def info_line(event: str, fields: dict[str, Any]) -> bool:
-    """Write `event` at info level with `fields`, exactly as `log.info(event, **fields)` would
-    through the pipeline configure() built, but without structlog's per-call machinery (binding,
-    the context copy, the processors one by one): the request.done line is written for every
-    request. False when it cannot be sure to write what that would (the pipeline was replaced,
-    as the tests' capture_logs does; a key or a string redact_secrets would change; a value
-    that is not a plain scalar or string): log it the ordinary way then.
-    """
-    pipeline = _pipeline
-    if pipeline is None or tuple(structlog.get_config()["processors"]) != pipeline.processors:
-        return False
-    if pipeline.level > logging.INFO:
-        return True  # filtered out, as the bound logger would
-    # The pipeline's steps, in its order: what is bound, the level, the time, (no exception,)
-    # redact_secrets (only checked here: nothing for it to change, or this is not the way), the
-    # renderer.
-    event_dict = structlog.contextvars.merge_contextvars(None, "info", {**fields, "event": event})
-    if not _PLAIN_KEYS.issuperset(event_dict):
-        return False  # a key not seen yet, or one that names a credential
-    strings = []
-    for value in event_dict.values():
-        if isinstance(value, str):
-            strings.append(value)
-        elif not isinstance(value, _SCALARS):
-            return False
-    if _suspect("\n".join(strings)):
-        return False
-    event_dict["level"] = "info"
-    if pipeline.timestamper is not None:
-        pipeline.timestamper(None, "info", event_dict)
-    pipeline.logger.msg(pipeline.renderer(None, "info", event_dict))
-    return True
-
-
-def configure(level: str = "info", fmt: str = "auto", stream: TextIO | None = None) -> None:
-    global _pipeline  # noqa: PLW0603 (the one pipeline of the process, as structlog's own)
+def configure(level: str = "info", fmt: str = "auto", stream: TextIO | None = None, *,
+              cache_loggers: bool = False) -> None:
+    """Set the pipeline up, or change it (a reload). `cache_loggers`: assemble each logger once,
+    on its first use (`hal0d serve`); the tests leave it off, since they point the pipeline at a
+    new stream each time and then restore what they found, which a cached logger would miss."""
     stream = stream or sys.stdout
     renderer = choose_renderer(fmt, stream)
     journald = isinstance(renderer, LineRenderer) and renderer.journald
@@ -254,22 +230,17 @@ def configure(level: str = "info", fmt: str = "auto", stream: TextIO | None = No
         structlog.contextvars.merge_contextvars,
         structlog.stdlib.add_log_level,
     ]
-    timestamper = None if journald else structlog.processors.TimeStamper(fmt="iso", utc=True)
-    if timestamper is not None:
-        shared.append(timestamper)
+    if not journald:  # the journal stamps each line itself
+        shared.append(structlog.processors.TimeStamper(fmt="iso", utc=True))
     # Last before the renderer: a formatted traceback is text that may quote a header.
     shared += [structlog.processors.format_exc_info, redact_secrets]
     numeric = getattr(logging, level.upper(), logging.INFO)
+    _CHAIN[:] = [_below(numeric), *shared, renderer]
     structlog.configure(
-        processors=[*shared, renderer],
-        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        processors=_CHAIN,
+        wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
         logger_factory=structlog.WriteLoggerFactory(stream),
-        # capture_logs in the tests needs loggers that are not cached.
-        cache_logger_on_first_use=False,
-    )
-    _pipeline = _Pipeline(
-        processors=tuple(structlog.get_config()["processors"]), renderer=renderer,
-        logger=structlog.WriteLogger(stream), timestamper=timestamper, level=numeric,
+        cache_logger_on_first_use=cache_loggers,
     )
     handler = logging.StreamHandler(stream)
     handler.setFormatter(

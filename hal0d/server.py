@@ -91,7 +91,7 @@ def serve(
     warnings: Sequence[Finding] = (),
 ) -> int:
     """Run until stopped. `server_overrides`: [server] keys given on the command line."""
-    logs.configure(config.logging.level, config.logging.format)
+    logs.configure(config.logging.level, config.logging.format, cache_loggers=True)
     logs.hide(known_secrets(config))
     log_warnings(warnings, config_path)
     raise_open_files_limit()
@@ -383,7 +383,8 @@ class Daemon:
                         note="these keep their running values until hal0d is restarted")
         effective = keep_restart_keys(running, loaded)
         if effective.logging != running.logging:
-            logs.configure(effective.logging.level, effective.logging.format)
+            logs.configure(effective.logging.level, effective.logging.format,
+                           cache_loggers=True)
         logs.hide(known_secrets(effective))
         drain_s = drain_time(running)
         lifecycle = self.app[LIFECYCLE]

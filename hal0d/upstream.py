@@ -16,8 +16,11 @@ bounded by the sum of the four bounds, `write_timeout_s` included (open_upstream
 stall guard owns a stream's body, the per-read timeout that bounded its header wait is switched
 off once the headers are in (`hand_body_to_guard`). (An earlier design moved a deadline along
 with aiohttp's tracing signals instead: four signals a request, ~6% of a stream's CPU and of its
-time to first byte, for a bound that differs only while the request is being written.) Whole
-answers over plain http do not come here: h1client.py, with the same bounds (open_whole).
+time to first byte, for a bound that differs only while the request is being written.)
+
+Every upstream call goes through this session, streamed or whole, http or https: one pool, the
+same bounds whatever the URL's scheme, and aiohttp's own framing rules (a HEAD's answer has no
+body, whatever its Content-Length says).
 """
 
 from __future__ import annotations
@@ -37,7 +40,6 @@ from hal0d import USER_AGENT
 from hal0d.config import DispatcherConfig, SlotConfig
 from hal0d.descriptors import exhausted, exhaustion_errno
 from hal0d.errors import UpstreamUnavailable
-from hal0d.h1client import CannotConnect, H1Pool, WholeResponse
 
 # What a call to an upstream raises when it gets no usable answer: aiohttp's client errors (its
 # ServerTimeoutError is a TimeoutError too), asyncio's timeouts, the socket's own OSErrors, and
@@ -136,7 +138,7 @@ def transport_reason(exc: BaseException, during: str) -> str:
     `during`: what the call was waiting for, as in "timed out <during>"."""
     if isinstance(exc, TimeoutError):
         return f"timed out {during}"
-    if isinstance(exc, aiohttp.ClientConnectorError | CannotConnect):
+    if isinstance(exc, aiohttp.ClientConnectorError):
         return f"cannot connect ({exc.os_error.strerror or exc.os_error})"
     detail = str(exc)
     return f"{type(exc).__name__} {during}" + (f": {detail}" if detail else "")
@@ -210,12 +212,18 @@ def client_timeout(
     )
 
 
+# An idle keep-alive connection older than this is closed instead of reused: servers close idle
+# connections after a few seconds (uvicorn after 5 s), and a request written to one the server
+# is closing at that instant is lost. aiohttp's own default keeps them 15 s.
+KEEPALIVE_S = 4.0
+
+
 def make_session(timeouts: DispatcherConfig) -> aiohttp.ClientSession:
-    """The one upstream session: streams, probes, token counts (whole answers over plain http
-    go through h1client.py)."""
+    """The one upstream session: forwarded requests (streamed and whole), probes, token counts."""
     return aiohttp.ClientSession(
         timeout=client_timeout(timeouts),
-        connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+        connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300,
+                                       keepalive_timeout=KEEPALIVE_S),
         # One session serves every client: a cookie an upstream sets is the client's (relayed to
         # it), never kept here to go out again on someone else's request. No jar, no cost.
         cookie_jar=aiohttp.DummyCookieJar(),
@@ -256,7 +264,8 @@ async def open_upstream(
     `guarded`: the stall guard owns the body, so the per-read timeout is off for it.
     `slot_reason`: why the slot is in error, if it is; a failed open names it.
     """
-    with opening_errors(slot, slot_reason):
+    with upstream_errors(slot, "waiting for the upstream's response headers",
+                         refused_at="upstream_connect", slot_reason=slot_reason):
         async with asyncio.timeout(open_bound(timeouts)):
             upstream = await session.request(
                 method,
@@ -270,12 +279,6 @@ async def open_upstream(
     if guarded:
         hand_body_to_guard(upstream)
     return upstream
-
-
-def opening_errors(slot: SlotConfig, slot_reason: str | None) -> upstream_errors:
-    """upstream_errors of an open: the wait for the headers, a refusal counted at the connect."""
-    return upstream_errors(slot, "waiting for the upstream's response headers",
-                           refused_at="upstream_connect", slot_reason=slot_reason)
 
 
 def open_bound(timeouts: DispatcherConfig) -> float:
@@ -295,45 +298,10 @@ def hand_body_to_guard(upstream: aiohttp.ClientResponse) -> None:
         connection.protocol.start_timeout()
 
 
-def plain_http(slot: SlotConfig) -> bool:
-    """Whether the slot's whole answers can go through the lean client (h1client.py): plain
-    http, which every local server speaks; https upstreams stay on aiohttp."""
-    return upstream_url(slot.upstream, "").scheme == "http"
-
-
-async def open_whole(
-    pool: H1Pool,
-    slot: SlotConfig,
-    timeouts: DispatcherConfig,
-    *,
-    method: str,
-    path: str,
-    headers: CIMultiDict[str],
-    body: bytes,
-    params: Any = None,
-    slot_reason: str | None = None,
-) -> WholeResponse:
-    """`open_upstream` for a request whose answer is read whole, through the lean client: the
-    connect within `connect_timeout_s`, the response headers within `direct_read_timeout_s` of
-    the request going out (the whole body then within the same, see read_whole)."""
-    with opening_errors(slot, slot_reason):
-        return await pool.request(
-            method,
-            upstream_url(slot.upstream, path),
-            headers=headers,
-            body=body,
-            params=params,
-            connect_timeout_s=timeouts.connect_timeout_s,
-            read_timeout_s=timeouts.direct_read_timeout_s,
-        )
-
-
-async def read_whole(upstream: aiohttp.ClientResponse | WholeResponse, slot: SlotConfig,
+async def read_whole(upstream: aiohttp.ClientResponse, slot: SlotConfig,
                      timeout_s: float) -> bytes:
-    """A whole (non-streamed) body within `timeout_s`. A reset, a stall or a broken framing is
-    UpstreamUnavailable, a clean 502: nothing was sent to the client yet."""
+    """A whole (non-streamed) body within `timeout_s` (empty for a HEAD). A reset, a stall or a
+    broken framing is UpstreamUnavailable, a clean 502: nothing was sent to the client yet."""
     with upstream_errors(slot, "while sending its answer"):
-        if isinstance(upstream, WholeResponse):
-            return await upstream.read(timeout_s)  # its own timer, cheaper than a Timeout's
         async with asyncio.timeout(timeout_s):
             return await upstream.read()

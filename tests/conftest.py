@@ -329,7 +329,8 @@ def content_chunk(text: str) -> bytes:
 def logs_into_buffer(fmt: str, level: str) -> Iterator[io.StringIO]:
     """hal0d's real logging pipeline (logs.configure, aiohttp's loggers included) into a buffer;
     structlog's configuration and the standard library's logging restored afterwards."""
-    saved = structlog.get_config()
+    # The processors as a list of their own: configure() changes its chain in place.
+    saved = {**structlog.get_config(), "processors": list(structlog.get_config()["processors"])}
     root = logging.getLogger()
     saved_root = (root.handlers[:], root.level)
     access = logging.getLogger("aiohttp.access")

@@ -338,7 +338,6 @@ async def test_neither_the_client_key_nor_a_wrong_key_appears_in_any_log_event(
                                                             slot_key=SLOT_KEY))
     with capture_logs() as events:
         calls = await exercise_with_keys(http, hal0d)
-        # request.done lines are written in batches just after the answers (finished.py).
         await eventually(
             lambda: len([e for e in events if e["event"] == "request.done"]) >= calls, 2.0,
             "every request's request.done line",

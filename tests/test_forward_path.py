@@ -127,7 +127,6 @@ async def test_invalid_json_and_a_malformed_completion_are_the_same_error(
         async with http.post(hal0d.make_url("/v1/messages"), json=MESSAGES) as resp:
             assert resp.status == 502
             body = await resp.json()
-        # Written in a batch just after the answer (finished.py).
         done = await eventually(
             lambda: [e for e in events if e["event"] == "request.done"], 2.0, "request.done"
         )

@@ -16,7 +16,6 @@ import pytest
 import structlog
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from structlog.testing import capture_logs
 
 from hal0d import logs
 from hal0d.config import parse
@@ -32,7 +31,7 @@ Configure = Callable[..., Path]
 @pytest.fixture
 def configure_logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Configure]:
     """logs.configure() into a real file; the global logging state is restored afterwards."""
-    saved = structlog.get_config()
+    saved = {**structlog.get_config(), "processors": list(structlog.get_config()["processors"])}
     root = logging.getLogger()
     saved_root = (root.handlers[:], root.level)
     access = logging.getLogger("aiohttp.access")
@@ -173,7 +172,6 @@ async def test_a_request_carrying_api_keys_never_shows_them_in_the_log(
         async with http.post(hal0d.make_url("/v1/chat/completions"), json=body,
                              headers=headers) as response:
             await response.read()
-    # The lines are written in a batch just after the answers (finished.py).
     await eventually(lambda: path.read_text().count('"request.done"') >= len(sent), 2.0,
                      "every request's request.done line")
     text = path.read_text()
@@ -265,59 +263,21 @@ def test_the_one_pass_check_redacts_exactly_what_field_by_field_redaction_does(
         logs.hide(saved)
 
 
-def without_time(line: str, fmt: str) -> str:
-    if fmt == "json":
-        event = orjson.loads(line)
-        assert event.pop("timestamp")
-        return orjson.dumps(event).decode()
-    if fmt == "logfmt":
-        stamp, rest = line.split(" ", 1)
-        assert stamp.endswith("Z"), line
-        return rest
-    return line  # journald: the journal stamps it
-
-
-_DONE_KEYS = st.sampled_from(["method", "path", "request_id", "endpoint", "slot", "model",
-                              "status", "ok", "error_code", "duration_ms", "api_key", "token",
-                              "prompt_tokens"])
-_DONE_VALUES = st.one_of(  # orjson writes 64-bit integers, as hal0d's counts and statuses are
-    _TEXT, st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=False), st.none(),
-    st.booleans(), st.lists(_TEXT, max_size=2),
-)
-
-
-@settings(max_examples=300, deadline=None)
-@given(fields=st.dictionaries(_DONE_KEYS, _DONE_VALUES, max_size=10),
-       fmt=st.sampled_from(["json", "logfmt", "journald"]))
-def test_the_direct_info_line_is_the_pipelines_own_line_or_is_not_written(
-    fields: dict[str, Any], fmt: str
-) -> None:
-    """info_line() writes what log.info() writes through the configured pipeline (but for the
-    time), or writes nothing and says so, and then log.info() is the way."""
-    saved = logs._hidden
-    try:
-        logs.hide(["slot-secret-value"])
-        with logs_into_buffer(fmt, "info") as buffer:
-            structlog.get_logger().info("request.done", **fields)
-            ordinary = buffer.getvalue()
-            buffer.seek(0)
-            buffer.truncate()
-            written = logs.info_line("request.done", dict(fields))
-            direct = buffer.getvalue()
-    finally:
-        logs.hide(saved)
-    if not written:
-        assert direct == ""
-        return
-    assert direct.endswith("\n") and direct.count("\n") == 1
-    assert without_time(direct.rstrip("\n"), fmt) == without_time(ordinary.rstrip("\n"), fmt)
-
-
-def test_the_direct_info_line_gives_way_to_a_replaced_pipeline_and_a_secret() -> None:
+def test_a_cached_logger_follows_a_reconfigured_level_and_format() -> None:
+    """`hal0d serve` caches each logger on its first use; a reload that changes [logging]
+    configures again, and what a logger cached before writes changes with it."""
     with logs_into_buffer("json", "info") as buffer:
-        assert logs.info_line("request.done", {"path": "/v1/chat/completions", "status": 200})
-        assert logs.info_line("request.done", {"path": "/x", "model": "Bearer abcdefgh"}) is False
-        with capture_logs() as events:
-            assert logs.info_line("request.done", {"path": "/v1/chat/completions"}) is False
-        assert events == []
-    assert buffer.getvalue().count("request.done") == 1
+        log = structlog.wrap_logger(None, cache_logger_on_first_use=True)
+        log.info("before.reload", n=1)
+        log.debug("not.at.info")
+        assert "bind" in vars(log), "the logger was assembled once and kept"
+        logs.configure(level="debug", fmt="logfmt", stream=buffer, cache_loggers=True)
+        assert structlog.get_config()["cache_logger_on_first_use"] is True
+        log.debug("after.reload", n=2)
+        logs.configure(level="warning", fmt="logfmt", stream=buffer, cache_loggers=True)
+        log.info("not.at.warning")
+        log.warning("at.warning", n=3)
+    first, second, third = buffer.getvalue().splitlines()
+    assert orjson.loads(first)["event"] == "before.reload"
+    assert second.endswith("[debug] after.reload n=2"), second
+    assert third.endswith("[warning] at.warning n=3"), third

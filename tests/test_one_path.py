@@ -7,7 +7,6 @@ import ast
 from pathlib import Path
 
 import aiohttp
-import pytest
 
 HAL0D = Path(__file__).resolve().parents[1] / "hal0d"
 
@@ -40,11 +39,9 @@ def aiohttp_errors_named(tree: ast.Module) -> list[int]:
     return sorted(set(lines))
 
 
-@pytest.mark.parametrize("opener", ["open_upstream", "open_whole"])
-def test_only_the_forward_path_opens_an_upstream_request(opener: str) -> None:
-    """aiohttp's way (streams) and the lean client's (whole answers, h1client.py) alike."""
+def test_only_the_forward_path_opens_an_upstream_request() -> None:
     callers = {name: lines for name, tree in modules().items()
-               if (lines := calls_to(tree, opener))}
+               if (lines := calls_to(tree, "open_upstream"))}
     assert callers.keys() == {"hal0d/forward.py"}, callers
 
 

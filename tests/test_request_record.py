@@ -7,8 +7,8 @@ import sqlite3
 from contextlib import closing
 from pathlib import Path
 
-from hal0d.finished import done_fields
 from hal0d.metrics.history import COLUMNS, HistoryWriter
+from hal0d.metrics.recorder import done_fields
 from hal0d.requestinfo import RequestInfo
 
 

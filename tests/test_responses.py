@@ -8,13 +8,14 @@ The SDK is imported where it is used: importing it costs about a second at colle
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
 import pytest
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.test_utils import TestServer
 
 from hal0d.openai.owners import ResponseOwners
@@ -176,6 +177,35 @@ async def test_get_and_delete_reach_the_slot_that_made_the_response(
     assert (await client.responses.retrieve(streamed.id)).id == streamed.id  # id from the stream
     await client.responses.delete(made.id)
     assert any("endpoint=responses" in line for line in stub.lines())
+
+
+async def test_head_of_a_stored_response_is_its_gets_status_and_headers_without_a_body(
+    hal0d: TestServer, http: aiohttp.ClientSession
+) -> None:
+    """`curl -I` of a response: answered at once, as GET is but for the body, and the slot is
+    free again right after (no lease held until a read timeout)."""
+    async with http.post(hal0d.make_url("/v1/responses"),
+                         json={"model": "chat", "input": "hi"}) as answer:
+        assert answer.status == 200
+        made = await answer.json()
+    url = hal0d.make_url(f"/v1/responses/{made['id']}")
+    async with http.get(url) as got:
+        body = await got.read()
+    async with asyncio.timeout(5.0):
+        async with http.head(url) as head:
+            assert await head.read() == b""
+    assert head.status == got.status == 200
+    assert body and orjson.loads(body)["id"] == made["id"]
+    assert head.headers[hdrs.CONTENT_TYPE] == got.headers[hdrs.CONTENT_TYPE]
+    assert head.headers[hdrs.CONTENT_LENGTH] == got.headers[hdrs.CONTENT_LENGTH] == str(len(body))
+
+    async def slot_at_rest() -> bool:
+        async with http.get(hal0d.make_url("/api/slots")) as answer:
+            [slot] = (await answer.json())["slots"]
+        assert slot["in_flight"] == 0, slot
+        return True
+
+    await eventually(slot_at_rest, 2.0, "the slot's in_flight back to 0 after the HEAD")
 
 
 async def test_unknown_response_id_is_a_404_in_the_openai_envelope(

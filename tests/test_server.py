@@ -103,8 +103,7 @@ Hal0dFactory = Callable[..., Awaitable[Hal0d]]
 async def after_the_stream(http: aiohttp.ClientSession, hal0d: Hal0d, event: str,
                            slot: str) -> bool:
     """Whether `event` for `slot` was logged after the streamed request ended: the end is the
-    request's history row (its start and its duration), the event's time its line's. (Not the
-    order of the lines: a request.done line is written in a batch after its request ended.)"""
+    request's history row (its start and its duration), the event's time its line's."""
     async with http.get(f"{hal0d.url}/api/requests") as response:
         rows = (await response.json())["requests"]
     streamed = next(row for row in rows if row["stream"])

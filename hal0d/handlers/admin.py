@@ -12,11 +12,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hal0d import __version__, access
 from hal0d import events as feed
-from hal0d.appkeys import EVENTS, FINISHER, LIFECYCLE, RECORDER, RUNTIME, SLOTS
+from hal0d.appkeys import EVENTS, LIFECYCLE, RECORDER, RUNTIME, SLOTS
 from hal0d.errors import Conflict, InvalidRequest, NoRoute
 from hal0d.lifecycle.manager import LifecycleManager, UnloadReason
 from hal0d.lifecycle.slots import Slot, SlotState
-from hal0d.metrics.recorder import Recorder
 
 MAX_HISTORY_ROWS = 1000
 # A comment this often keeps a quiet feed's connection from looking dead to proxies and readers.
@@ -57,12 +56,6 @@ def loadable(slot: Slot) -> bool:
     if slot.state is not SlotState.STOPPED or slot.demand is None:
         return False
     return slot.load_refused is None or slot.load_refused[0] <= time.monotonic()
-
-
-def recorded(request: web.Request) -> Recorder:
-    """The recorder, with every request that ended before this one in it (finished.py)."""
-    request.app[FINISHER].flush()
-    return request.app[RECORDER]
 
 
 async def slots(request: web.Request) -> web.Response:
@@ -111,7 +104,7 @@ async def events(request: web.Request) -> web.StreamResponse:
 
 async def status(request: web.Request) -> web.Response:
     """The status page's header: version, uptime, requests served, the last hour's failures."""
-    tally = recorded(request).tally
+    tally = request.app[RECORDER].tally
     return json({
         "version": __version__,
         "uptime_s": round(time.time() - tally.started, 1),
@@ -168,7 +161,7 @@ async def unload_slot(request: web.Request) -> web.Response:
 
 
 async def slot_metrics(request: web.Request) -> web.Response:
-    recorder = recorded(request)
+    recorder = request.app[RECORDER]
     return json(
         {
             "slots": [
@@ -185,14 +178,14 @@ async def requests(request: web.Request) -> web.Response:
         raise InvalidRequest(
             f"limit must be an integer from 1 to {MAX_HISTORY_ROWS}", field="limit"
         )
-    history = recorded(request).history
-    await history.flush()  # the rows of requests that already ended, not only of the last batch
+    history = request.app[RECORDER].history
+    await history.flush()  # the rows of requests that already ended, still in the writer's queue
     rows = await history.recent(int(raw))
     return json({"requests": rows})
 
 
 async def prometheus(request: web.Request) -> web.Response:
-    body = generate_latest(recorded(request).prom.registry)
+    body = generate_latest(request.app[RECORDER].prom.registry)
     response = web.Response(body=body)
     response.headers["Content-Type"] = CONTENT_TYPE_LATEST
     return response

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import aiohttp
 import orjson
 from aiohttp import web
 
@@ -36,7 +37,7 @@ from hal0d.errors import (
     UpstreamStatus,
     upstream_message,
 )
-from hal0d.forward import Forward, UpstreamResponse, forward
+from hal0d.forward import Forward, forward
 from hal0d.handlers.body import check_model_and_stream, parse_json_object, read_body
 from hal0d.handlers.openai import with_model
 from hal0d.metrics.live import normal_usage
@@ -46,7 +47,7 @@ UPSTREAM_MESSAGE_LIMIT = 2000
 ANTHROPIC_FIELD = "{}:"  # how the Anthropic surface names a field in an error message
 
 
-async def upstream_status_error(fwd: Forward, upstream: UpstreamResponse) -> UpstreamStatus:
+async def upstream_status_error(fwd: Forward, upstream: aiohttp.ClientResponse) -> UpstreamStatus:
     """The upstream's error status and message, kept, for Anthropic's error envelope."""
     raw = await fwd.read_whole()
     try:

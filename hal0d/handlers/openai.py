@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import aiohttp
 import orjson
 from aiohttp import web
 
 from hal0d.appkeys import RUNTIME, SLOTS
 from hal0d.errors import ErrorCode, InvalidRequest, UpstreamInvalid
-from hal0d.forward import Forward, UpstreamResponse, forward
+from hal0d.forward import Forward, forward
 from hal0d.handlers.body import (
     check_model_and_stream,
     multipart_field,
@@ -41,7 +42,7 @@ SSE_ENDPOINTS = frozenset({"chat/completions", "completions"})
 OPENAI_FIELD = "'{}'"  # how the OpenAI surface names a field in an error message
 
 
-def not_streamed(endpoint: str, upstream: UpstreamResponse) -> bool:
+def not_streamed(endpoint: str, upstream: aiohttp.ClientResponse) -> bool:
     return (
         endpoint in SSE_ENDPOINTS
         and upstream.status == 200
@@ -153,7 +154,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
         return response
 
 
-async def copy_whole(fwd: Forward, upstream: UpstreamResponse) -> web.Response:
+async def copy_whole(fwd: Forward, upstream: aiohttp.ClientResponse) -> web.Response:
     """A non-streaming answer, copied through as it came; its usage noted when it has one."""
     data = await fwd.read_whole()
     if not data and upstream.status == 200:

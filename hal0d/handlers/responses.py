@@ -94,7 +94,9 @@ async def relay_whole(fwd: Forward, model: str) -> web.Response:
 
 
 async def stored(request: web.Request) -> web.StreamResponse:
-    """GET or DELETE /v1/responses/{id}: sent to the slot whose model made the answer."""
+    """GET, HEAD or DELETE /v1/responses/{id}: sent to the slot whose model made the answer.
+    A HEAD is answered as its GET would be, without the body: the upstream's status and headers,
+    its Content-Length included."""
     response_id = request.match_info["id"]
     owners = request.app[RESPONSE_OWNERS]
     model = owners.owner(response_id)
@@ -112,6 +114,7 @@ async def stored(request: web.Request) -> web.StreamResponse:
         data = await fwd.read_whole()
     if request.method == hdrs.METH_DELETE and upstream.status < 300:
         owners.forget(response_id)
-    return web.Response(
-        body=data, status=upstream.status, headers=response_headers(upstream.headers)
-    )
+    headers = response_headers(upstream.headers)
+    if request.method == hdrs.METH_HEAD and hdrs.CONTENT_LENGTH in upstream.headers:
+        headers[hdrs.CONTENT_LENGTH] = upstream.headers[hdrs.CONTENT_LENGTH]
+    return web.Response(body=data, status=upstream.status, headers=headers)

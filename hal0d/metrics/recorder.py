@@ -1,10 +1,11 @@
 """The recorder: when a request ends, its RequestInfo becomes a history row, Prometheus figures
-and per-slot live metrics, all at once and off the stream's path."""
+and per-slot live metrics, all at once and off the stream's path; and which requests are
+recorded and logged, with the fields of their `request.done` line."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, Final
 
 from hal0d.errors import stall_reason
 from hal0d.metrics.history import COLUMNS, HistoryWriter, RequestRecord
@@ -12,6 +13,29 @@ from hal0d.metrics.live import SlotMetrics
 from hal0d.metrics.prometheus import PromMetrics
 from hal0d.metrics.tally import Tally
 from hal0d.requestinfo import RequestInfo
+
+# Polled by probes: noise in the log (their metrics still count).
+UNLOGGED_PATHS: Final = frozenset({"/healthz", "/readyz"})
+# The request.done line carries the history row's columns but `ts` (the line has its own time),
+# with total_ms under the name the line always used.
+_DONE_NAMES: Final = {name: "duration_ms" if name == "total_ms" else name
+                      for name in COLUMNS if name != "ts"}
+
+
+def is_dispatch_request(method: str, path: str) -> bool:
+    """Requests for a model: the ones the history and the request metrics are about (not the
+    GET /v1/models a chat front end polls)."""
+    listing = method == "GET" and path.endswith("/models")
+    return path.startswith(("/v1/", "/llm/")) and not listing
+
+
+def done_fields(info: RequestInfo) -> dict[str, object]:
+    """The request.done line's fields from the request's info, floats to two decimals."""
+    fields = {}
+    for column, name in _DONE_NAMES.items():
+        value = getattr(info, column)
+        fields[name] = round(value, 2) if isinstance(value, float) else value
+    return fields
 
 
 class Recorder:
