@@ -11,7 +11,8 @@ task behind.
 
 Frames are encoded once per event (``event: NAME`` / ``data: JSON``), whatever the number of
 readers. This module knows nothing of the HTTP side: the handler in handlers/admin.py writes the
-frames. ``SlotFeed`` turns the slots', the loader's and the recorder's happenings into events.
+frames. ``SlotFeed`` turns the slots', the lifecycle manager's and the recorder's happenings into
+events.
 """
 
 from __future__ import annotations
@@ -144,8 +145,8 @@ class SlotFeed:
         self._counting: dict[str, Slot] = {}  # slots whose counts changed since the last tell
 
     def watch(self, slot: Slot) -> None:
-        """Publish the slot's state changes (told after the loader's own listener, so the view
-        already holds what the loader makes of the change) and, coalesced, its counts."""
+        """Publish the slot's state changes (told after the lifecycle manager's own listener, so the
+        view already holds what it makes of the change) and, coalesced, its counts."""
         if self.slot_changed not in slot.watchers:
             slot.watchers.append(self.slot_changed)
         slot.on_counts = self.counts_changed
@@ -174,7 +175,7 @@ class SlotFeed:
             "view": self.view(slot),
         })
 
-    # LifecycleObserver (loader.py)
+    # LifecycleObserver (lifecycle/manager.py)
     def load_phase(self, slot: str, phase: LoadPhase, elapsed_s: float,
                    reason: str | None) -> None:
         self.hub.publish("load", {"ts": time.time(), "slot": slot, "phase": str(phase),

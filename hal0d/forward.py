@@ -17,7 +17,7 @@ served model name, the slot's limits) before it waits for the slot.
 Before the upstream is opened, the slot is made ready, and taking the lease is that step, the one
 place where a request waits for its slot: in the slot's FIFO queue for capacity, while the slot
 is starting for its process to answer, and for an on-demand slot that rests `stopped`, for the
-load it asks for (loader.py); the wait for a load is the request's `load_ms`.
+load it asks for (lifecycle/manager.py); the wait for a load is the request's `load_ms`.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def check(config: Config) -> Findings:
 
 
 def program_problem(command: tuple[str, ...]) -> str | None:
-    """Why the supervisor could not start `command` here, looked up the way it looks it up."""
+    """Why the lifecycle manager could not start `command` here, looked up as it looks it up."""
     program = resolve_program(command)[0]
     if os.sep not in program:
         return (

@@ -1,7 +1,7 @@
 """No module in hal0d imports one that imports it back, directly or through others.
 
 A circle of imports makes the order modules load in decide whether the daemon starts, and it
-means a lower layer knows a higher one (the metrics knowing the supervisor, the request's record
+means a lower layer knows a higher one (the metrics knowing the lifecycle manager, the request's record
 knowing the relay). The graph is read from the source (ast), not by importing, so the test sees
 every `import` at any depth, and imports under `if TYPE_CHECKING:` count as well: a circle that
 only the type checker walks is still a lower layer that names a higher one.

@@ -118,12 +118,12 @@ def on_demand_slot(request: web.Request) -> tuple[LifecycleManager, Slot]:
     slot = request.app[SLOTS].get(name)
     if slot is None:
         raise NoRoute(f"no slot named {name!r}")
-    loader = request.app[LIFECYCLE]
-    runner = loader.runners.get(name)
+    lifecycle = request.app[LIFECYCLE]
+    runner = lifecycle.runners.get(name)
     if runner is None or not runner.config.on_demand:
         raise Conflict(f"slot {name!r} is not start = 'on_demand': hal0d does not load or "
                        "unload it")
-    return loader, slot
+    return lifecycle, slot
 
 
 def flag(request: web.Request, name: str, default: bool) -> bool:
@@ -137,12 +137,12 @@ def flag(request: web.Request, name: str, default: bool) -> bool:
 
 async def load_slot(request: web.Request) -> web.Response:
     """POST /api/slots/{name}/load: answers once the slot is ready (?wait=false: 202 at once)."""
-    loader, slot = on_demand_slot(request)
+    lifecycle, slot = on_demand_slot(request)
     if not flag(request, "wait", True):
-        loader.request_load(slot.name)
+        lifecycle.request_load(slot.name)
         return json({"slot": slot.name, "state": str(slot.state)}, status=202)
     started = time.monotonic()
-    await loader.load(slot.name)
+    await lifecycle.load(slot.name)
     return json({"slot": slot.name, "state": str(slot.state),
                  "waited_ms": round((time.monotonic() - started) * 1000, 1)})
 
@@ -151,12 +151,12 @@ async def unload_slot(request: web.Request) -> web.Response:
     """POST /api/slots/{name}/unload: drains, then stops the process. With requests queued it
     refuses (409) unless ?force=true, which ends the in-flight streams with their terminal frame
     and fails the queued with a 503."""
-    loader, slot = on_demand_slot(request)
+    lifecycle, slot = on_demand_slot(request)
     force = flag(request, "force", False)
     if slot.queued and not force:
         raise Conflict(f"slot {slot.name!r} has {slot.queued} requests queued; "
                        "?force=true fails them and ends the ones in flight")
-    await loader.unload(slot.name, UnloadReason.API, force=force)
+    await lifecycle.unload(slot.name, UnloadReason.API, force=force)
     return json({"slot": slot.name, "state": str(slot.state)})
 
 

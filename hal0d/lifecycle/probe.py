@@ -1,7 +1,7 @@
 """The health probe: does a slot's upstream answer GET /v1/models?
 
-The supervisor probes every slot periodically and each starting process until it answers; the
-loader probes an on-demand slot's new process the same way.
+The lifecycle manager probes every slot that is up periodically, and each new process until it
+answers.
 """
 
 from __future__ import annotations

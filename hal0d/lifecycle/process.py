@@ -1,9 +1,8 @@
 """A slot's process: started in a process group of its own that dies with hal0d, its output
 logged line by line, stopped gracefully (SIGTERM to the group, SIGKILL after a grace).
 
-Both kinds of slot run their command through `Child`: the supervisor's `always` slots, which it
-restarts when they exit, and the loader's `on_demand` slots, which it starts for a request and
-stops when idle or evicted.
+Every slot with a command runs it through `Child`, started and stopped by the lifecycle manager
+(manager.py), `always` and `on_demand` slots alike.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ descriptor figures are the process's: `process_open_fds` and `process_max_fds` (
 process collector) and `hal0d_fd_exhausted_total`, the requests refused with a 503 because hal0d
 had no descriptor free (descriptors.py).
 
-The model lifecycle (loader.py) is counted by `LifecycleMetrics`, a loader observer: each load's
-outcome and duration when it ends, each unload with its reason. Whether a slot is loaded and how
-much memory a group has in use are read from the slot table at scrape time, like the gauges.
+The model lifecycle (lifecycle/manager.py) is counted by `LifecycleMetrics`, an observer of it:
+each load's outcome and duration when it ends, each unload with its reason. Whether a slot is
+loaded and how much memory a group has in use are read from the slot table at scrape time, like
+the gauges.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class SlotCollector(Collector):
 class LifecycleCollector(Collector):
     """Loaded or not per slot, and the memory in use per group, read at scrape time.
 
-    A slot counts as loaded while its process occupies its device (loader.LOADED: from the
+    A slot counts as loaded while its process occupies its device (lifecycle.groups.LOADED: from the
     start of a load until its process is gone), which is what a group's limits count too."""
 
     def __init__(
@@ -124,7 +125,7 @@ class LifecycleCollector(Collector):
 
 
 class LifecycleMetrics:
-    """The loader's observer (loader.LifecycleObserver): loads by outcome, their duration, and
+    """The lifecycle manager's observer (LifecycleObserver): loads by outcome, their duration, and
     unloads by reason."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
