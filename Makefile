@@ -51,10 +51,10 @@ browser:
 	fi
 
 lint: $(STAMP)
-	$(BIN)/ruff check hal0d tests
+	$(BIN)/ruff check hal0d hal0d_stub tests
 
 typecheck: $(STAMP)
-	$(BIN)/mypy hal0d
+	$(BIN)/mypy hal0d hal0d_stub
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -19,8 +19,8 @@ import orjson
 from bench.upstream import sse_events
 from hal0d.anthropic.stream import Translator, encode_events
 from hal0d.anthropic.transform import AnthropicTransform
-from hal0d.metrics.live import StreamTap
-from hal0d.sse import Decoder
+from hal0d.protocol.sse import Decoder
+from hal0d.transport.tap import StreamTap
 
 
 def upstream_events(chunks: int) -> list[bytes]:

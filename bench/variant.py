@@ -48,8 +48,8 @@ def patch_callers(original: Any, replacement: Any) -> list[str]:
 
 
 def disable_metrics() -> list[str]:
-    from hal0d.metrics.recorder import Recorder
-    from hal0d.relay import relay
+    from hal0d.observability.recorder import Recorder
+    from hal0d.transport.relay import relay
 
     async def relay_without_tap(upstream: Any, response: Any, transform: Any, guard: Any,
                                 tap: Any = None) -> Any:

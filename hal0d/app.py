@@ -20,26 +20,17 @@ import structlog
 from aiohttp import web
 
 from hal0d import access
-from hal0d.anthropic_mode import AnthropicModes
-from hal0d.appkeys import (
-    ANTHROPIC_MODES,
-    EVENTS,
-    RECORDER,
-    RESPONSE_OWNERS,
-    RUNTIME,
-    STREAMS,
-    Runtime,
-    RuntimeRef,
-)
+from hal0d.appkeys import EVENTS, RECORDER, RESPONSE_OWNERS, RUNTIME
 from hal0d.config import Config
-from hal0d.contexts import recorder_context, session_context, slots_context
+from hal0d.contexts import dispatch_context, recorder_context
 from hal0d.errors import ErrorCode, Hal0Error, MethodNotAllowed, NoRoute
-from hal0d.events import EventHub
 from hal0d.handlers import admin, anthropic, openai, page, responses
+from hal0d.lifecycle.routing import Runtime, RuntimeRef
 from hal0d.logs import get_logger
-from hal0d.metrics.recorder import UNLOGGED_PATHS, done_fields, is_dispatch_request
+from hal0d.observability.events import EventHub
+from hal0d.observability.recorder import UNLOGGED_PATHS, done_fields, is_dispatch_request
+from hal0d.observability.requestinfo import INFO, RequestInfo
 from hal0d.openai.owners import ResponseOwners
-from hal0d.requestinfo import INFO, RequestInfo
 
 log = get_logger()
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -154,14 +145,11 @@ def make_app(config: Config) -> web.Application:
         middlewares=[request_lifecycle], client_max_size=config.server.max_body_bytes
     )
     app[RUNTIME] = RuntimeRef(Runtime.build(config))
-    app[STREAMS] = set()
     app[EVENTS] = EventHub()
     app.on_shutdown.append(close_events)
     app[RESPONSE_OWNERS] = ResponseOwners()
-    app[ANTHROPIC_MODES] = AnthropicModes()
-    app.cleanup_ctx.append(session_context)
     app.cleanup_ctx.append(recorder_context)
-    app.cleanup_ctx.append(slots_context)
+    app.cleanup_ctx.append(dispatch_context)
     app.on_response_prepare.append(add_request_id)
     app.on_startup.append(warn_if_exposed)
 

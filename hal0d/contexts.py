@@ -13,34 +13,17 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from hal0d.appkeys import (
-    EVENTS,
-    LIFECYCLE,
-    RECORDER,
-    RUNTIME,
-    SESSION,
-    SLOTS,
-    STREAMS,
-    TOKEN_COUNTER,
-)
+from hal0d.appkeys import DISPATCH, EVENTS, LIFECYCLE, RECORDER, RUNTIME, SLOTS
 from hal0d.config import SlotConfig
-from hal0d.events import SlotFeed
+from hal0d.forward import Dispatch
 from hal0d.lifecycle.manager import LifecycleManager, log_state_change
 from hal0d.lifecycle.slots import SlotTable
-from hal0d.metrics.history import HistoryWriter
-from hal0d.metrics.recorder import Recorder
-from hal0d.tokens import TokenCounter
-from hal0d.upstream import make_session
-
-
-async def session_context(app: web.Application) -> AsyncIterator[None]:
-    """The one shared ClientSession for every upstream call, and the token counter that asks
-    through it."""
-    timeouts = app[RUNTIME].current.config.dispatcher
-    app[SESSION] = make_session(timeouts)
-    app[TOKEN_COUNTER] = TokenCounter(app[SESSION])
-    yield
-    await app[SESSION].close()
+from hal0d.observability.events import SlotFeed
+from hal0d.observability.history import HistoryWriter
+from hal0d.observability.recorder import Recorder
+from hal0d.transport.anthropic_mode import AnthropicModes
+from hal0d.transport.tokens import TokenCounter
+from hal0d.transport.upstream import UpstreamClient
 
 
 async def recorder_context(app: web.Application) -> AsyncIterator[None]:
@@ -66,21 +49,20 @@ async def recorder_context(app: web.Application) -> AsyncIterator[None]:
     await history.close()
 
 
-async def slots_context(app: web.Application) -> AsyncIterator[None]:
-    """The slot table and the lifecycle manager of its slots, stopped on shutdown."""
+async def dispatch_context(app: web.Application) -> AsyncIterator[None]:
+    """The one upstream client, the slot table, the lifecycle manager of its slots, and the
+    Dispatch the forward path is handed; on shutdown the slots' processes stop, then the client
+    closes (the probes use it to the end)."""
     config = app[RUNTIME].current.config
+    upstreams = UpstreamClient.create(config.dispatcher)
     table = SlotTable(config.slots, on_change=log_state_change)
     app[SLOTS] = table
-    streams = app[STREAMS]
-
-    def end_streams(slot: str, reason: str) -> int:
-        ending = [guard for guard in streams if guard.upstream == slot]
-        for guard in ending:
-            guard.end_now(reason)
-        return len(ending)
-
-    lifecycle = LifecycleManager(table, config.slots, app[SESSION], groups=config.groups,
-                                 end_streams=end_streams)
+    dispatch = Dispatch(runtime=app[RUNTIME], slots=table, upstreams=upstreams,
+                        tokens=TokenCounter(upstreams), anthropic_modes=AnthropicModes(),
+                        streams=set())
+    app[DISPATCH] = dispatch
+    lifecycle = LifecycleManager(table, config.slots, upstreams, groups=config.groups,
+                                 end_streams=dispatch.end_streams)
     recorder = app[RECORDER]  # recorder_context runs first (make_app's order)
     lifecycle.observers.append(recorder.prom.lifecycle)
     app[LIFECYCLE] = lifecycle
@@ -90,6 +72,9 @@ async def slots_context(app: web.Application) -> AsyncIterator[None]:
     lifecycle.slot_added.append(feed.watch)
     lifecycle.observers.append(feed)
     recorder.listeners.append(feed.request_finished)
-    await lifecycle.start()
-    yield
-    await lifecycle.stop()
+    try:
+        await lifecycle.start()
+        yield
+        await lifecycle.stop()
+    finally:
+        await upstreams.close()

@@ -212,6 +212,9 @@ class UpstreamUnavailable(Hal0Error):
     code = "dispatch.upstream_unavailable"
     error_code = ErrorCode.UPSTREAM_UNAVAILABLE
     anthropic_type = "api_error"
+    # Why, in a few words for a log line or a slot's reason ("cannot connect (...)"); set by
+    # the transport's mapping (upstream.upstream_errors), None where there is none.
+    cause: str | None = None
 
 
 class UpstreamInvalid(UpstreamUnavailable):

@@ -49,13 +49,15 @@ import uvloop
 from aiohttp import web
 
 from hal0d import config as configuration
-from hal0d import descriptors, logs, preflight, systemd
+from hal0d import logs, preflight, systemd
 from hal0d.app import make_app
-from hal0d.appkeys import LIFECYCLE, RUNTIME, SLOTS, STREAMS, Runtime
+from hal0d.appkeys import DISPATCH, LIFECYCLE, RUNTIME, SLOTS
 from hal0d.config import Config
 from hal0d.lifecycle.manager import ConfigDiff
+from hal0d.lifecycle.routing import Runtime
 from hal0d.preflight import Finding
-from hal0d.stallguard import StallGuard
+from hal0d.transport import descriptors
+from hal0d.transport.stallguard import StallGuard
 
 log = logs.get_logger()
 
@@ -291,7 +293,7 @@ class Daemon:
         return 0
 
     async def shutdown(self) -> None:
-        streams = self.app[STREAMS]
+        streams = self.app[DISPATCH].streams
         log.info("server.stopping", grace_s=self.grace_s, streams=len(streams))
         systemd.stopping(
             f"stopping: {len(streams)} streams get up to {self.grace_s:g} s to finish"
@@ -312,7 +314,7 @@ class Daemon:
                 await self.grace_cut_short.wait()
         except TimeoutError:
             pass
-        streams = self.app[STREAMS]
+        streams = self.app[DISPATCH].streams
         if streams:
             log.warning("server.grace_expired", grace_s=self.grace_s, streams=len(streams))
         systemd.status(f"stopping: ending {len(streams)} streams")

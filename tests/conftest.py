@@ -29,7 +29,7 @@ from hal0d import logs
 from hal0d.app import make_app
 from hal0d.config import Config, DispatcherConfig, MetricsConfig, SlotConfig
 from hal0d.lifecycle.process import PRCTL
-from hal0d.stub import make_stub_app
+from hal0d_stub.app import make_stub_app
 
 ROLE_CHUNK = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}\n\n'
 STUB_MODELS = ("reasoning", "chat", "think-only", "tool", "stall", "chatty", "broken")

@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from structlog.testing import capture_logs
 
-from hal0d.stub import CONTENT_TEXT, REASONING_TEXT, make_stub_app, prompt_tokens, words
+from hal0d_stub.app import CONTENT_TEXT, REASONING_TEXT, make_stub_app, prompt_tokens, words
 from tests.conftest import Stub, eventually, free_port
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from hal0d.anthropic.stream import (
     TranslatorError,
     encode_events,
 )
-from hal0d.sse import Decoder
+from hal0d.protocol.sse import Decoder
 from tests.anthropic_rules import (
     assemble,
     assert_valid_anthropic_stream,

@@ -23,7 +23,7 @@ from aiohttp.test_utils import TestServer
 from aiohttp_sse_client import client as sse_client
 
 from hal0d.config import ServerConfig
-from hal0d.stub import CONTENT_TEXT, REASONING_TEXT, prompt_tokens, words
+from hal0d_stub.app import CONTENT_TEXT, REASONING_TEXT, prompt_tokens, words
 from tests.anthropic_rules import Event, assemble, assert_valid_anthropic_stream, events_from_sse
 from tests.conftest import Stub, eventually, free_port, make_config
 

@@ -26,7 +26,7 @@ from aiohttp import hdrs, web
 from aiohttp.test_utils import TestServer
 from structlog.testing import capture_logs
 
-from hal0d.stub import make_stub_app
+from hal0d_stub.app import make_stub_app
 from tests.conftest import chat_body, eventually, free_port
 
 STREAMS = 500

@@ -21,14 +21,14 @@ import pytest
 from aiohttp.test_utils import TestServer
 from aiohttp_sse_client import client as sse_client
 
-from hal0d import events
 from hal0d.appkeys import EVENTS, LIFECYCLE
 from hal0d.config import ServerConfig
-from hal0d.events import EventHub
 from hal0d.handlers import admin
 from hal0d.lifecycle.manager import ConfigDiff
-from hal0d.metrics.history import RequestRecord
-from hal0d.sse import Decoder
+from hal0d.observability import events
+from hal0d.observability.events import EventHub
+from hal0d.observability.history import RequestRecord
+from hal0d.protocol.sse import Decoder
 from tests.conftest import Stub, chat_body, eventually, make_config
 from tests.test_loader import STARTUP_S, Start, lifecycle_config, on_demand, start
 

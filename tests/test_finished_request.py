@@ -16,7 +16,7 @@ import orjson
 from structlog.testing import capture_logs
 
 from hal0d.appkeys import RECORDER
-from hal0d.metrics.recorder import Recorder
+from hal0d.observability.recorder import Recorder
 from tests.conftest import ServerFactory, Stub, chat_body, eventually, logs_into_buffer
 
 # "Within a few milliseconds of the client having its answer": a bound, not a benchmark. The

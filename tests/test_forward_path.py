@@ -13,11 +13,11 @@ import pytest
 from aiohttp import web
 from structlog.testing import capture_logs
 
-from hal0d import descriptors
 from hal0d.config import SlotConfig
 from hal0d.errors import FdExhausted, UpstreamInvalid, UpstreamUnavailable
 from hal0d.lifecycle.probe import probe
-from hal0d.upstream import upstream_errors
+from hal0d.transport import descriptors
+from hal0d.transport.upstream import UpstreamClient, upstream_errors
 from tests.conftest import chat_body, eventually, free_port
 
 MESSAGES = {"model": "chat", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
@@ -142,7 +142,7 @@ async def test_a_refused_connect_reads_the_same_in_a_request_and_in_the_probe(
     dead = f"http://127.0.0.1:{free_port()}"
     slot = SlotConfig(name="llm", upstream=dead, models=("chat",))
     async with aiohttp.ClientSession() as session:
-        reason = await probe(session, slot)
+        reason = await probe(UpstreamClient(session), slot)
     assert reason is not None and reason.startswith("cannot connect (")
     hal0d = await start_hal0d(dead)
     async with http.post(hal0d.make_url("/v1/chat/completions"), json=chat_body()) as resp:
@@ -164,10 +164,11 @@ async def test_no_descriptor_left_is_fd_exhausted_only_on_a_requests_behalf(
     """EMFILE while opening for a request is hal0d's capacity (503, counted); for the probe,
     which counts no refusal, it is a reason like any other."""
     monkeypatch.setattr(descriptors, "report", descriptors.ExhaustionReport())
+    # aiohttp's client reports the socket's EMFILE as one of its OSErrors.
     with pytest.raises(FdExhausted), upstream_errors(SLOT, "connecting", refused_at="test"):
-        raise OSError(errno.EMFILE, "Too many open files")
+        raise aiohttp.ClientOSError(errno.EMFILE, "Too many open files")
     with pytest.raises(UpstreamUnavailable) as caught, upstream_errors(SLOT, "connecting"):
-        raise OSError(errno.EMFILE, "Too many open files")
+        raise aiohttp.ClientOSError(errno.EMFILE, "Too many open files")
     assert not isinstance(caught.value, FdExhausted)
     assert descriptors.report.refused_total == 1
     assert "OSError connecting: [Errno 24] Too many open files" in caught.value.message
@@ -187,3 +188,7 @@ def test_the_boundary_maps_transport_errors_only() -> None:
     assert passed.value is invalid
     with pytest.raises(asyncio.CancelledError), upstream_errors(SLOT, "reading"):
         raise asyncio.CancelledError
+    # A bug of hal0d's inside the block is not the upstream's failure: it is no 502.
+    for bug in (ValueError("bad value"), OSError(errno.ENOENT, "No such file"), KeyError("k")):
+        with pytest.raises(type(bug)), upstream_errors(SLOT, "reading"):
+            raise bug

@@ -29,8 +29,8 @@ from hal0d.anthropic.stream import Translator
 from hal0d.anthropic.transform import AnthropicTransform
 from hal0d.app import make_app
 from hal0d.openai.transform import Passthrough
-from hal0d.stub import make_stub_app
-from hal0d.transform import TransformFailed
+from hal0d.protocol.transform import TransformFailed
+from hal0d_stub.app import make_stub_app
 from tests.anthropic_rules import assert_valid_anthropic_stream, events_from_sse
 from tests.conftest import make_config
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hal0d.metrics.history import HistoryWriter, RequestRecord
+from hal0d.observability.history import HistoryWriter, RequestRecord
 from tests.conftest import eventually
 
 REPO = Path(__file__).resolve().parent.parent
@@ -157,7 +157,7 @@ async def test_pruning_recurs_even_when_idle(tmp_path: Path) -> None:
 _KILLED_WRITER = """
 import asyncio, os, sys, time
 from pathlib import Path
-from hal0d.metrics.history import HistoryWriter, RequestRecord
+from hal0d.observability.history import HistoryWriter, RequestRecord
 
 async def main() -> None:
     w = HistoryWriter(Path(sys.argv[1]), batch_size=16)

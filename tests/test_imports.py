@@ -1,10 +1,12 @@
-"""No module in hal0d imports one that imports it back, directly or through others.
+"""The layers of hal0d's house, held by its imports: a request walks down through them and no
+module imports one above its own layer, nor one that imports it back (a circle).
 
-A circle of imports makes the order modules load in decide whether the daemon starts, and it
-means a lower layer knows a higher one (the metrics knowing the lifecycle manager, the request's record
-knowing the relay). The graph is read from the source (ast), not by importing, so the test sees
-every `import` at any depth, and imports under `if TYPE_CHECKING:` count as well: a circle that
-only the type checker walks is still a lower layer that names a higher one.
+A circle of imports makes the order modules load in decide whether the daemon starts, and an
+arrow up means a lower layer knows a higher one (the metrics knowing the lifecycle manager, the
+request's record knowing the relay). The graph is read from the source (ast), not by importing,
+so the test sees every `import` at any depth, and imports under `if TYPE_CHECKING:` count as
+well: a circle or an arrow up that only the type checker walks is still a lower layer that names
+a higher one.
 """
 
 from __future__ import annotations
@@ -13,6 +15,24 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hal0d"
+
+# From the top down: a module may import its own layer's modules and the layers below it. Each
+# entry names a module, or with ".*" a package and every module in it.
+LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("the command line", frozenset({"hal0d.__main__", "hal0d.cli", "hal0d.client"})),
+    ("the server: start, signals, reload, drain", frozenset({"hal0d.server", "hal0d.preflight"})),
+    ("the app: routes, middleware, wiring", frozenset({"hal0d.app", "hal0d.contexts"})),
+    ("the handlers, one per surface", frozenset({"hal0d.handlers.*"})),
+    ("the app's shared objects", frozenset({"hal0d.appkeys"})),
+    ("the forward path", frozenset({"hal0d.forward"})),
+    ("observability", frozenset({"hal0d.observability.*"})),
+    ("the lifecycle", frozenset({"hal0d.lifecycle.*"})),
+    ("the transport", frozenset({"hal0d.transport.*"})),
+    ("the surfaces' pure translations", frozenset({"hal0d.openai.*", "hal0d.anthropic.*"})),
+    ("the protocol", frozenset({"hal0d.protocol.*"})),
+    ("the base", frozenset({"hal0d", "hal0d.config", "hal0d.errors", "hal0d.logs",
+                           "hal0d.systemd", "hal0d.access"})),
+)
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -96,3 +116,56 @@ def test_a_cycle_is_found_and_named(tmp_path: Path) -> None:
     assert find_cycle(import_graph(root)) == ["pkg.a", "pkg.sub.b", "pkg.sub.c", "pkg.a"]
     (root / "sub" / "c.py").write_text("")
     assert find_cycle(import_graph(root)) is None
+
+
+def layer_of(module: str, layers: tuple[tuple[str, frozenset[str]], ...]) -> int | None:
+    """The index of the layer that names `module`, or a package (".*") holding it."""
+    parts = module.split(".")
+    names = {module} | {".".join(parts[:end]) + ".*" for end in range(1, len(parts) + 1)}
+    for index, (_, members) in enumerate(layers):
+        if names & members:
+            return index
+    return None
+
+
+def arrows_up(graph: dict[str, set[str]], layers: tuple[tuple[str, frozenset[str]], ...]
+              ) -> list[str]:
+    """Every import from a module to one in a higher layer, and every module in no layer."""
+    found = []
+    for module in sorted(graph):
+        own = layer_of(module, layers)
+        if own is None:
+            found.append(f"{module} is in no layer")
+            continue
+        for target in sorted(graph[module]):
+            theirs = layer_of(target, layers)
+            if theirs is not None and theirs < own:
+                found.append(f"{module} ({layers[own][0]}) imports {target} ({layers[theirs][0]})")
+    return found
+
+
+def test_no_module_imports_a_higher_layer_and_every_module_has_one() -> None:
+    graph = import_graph(PACKAGE)
+    assert arrows_up(graph, LAYERS) == []
+
+
+def test_an_arrow_up_and_a_module_without_a_layer_are_found(tmp_path: Path) -> None:
+    """The walk can fail: a lower module importing a higher one, under TYPE_CHECKING, and a
+    module no layer names are both reported."""
+    root = tmp_path / "pkg"
+    (root / "low").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "low" / "__init__.py").write_text("")
+    (root / "top.py").write_text("from pkg.low import base\n")
+    (root / "low" / "base.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import top\n"
+    )
+    (root / "stray.py").write_text("")
+    layers = (("top", frozenset({"pkg.top"})), ("low", frozenset({"pkg", "pkg.low.*"})))
+    assert arrows_up(import_graph(root), layers) == [
+        "pkg.low.base (low) imports pkg.top (top)",
+        "pkg.stray is in no layer",
+    ]
+    (root / "low" / "base.py").write_text("")
+    (root / "stray.py").unlink()
+    assert arrows_up(import_graph(root), layers) == []

@@ -15,8 +15,8 @@ from aiohttp import web
 from structlog.testing import capture_logs
 
 from hal0d.config import Config, MetricsConfig, SlotConfig
-from hal0d.stub import SYSTEM_PREAMBLE
-from hal0d.tokens import estimate
+from hal0d.transport.tokens import estimate
+from hal0d_stub.app import SYSTEM_PREAMBLE
 from tests.anthropic_rules import assert_valid_anthropic_stream, events_from_sse
 from tests.conftest import Stub, eventually, free_port
 

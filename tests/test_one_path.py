@@ -1,5 +1,6 @@
-"""The shape issue 12 gave the code, held by the code itself: every request reaches its upstream
-through the one forward path, and aiohttp's client exceptions are sorted in one module."""
+"""The shape the code was given, held by the code itself: every request reaches its upstream
+through the one forward path, every call to an upstream goes through the one client over the one
+session, and aiohttp's client exceptions are sorted in one module."""
 
 from __future__ import annotations
 
@@ -16,10 +17,30 @@ def modules() -> dict[str, ast.Module]:
             for path in sorted(HAL0D.rglob("*.py"))}
 
 
-def calls_to(tree: ast.Module, name: str) -> list[int]:
-    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
-            and ((isinstance(node.func, ast.Name) and node.func.id == name)
-                 or (isinstance(node.func, ast.Attribute) and node.func.attr == name))]
+def calls_to(tree: ast.Module, owner: str, method: str) -> list[int]:
+    """Lines that call `<owner>.<method>(...)`, the owner a plain name or an attribute."""
+    lines = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == method):
+            continue
+        value = node.func.value
+        if (isinstance(value, ast.Name) and value.id == owner) or (
+                isinstance(value, ast.Attribute) and value.attr == owner):
+            lines.append(node.lineno)
+    return lines
+
+
+def names(tree: ast.Module, name: str) -> list[int]:
+    """Lines that name `name`, as a plain name, an attribute or an import."""
+    lines = []
+    for node in ast.walk(tree):
+        if ((isinstance(node, ast.Name) and node.id == name)
+                or (isinstance(node, ast.Attribute) and node.attr == name)
+                or (isinstance(node, ast.ImportFrom)
+                    and any(alias.name == name for alias in node.names))):
+            lines.append(node.lineno)
+    return lines
 
 
 # The transport's exceptions: aiohttp's client errors (not the server's web.HTTPException).
@@ -41,14 +62,22 @@ def aiohttp_errors_named(tree: ast.Module) -> list[int]:
 
 def test_only_the_forward_path_opens_an_upstream_request() -> None:
     callers = {name: lines for name, tree in modules().items()
-               if (lines := calls_to(tree, "open_upstream"))}
+               if (lines := calls_to(tree, "upstreams", "open"))}
     assert callers.keys() == {"hal0d/forward.py"}, callers
+
+
+def test_only_the_upstream_client_holds_a_client_session() -> None:
+    """The probe, the token count and the Anthropic-mode probe ask through UpstreamClient.ask,
+    the forward path through UpstreamClient.open: no other module has a session to call."""
+    holders = {name: lines for name, tree in modules().items()
+               if (lines := names(tree, "ClientSession") + names(tree, "session"))}
+    assert holders.keys() == {"hal0d/transport/upstream.py"}, holders
 
 
 def test_only_the_upstream_module_names_aiohttps_client_exceptions() -> None:
     naming = {name: lines for name, tree in modules().items()
               if (lines := aiohttp_errors_named(tree))}
-    assert set(naming) == {"hal0d/upstream.py"}, naming
+    assert set(naming) == {"hal0d/transport/upstream.py"}, naming
 
 
 def test_the_scans_find_what_they_look_for() -> None:
@@ -56,9 +85,12 @@ def test_the_scans_find_what_they_look_for() -> None:
     tree = ast.parse(
         "import aiohttp\nfrom aiohttp import ClientError\n"
         "async def f():\n"
-        "    try:\n        await open_upstream()\n    except aiohttp.ClientPayloadError:\n"
+        "    try:\n        await self.upstreams.open()\n    except aiohttp.ClientPayloadError:\n"
         "        pass\n"
         "    try:\n        pass\n    except (ClientError, OSError):\n        pass\n"
     )
-    assert calls_to(tree, "open_upstream") == [5]
+    assert calls_to(tree, "upstreams", "open") == [5]
+    assert names(ast.parse("from aiohttp import ClientSession\nx.session.get()\n"),
+                 "ClientSession") == [1]
+    assert names(ast.parse("x.session.get()\n"), "session") == [1]
     assert aiohttp_errors_named(tree) == [2, 6]

@@ -15,8 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 PURE_MODULES = (
-    "hal0d.sse",
-    "hal0d.transform",
+    "hal0d.protocol.sse",
+    "hal0d.protocol.transform",
     "hal0d.anthropic.stream",
     "hal0d.anthropic.request",
     "hal0d.anthropic.response",
@@ -26,7 +26,7 @@ PURE_MODULES = (
     "hal0d.openai.owners",
     "hal0d.anthropic.native",
 )
-SURFACE_BLIND_MODULES = ("hal0d.relay", "hal0d.stallguard")
+SURFACE_BLIND_MODULES = ("hal0d.transport.relay", "hal0d.transport.stallguard")
 SURFACE_PACKAGES = ("hal0d.openai", "hal0d.anthropic")
 # Wire-format words of a surface: OpenAI's chunk objects and its end-of-stream line.
 SURFACE_WORDS = ("chat.completion", "text_completion", "[DONE]")

@@ -7,9 +7,9 @@ import sqlite3
 from contextlib import closing
 from pathlib import Path
 
-from hal0d.metrics.history import COLUMNS, HistoryWriter
-from hal0d.metrics.recorder import done_fields
-from hal0d.requestinfo import RequestInfo
+from hal0d.observability.history import COLUMNS, HistoryWriter
+from hal0d.observability.recorder import done_fields
+from hal0d.observability.requestinfo import RequestInfo
 
 
 def test_every_history_column_is_filled_from_the_request_info_by_name() -> None:

@@ -1,7 +1,7 @@
 """The OpenAI Responses API through hal0d, driven by the official openai SDK over real sockets.
 
 hal0d sits in front of the stub upstream (its /v1/responses); what the SDK ends up with is
-compared to what the stub generated (hal0d.stub.CONTENT_TEXT), and the stall and break cases to
+compared to what the stub generated (hal0d_stub.app.CONTENT_TEXT), and the stall and break cases to
 what a Responses client must see: an incomplete answer carrying the guard's notice, or an error.
 The SDK is imported where it is used: importing it costs about a second at collection.
 """
@@ -19,7 +19,7 @@ from aiohttp import hdrs, web
 from aiohttp.test_utils import TestServer
 
 from hal0d.openai.owners import ResponseOwners
-from hal0d.stub import CONTENT_TEXT, TOKENS_BEFORE_TROUBLE, words
+from hal0d_stub.app import CONTENT_TEXT, TOKENS_BEFORE_TROUBLE, words
 from tests.conftest import Stub, eventually
 
 if TYPE_CHECKING:

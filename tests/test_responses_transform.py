@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from hal0d.openai.responses import ResponsesTransform
-from hal0d.transform import StallTrip, TransformFailed
+from hal0d.protocol.transform import StallTrip, TransformFailed
 
 TRIP = StallTrip(reason="idle", elapsed_s=1.2, upstream="llm", total_s=30.0, idle_s=0.5)
 

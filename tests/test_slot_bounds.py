@@ -17,8 +17,8 @@ import pytest
 from aiohttp import hdrs, web
 
 from hal0d import config
+from hal0d.protocol.sse import Decoder
 from hal0d.server import DRAIN_UNBOUNDED_S, drain_time
-from hal0d.sse import Decoder
 from tests.conftest import ROLE_CHUNK, chat_body, content_chunk, make_config
 from tests.test_config import SLOT, hal0d_cli, write
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hal0d.sse import Decoder, Event, encode
+from hal0d.protocol.sse import Decoder, Event, encode
 from tests.fixtures_util import fixture_path
 
 

@@ -15,7 +15,7 @@ import pytest
 import structlog
 from aiohttp import hdrs, web
 
-from hal0d.sse import Decoder
+from hal0d.protocol.sse import Decoder
 from tests.conftest import chat_body, eventually
 
 NOTICE = "\n\n[hal0] stall guard:"

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from hal0d.config import ConfigError, parse
-from hal0d.stub import MAX_BODY_BYTES
+from hal0d_stub.app import MAX_BODY_BYTES
 from tests.conftest import chat_body
 
 MIB = 1024 * 1024

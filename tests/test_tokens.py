@@ -6,7 +6,8 @@ import aiohttp
 from aiohttp import web
 
 from hal0d.config import SlotConfig
-from hal0d.tokens import TEMPLATE, TokenCounter, estimate
+from hal0d.transport.tokens import TEMPLATE, TokenCounter, estimate
+from hal0d.transport.upstream import UpstreamClient
 
 PAYLOAD = {"model": "m", "messages": [{"role": "user", "content": "one two three"}]}
 TEMPLATED = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
@@ -25,7 +26,7 @@ async def test_a_passing_failure_is_not_remembered_as_no_tokenizer(upstream_app)
     url = await upstream_app({"POST /tokenize": tokenize})
     slot = SlotConfig(name="llm", upstream=url, models=("m",))
     async with aiohttp.ClientSession() as session:
-        counter = TokenCounter(session)
+        counter = TokenCounter(UpstreamClient(session))
         first = await counter.count(slot, PAYLOAD, "one two three")
         second = await counter.count(slot, PAYLOAD, "one two three")
     assert first == (estimate("one two three"), "estimate")
@@ -43,7 +44,7 @@ async def test_an_upstream_without_a_tokenizer_is_asked_once(upstream_app):
     url = await upstream_app({"POST /{tail:.*}": absent})
     slot = SlotConfig(name="llm", upstream=url, models=("m",))
     async with aiohttp.ClientSession() as session:
-        counter = TokenCounter(session)
+        counter = TokenCounter(UpstreamClient(session))
         results = [await counter.count(slot, PAYLOAD, "a" * 40) for _ in range(3)]
     assert results == [(10, "estimate")] * 3
     assert asked == ["/apply-template", "/tokenize", "/extras/tokenize/count"]
@@ -59,7 +60,8 @@ async def test_the_combined_body_reaches_vllm_and_llama_server_shapes(upstream_a
     url = await upstream_app({"POST /tokenize": tokenize})
     slot = SlotConfig(name="llm", upstream=url, models=("m",))
     async with aiohttp.ClientSession() as session:
-        assert await TokenCounter(session).count(slot, PAYLOAD, "one two three") == (
+        counter = TokenCounter(UpstreamClient(session))
+        assert await counter.count(slot, PAYLOAD, "one two three") == (
             12, "tokenize")
     assert seen["messages"] == PAYLOAD["messages"] and seen["content"] == "one two three"
 
@@ -81,7 +83,8 @@ async def test_llama_server_counts_its_templated_prompt_with_the_completions_spe
     slot = SlotConfig(name="llm", upstream=url, models=("m",))
     with_tools = {**PAYLOAD, "tools": [{"type": "function", "function": {"name": "f"}}]}
     async with aiohttp.ClientSession() as session:
-        assert await TokenCounter(session).count(slot, with_tools, "one two three") == (
+        counter = TokenCounter(UpstreamClient(session))
+        assert await counter.count(slot, with_tools, "one two three") == (
             21, "template")
     assert seen["template"] == with_tools  # the template renders the tools too
     assert seen["tokenize"] == {"content": TEMPLATED, "add_special": True, "parse_special": True}
@@ -104,7 +107,7 @@ async def test_an_upstream_without_apply_template_costs_one_404_then_tokenize_as
     url = await upstream_app({"POST /apply-template": absent, "POST /tokenize": tokenize})
     slot = SlotConfig(name="llm", upstream=url, models=("m",))
     async with aiohttp.ClientSession() as session:
-        counter = TokenCounter(session)
+        counter = TokenCounter(UpstreamClient(session))
         results = [await counter.count(slot, PAYLOAD, "one two three") for _ in range(3)]
     assert results == [(3, "tokenize")] * 3
     assert asked == ["/apply-template", "/tokenize", "/tokenize", "/tokenize"]
@@ -127,7 +130,7 @@ async def test_a_request_the_template_refuses_is_counted_raw_and_the_template_ke
     url = await upstream_app({"POST /apply-template": template, "POST /tokenize": tokenize})
     slot = SlotConfig(name="llm", upstream=url, models=("m",))
     async with aiohttp.ClientSession() as session:
-        counter = TokenCounter(session)
+        counter = TokenCounter(UpstreamClient(session))
         first = await counter.count(slot, PAYLOAD, "one two three")
         second = await counter.count(slot, PAYLOAD, "one two three")
     assert first == (3, "tokenize")  # this request only: a 400 is not "no such endpoint"

@@ -14,7 +14,7 @@ import orjson
 
 from hal0d.anthropic.stream import encode_events
 from hal0d.errors import ErrorCode
-from hal0d.transform import STALL_KEY, PureTail, StallTrip, TransformFailed
+from hal0d.protocol.transform import STALL_KEY, PureTail, StallTrip, TransformFailed
 
 __all__ = ["NativeAnthropic"]
 

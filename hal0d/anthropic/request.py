@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 import orjson
 
 from hal0d.errors import InvalidRequest
-from hal0d.limits import MAX_MESSAGES, MAX_TOKENS_LIMIT
+from hal0d.protocol.limits import MAX_MESSAGES, MAX_TOKENS_LIMIT
 
 __all__ = ["MessagesRequest", "parse_messages_request", "prompt_text", "to_openai"]
 

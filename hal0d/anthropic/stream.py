@@ -40,7 +40,7 @@ import orjson
 
 from hal0d.anthropic.stop import anthropic_stop
 from hal0d.errors import upstream_message
-from hal0d.sse import encode
+from hal0d.protocol.sse import encode
 
 __all__ = [
     "Event",

@@ -11,8 +11,8 @@ import orjson
 
 from hal0d.anthropic.stream import Event, MalformedChunk, Translator, encode_events
 from hal0d.errors import ErrorCode
-from hal0d.sse import Decoder
-from hal0d.transform import STALL_KEY, StallTrip, TransformFailed
+from hal0d.protocol.sse import Decoder
+from hal0d.protocol.transform import STALL_KEY, StallTrip, TransformFailed
 
 
 class AnthropicTransform:

@@ -11,11 +11,11 @@ from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hal0d import __version__, access
-from hal0d import events as feed
 from hal0d.appkeys import EVENTS, LIFECYCLE, RECORDER, RUNTIME, SLOTS
 from hal0d.errors import Conflict, InvalidRequest, NoRoute
 from hal0d.lifecycle.manager import LifecycleManager, UnloadReason
 from hal0d.lifecycle.slots import Slot, SlotState
+from hal0d.observability import events as feed
 
 MAX_HISTORY_ROWS = 1000
 # A comment this often keeps a quiet feed's connection from looking dead to proxies and readers.

@@ -29,19 +29,19 @@ from hal0d.anthropic.request import (
 from hal0d.anthropic.response import to_anthropic
 from hal0d.anthropic.stream import Translator
 from hal0d.anthropic.transform import AnthropicTransform
-from hal0d.anthropic_mode import NATIVE, TRANSLATE
-from hal0d.appkeys import ANTHROPIC_MODES, SESSION
+from hal0d.appkeys import DISPATCH
 from hal0d.errors import (
     ErrorCode,
     UpstreamInvalid,
     UpstreamStatus,
     upstream_message,
 )
-from hal0d.forward import Forward, forward
+from hal0d.forward import Forward
 from hal0d.handlers.body import check_model_and_stream, parse_json_object, read_body
 from hal0d.handlers.openai import with_model
-from hal0d.metrics.live import normal_usage
-from hal0d.upstream import SSE_HEADERS, response_headers
+from hal0d.transport.anthropic_mode import NATIVE, TRANSLATE
+from hal0d.transport.tap import normal_usage
+from hal0d.transport.upstream import SSE_HEADERS, response_headers
 
 UPSTREAM_MESSAGE_LIMIT = 2000
 ANTHROPIC_FIELD = "{}:"  # how the Anthropic surface names a field in an error message
@@ -65,8 +65,7 @@ async def upstream_status_error(fwd: Forward, upstream: aiohttp.ClientResponse) 
 async def native(fwd: Forward) -> bool:
     """Whether this slot's upstream is sent the Anthropic request as it is (asked under the
     lease: an "auto" slot's upstream is up to answer the probe)."""
-    modes = fwd.request.app[ANTHROPIC_MODES]
-    return await modes.mode(fwd.request.app[SESSION], fwd.slot) == NATIVE
+    return await fwd.anthropic_mode() == NATIVE
 
 
 def model_and_stream(body: dict[str, Any]) -> tuple[str, bool]:
@@ -78,7 +77,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     raw = await read_body(request)
     body = parse_json_object(raw)
     model, stream = model_and_stream(body)
-    fwd = forward(request, model, stream=stream)
+    fwd = request.app[DISPATCH].forward(request, model, stream=stream)
     # A request to translate is checked whole before the slot is taken; a native upstream
     # (and one that may turn out native, "auto") gets what the client sent, fields it may know
     # and the translator does not included.
@@ -163,7 +162,7 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     raw = await read_body(request)
     body = parse_json_object(raw)
     model, _ = model_and_stream(body)
-    fwd = forward(request, model, stream=False)
+    fwd = request.app[DISPATCH].forward(request, model, stream=False)
     # count_tokens takes the Messages body without max_tokens; the parser requires one.
     body.setdefault("max_tokens", 1)
     body["stream"] = False

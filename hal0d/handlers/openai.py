@@ -12,9 +12,9 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from hal0d.appkeys import RUNTIME, SLOTS
+from hal0d.appkeys import DISPATCH, RUNTIME, SLOTS
 from hal0d.errors import ErrorCode, InvalidRequest, UpstreamInvalid
-from hal0d.forward import Forward, forward
+from hal0d.forward import Forward
 from hal0d.handlers.body import (
     check_model_and_stream,
     multipart_field,
@@ -22,9 +22,9 @@ from hal0d.handlers.body import (
     read_body,
     replace_multipart_field,
 )
-from hal0d.limits import MAX_MESSAGES, MAX_TOKENS_LIMIT
 from hal0d.openai.transform import Passthrough
-from hal0d.upstream import response_headers
+from hal0d.protocol.limits import MAX_MESSAGES, MAX_TOKENS_LIMIT
+from hal0d.transport.upstream import response_headers
 
 ENDPOINTS = (
     "chat/completions",
@@ -116,7 +116,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
     model, stream = await requested_model(request, endpoint, body)
     streaming = stream or endpoint in ALWAYS_STREAMING
-    fwd = forward(request, model, stream=streaming)
+    fwd = request.app[DISPATCH].forward(request, model, stream=streaming)
     served_model = fwd.route.served_model
     if served_model != model:
         if endpoint == "audio/transcriptions":

@@ -16,15 +16,15 @@ from urllib.parse import quote
 import orjson
 from aiohttp import hdrs, web
 
-from hal0d.appkeys import RESPONSE_OWNERS
+from hal0d.appkeys import DISPATCH, RESPONSE_OWNERS
 from hal0d.errors import ErrorCode, InvalidRequest, NoRoute, UpstreamInvalid
-from hal0d.forward import Forward, forward
+from hal0d.forward import Forward
 from hal0d.handlers.body import parse_json_object, read_body
 from hal0d.handlers.openai import model_and_stream, with_model
-from hal0d.limits import MAX_TOKENS_LIMIT
-from hal0d.metrics.live import normal_usage
 from hal0d.openai.responses import ResponsesTransform, response_id_of
-from hal0d.upstream import response_headers
+from hal0d.protocol.limits import MAX_TOKENS_LIMIT
+from hal0d.transport.tap import normal_usage
+from hal0d.transport.upstream import response_headers
 
 
 def requested(payload: dict[str, Any]) -> tuple[str, bool]:
@@ -46,7 +46,7 @@ def requested(payload: dict[str, Any]) -> tuple[str, bool]:
 async def create(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
     model, stream = requested(parse_json_object(body))
-    fwd = forward(request, model, stream=stream)
+    fwd = request.app[DISPATCH].forward(request, model, stream=stream)
     if fwd.route.served_model != model:
         body = with_model(body, fwd.route.served_model)
     owners = request.app[RESPONSE_OWNERS]
@@ -105,7 +105,7 @@ async def stored(request: web.Request) -> web.StreamResponse:
             f"no response {response_id!r} is known to hal0d: it was not made through it, or "
             "is older than the last few thousand answers it remembers"
         )
-    fwd = forward(request, model, stream=False)
+    fwd = request.app[DISPATCH].forward(request, model, stream=False)
     async with fwd:
         upstream = await fwd.open(
             f"/v1/responses/{quote(response_id, safe='')}", b"", json_body=False,

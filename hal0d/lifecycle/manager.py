@@ -29,8 +29,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
-import aiohttp
-
 from hal0d.config import GroupConfig, SlotConfig
 from hal0d.errors import SlotLoadFailed, SlotLoading
 from hal0d.lifecycle.groups import Groups, Member, NoRoom
@@ -39,6 +37,7 @@ from hal0d.lifecycle.probe import answers_within, probe
 from hal0d.lifecycle.process import Child, LaunchFailed, resolve_program
 from hal0d.lifecycle.slots import Slot, SlotState, SlotTable
 from hal0d.logs import get_logger
+from hal0d.transport.upstream import UpstreamClient
 
 log = get_logger()
 
@@ -206,13 +205,13 @@ class LifecycleManager:
         self,
         table: SlotTable,
         configs: Iterable[SlotConfig],
-        session: aiohttp.ClientSession,
+        client: UpstreamClient,
         *,
         groups: dict[str, GroupConfig] | None = None,
         end_streams: Callable[[str, str], int] = lambda slot, reason: 0,
     ) -> None:
         self.table = table
-        self.session = session
+        self.client = client
         # Every slot's config, the ones without a command too (probed; counted in groups).
         self.configs: dict[str, SlotConfig] = {}
         self.runners: dict[str, Runner] = {}
@@ -374,7 +373,7 @@ class LifecycleManager:
 
     async def _until_answering(self, runner: Runner, child: Child, timeout_s: float) -> str | None:
         """None once the new process answers its probe; else why it never will."""
-        answering = asyncio.create_task(answers_within(self.session, runner.config, timeout_s))
+        answering = asyncio.create_task(answers_within(self.client, runner.config, timeout_s))
         exited = asyncio.create_task(child.wait())
         try:
             await asyncio.wait({answering, exited}, return_when=asyncio.FIRST_COMPLETED)
@@ -603,7 +602,7 @@ class LifecycleManager:
         if slot.state not in (SlotState.OFFLINE, SlotState.READY, SlotState.ERROR):
             return
         child = runner.child if runner else None
-        reason = await probe(self.session, config)
+        reason = await probe(self.client, config)
         if self.table.get(name) is not slot or self.configs.get(name) is not config:
             return  # a reload replaced the slot meanwhile: this answer is about the old one
         if runner is not None and (runner.child is not child or runner.busy):

@@ -9,10 +9,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-import aiohttp
+from aiohttp import hdrs
 
 from hal0d.config import SlotConfig
-from hal0d.upstream import TRANSPORT_ERRORS, own_headers, transport_reason
+from hal0d.errors import UpstreamUnavailable
+from hal0d.transport.upstream import UpstreamClient
 
 PROBE_TIMEOUT_S = 5.0
 STARTUP_POLL_S = 0.2
@@ -27,32 +28,28 @@ FAST_POLL_S = 0.025
 FAST_PHASE_S = 2.0
 
 
-async def probe(session: aiohttp.ClientSession, config: SlotConfig) -> str | None:
+async def probe(client: UpstreamClient, config: SlotConfig) -> str | None:
     """None when the upstream answers GET /v1/models, else why not."""
     try:
-        async with asyncio.timeout(PROBE_TIMEOUT_S):
-            async with session.get(
-                config.upstream + "/v1/models", headers=own_headers(config)
-            ) as resp:
-                await resp.read()
-                if resp.status >= 500:
-                    return f"GET /v1/models answered {resp.status}"
-                return None
-    except TRANSPORT_ERRORS as exc:
+        status, _ = await client.ask(config, hdrs.METH_GET, "/v1/models",
+                                     during="waiting for GET /v1/models",
+                                     timeout_s=PROBE_TIMEOUT_S)
+    except UpstreamUnavailable as exc:
         # A reason, not an error: no request is waiting on the probe. A probe short of a
-        # descriptor is not counted as a refused request either.
-        return transport_reason(exc, "waiting for GET /v1/models")
+        # descriptor is not counted as a refused request either (no refused_at).
+        return exc.cause or str(exc)
+    if status >= 500:
+        return f"GET /v1/models answered {status}"
+    return None
 
 
-async def answers_within(
-    session: aiohttp.ClientSession, config: SlotConfig, timeout_s: float
-) -> bool:
+async def answers_within(client: UpstreamClient, config: SlotConfig, timeout_s: float) -> bool:
     """Probes until the upstream answers (True) or `timeout_s` has passed (False)."""
     started = time.monotonic()
     deadline = started + timeout_s
     pause = FIRST_POLL_S
     while time.monotonic() < deadline:
-        if await probe(session, config) is None:
+        if await probe(client, config) is None:
             return True
         await asyncio.sleep(pause)
         pause = FAST_POLL_S if time.monotonic() - started < FAST_PHASE_S else STARTUP_POLL_S

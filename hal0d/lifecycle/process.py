@@ -19,8 +19,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from hal0d import descriptors
 from hal0d.logs import get_logger
+from hal0d.transport import descriptors
 
 log = get_logger()
 

@@ -34,8 +34,8 @@ from typing import Any
 import orjson
 
 from hal0d.errors import ErrorCode
-from hal0d.sse import Decoder
-from hal0d.transform import STALL_KEY, StallTrip, TransformFailed
+from hal0d.protocol.sse import Decoder
+from hal0d.protocol.transform import STALL_KEY, StallTrip, TransformFailed
 
 __all__ = ["TERMINAL_EVENTS", "ResponsesTransform", "response_id_of"]
 

@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from hal0d.errors import ErrorCode
-from hal0d.transform import STALL_KEY, PureTail, StallTrip, TransformFailed
+from hal0d.protocol.transform import STALL_KEY, PureTail, StallTrip, TransformFailed
 
 __all__ = ["STALL_ID", "Passthrough", "error_event", "stall_frame"]
 

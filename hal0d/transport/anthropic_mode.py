@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 from aiohttp import hdrs
 
 from hal0d.config import SlotConfig
+from hal0d.errors import UpstreamUnavailable
 from hal0d.logs import get_logger
-from hal0d.upstream import TRANSPORT_ERRORS, own_headers
+from hal0d.transport.upstream import UpstreamClient
 
 log = get_logger()
 
@@ -37,7 +37,7 @@ class AnthropicModes:
         self._chosen: dict[tuple[str, str], str] = {}
         self._asking: dict[tuple[str, str], asyncio.Lock] = {}
 
-    async def mode(self, session: aiohttp.ClientSession, slot: SlotConfig) -> str:
+    async def mode(self, client: UpstreamClient, slot: SlotConfig) -> str:
         if slot.anthropic != AUTO:
             return slot.anthropic
         key = (slot.name, slot.upstream)
@@ -45,28 +45,24 @@ class AnthropicModes:
             return self._chosen[key]
         async with self._asking.setdefault(key, asyncio.Lock()):
             if key not in self._chosen:
-                choice = await probe(session, slot)
+                choice = await probe(client, slot)
                 if choice is None:
                     return TRANSLATE
                 self._chosen[key] = choice
             return self._chosen[key]
 
 
-async def probe(session: aiohttp.ClientSession, slot: SlotConfig) -> str | None:
+async def probe(client: UpstreamClient, slot: SlotConfig) -> str | None:
     """NATIVE or TRANSLATE from the upstream's answer to an empty Messages request; None when
     it did not answer."""
-    headers = own_headers(slot)
-    headers[hdrs.CONTENT_TYPE] = "application/json"
-    headers["anthropic-version"] = ANTHROPIC_VERSION
     try:
-        async with session.post(
-            slot.upstream + "/v1/messages", data=b"{}", headers=headers,
-            timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S),
-        ) as answer:
-            status = answer.status
-            await answer.read()
-    except TRANSPORT_ERRORS as exc:
-        log.warning("anthropic.mode_probe_failed", slot=slot.name, error=repr(exc),
+        status, _ = await client.ask(
+            slot, hdrs.METH_POST, "/v1/messages", body=b"{}",
+            headers={"anthropic-version": ANTHROPIC_VERSION},
+            during="waiting for POST /v1/messages", timeout_s=PROBE_TIMEOUT_S,
+        )
+    except UpstreamUnavailable as exc:
+        log.warning("anthropic.mode_probe_failed", slot=slot.name, error=str(exc),
                     using=TRANSLATE)
         return None
     choice = TRANSLATE if status in NO_ENDPOINT else NATIVE

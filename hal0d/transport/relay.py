@@ -1,10 +1,10 @@
 """The relay: the one loop that moves a streamed body from the upstream to the client.
 
-Each upstream chunk is handed to the stream's transform (hal0d.transform.Transform) and what it
-returns is written at once (the write is the backpressure point; nothing is queued). The relay
-knows no surface: every byte it writes comes from the transform, which each surface brings
-(hal0d/openai/ passes bytes through, hal0d/anthropic/ translates them). The stall guard watches
-the loop, the metrics tap sees every raw chunk.
+Each upstream chunk is handed to the stream's transform (hal0d.protocol.transform.Transform) and
+what it returns is written at once (the write is the backpressure point; nothing is queued). The
+relay knows no surface: every byte it writes comes from the transform, which each surface brings
+(hal0d/openai/ passes bytes through, hal0d/anthropic/ translates them). The stall guard watches the
+loop, the metrics tap sees every raw chunk.
 
 Every exit is an Outcome: clean end, stall trip, upstream break, client gone. The caller closes
 the upstream response in its `finally`, which is what stops an orphaned generation.
@@ -19,10 +19,10 @@ from aiohttp import web
 
 from hal0d.errors import ErrorCode, stream_stall
 from hal0d.logs import get_logger
-from hal0d.metrics.live import StreamTap
-from hal0d.stallguard import StallGuard, StallTripped
-from hal0d.transform import StallTrip, Transform, TransformFailed
-from hal0d.upstream import BODY_BROKEN, BODY_READ_TIMEOUT
+from hal0d.protocol.transform import StallTrip, Transform, TransformFailed
+from hal0d.transport.stallguard import StallGuard, StallTripped
+from hal0d.transport.tap import StreamTap
+from hal0d.transport.upstream import BODY_BROKEN, BODY_READ_TIMEOUT
 
 log = get_logger()
 

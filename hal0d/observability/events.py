@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 
-from hal0d import sse
 from hal0d.lifecycle.slots import Slot, SlotState
+from hal0d.protocol import sse
 
 if TYPE_CHECKING:
     from hal0d.lifecycle.manager import LoadPhase, UnloadReason
-    from hal0d.metrics.history import RequestRecord
+    from hal0d.observability.history import RequestRecord
 
 QUEUE_SIZE: Final = 1000
 HEARTBEAT: Final = b": heartbeat\n\n"

@@ -1,4 +1,5 @@
-"""Routing: which slot serves a requested model name, aliases (glob patterns) applied first."""
+"""Routing: which slot serves a requested model name, aliases (glob patterns) applied first, and
+the Runtime (the settings and the router) a request runs on."""
 
 from __future__ import annotations
 
@@ -32,3 +33,24 @@ class Router:
                 field="model",
             )
         return Route(slot, served)
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    """The settings a request runs on. A reload swaps it whole; a request keeps the one it
+    started with, so in-flight streams finish on the old settings."""
+
+    config: Config
+    router: Router
+
+    @classmethod
+    def build(cls, config: Config) -> Runtime:
+        return cls(config, Router(config))
+
+
+class RuntimeRef:
+    """The application's current Runtime; a reload points it at a new one. (An aiohttp app's
+    own mapping is frozen once it runs, so the swap happens inside this holder.)"""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.current = runtime

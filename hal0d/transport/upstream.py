@@ -1,4 +1,9 @@
-"""The upstream boundary: the one ClientSession, its timeouts, header filtering, the eager open.
+"""The upstream boundary: the one client (UpstreamClient, over one ClientSession), its timeouts,
+header filtering, the eager open.
+
+Every call hal0d makes to a slot's server goes through `UpstreamClient`: a request's forward
+(`open`, then the relay or `read_whole`), and hal0d's own questions (`ask`: the health probe, a
+token count, the Anthropic-mode probe).
 
 aiohttp's exceptions stop here, mapped in one place (`upstream_errors`, after httpcore's
 `map_exceptions`): a failure to get an answer at all (a refused connect, a timeout, a reset, a
@@ -38,17 +43,18 @@ from yarl import URL
 
 from hal0d import USER_AGENT
 from hal0d.config import DispatcherConfig, SlotConfig
-from hal0d.descriptors import exhausted, exhaustion_errno
 from hal0d.errors import UpstreamUnavailable
+from hal0d.transport.descriptors import exhausted, exhaustion_errno
 
-# What a call to an upstream raises when it gets no usable answer: aiohttp's client errors (its
-# ServerTimeoutError is a TimeoutError too), asyncio's timeouts, the socket's own OSErrors, and
-# ValueError for a request aiohttp refuses to send (a URL or header it cannot encode).
+# What a call to an upstream raises when it gets no usable answer, and nothing else: aiohttp's
+# client errors (they wrap the socket's OSErrors; InvalidURL is one; ServerTimeoutError is a
+# TimeoutError too), asyncio's timeouts, and a connection reset the transport reports as it is.
+# A bug of hal0d's (a ValueError, an OSError of a file) is not in here: it must not read as a
+# 502 from the upstream.
 TRANSPORT_ERRORS: tuple[type[Exception], ...] = (
     TimeoutError,
     aiohttp.ClientError,
-    OSError,
-    ValueError,
+    ConnectionError,
 )
 
 # The transport errors a relayed body's read can raise, named here so that every aiohttp error
@@ -189,12 +195,14 @@ class upstream_errors:  # lower case: read as a `with` statement, as contextlib'
             raise exhausted(
                 code, self.refused_at, f"reach slot {slot.name!r}"
             ) from None
-        reason = transport_reason(exc, self.during)
+        cause = transport_reason(exc, self.during)
+        reason = cause
         if self.slot_reason:
             reason += f"; the slot is in error: {self.slot_reason}"
-        raise UpstreamUnavailable(
-            f"slot {slot.name!r} at {slot.upstream} is unavailable: {reason}"
-        ) from None
+        error = UpstreamUnavailable(
+            f"slot {slot.name!r} at {slot.upstream} is unavailable: {reason}")
+        error.cause = cause
+        raise error from None
 
 
 @functools.lru_cache(maxsize=256)
@@ -245,42 +253,6 @@ def upstream_url(base: str, path: str) -> URL:
     return URL(base + path)
 
 
-async def open_upstream(
-    session: aiohttp.ClientSession,
-    slot: SlotConfig,
-    timeouts: DispatcherConfig,
-    *,
-    method: str,
-    path: str,
-    headers: CIMultiDict[str],
-    body: bytes,
-    guarded: bool,
-    params: Any = None,
-    slot_reason: str | None = None,
-) -> aiohttp.ClientResponse:
-    """Send the request and wait for the response headers: within `direct_read_timeout_s` of
-    the request written, and the whole open within the sum of the four bounds.
-
-    `guarded`: the stall guard owns the body, so the per-read timeout is off for it.
-    `slot_reason`: why the slot is in error, if it is; a failed open names it.
-    """
-    with upstream_errors(slot, "waiting for the upstream's response headers",
-                         refused_at="upstream_connect", slot_reason=slot_reason):
-        async with asyncio.timeout(open_bound(timeouts)):
-            upstream = await session.request(
-                method,
-                upstream_url(slot.upstream, path),
-                params=params,
-                data=body,
-                headers=headers,
-                timeout=client_timeout(timeouts, timeouts.direct_read_timeout_s),
-                allow_redirects=False,
-            )
-    if guarded:
-        hand_body_to_guard(upstream)
-    return upstream
-
-
 def open_bound(timeouts: DispatcherConfig) -> float:
     """The most an open may take: a free connection, the connect, the write, the headers."""
     return (timeouts.pool_timeout_s + timeouts.connect_timeout_s + timeouts.write_timeout_s
@@ -305,3 +277,83 @@ async def read_whole(upstream: aiohttp.ClientResponse, slot: SlotConfig,
     with upstream_errors(slot, "while sending its answer"):
         async with asyncio.timeout(timeout_s):
             return await upstream.read()
+
+
+class UpstreamClient:
+    """The one way out to the upstreams, over the one session (make_session)."""
+
+    __slots__ = ("session",)
+
+    def __init__(self, session: aiohttp.ClientSession) -> None:
+        self.session = session
+
+    @classmethod
+    def create(cls, timeouts: DispatcherConfig) -> UpstreamClient:
+        return cls(make_session(timeouts))
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    async def open(
+        self,
+        slot: SlotConfig,
+        timeouts: DispatcherConfig,
+        *,
+        method: str,
+        path: str,
+        headers: CIMultiDict[str],
+        body: bytes,
+        guarded: bool,
+        params: Any = None,
+        slot_reason: str | None = None,
+    ) -> aiohttp.ClientResponse:
+        """A forwarded request: send it and wait for the response headers, within
+        `direct_read_timeout_s` of the request written, and the whole open within the sum of
+        the four bounds.
+
+        `guarded`: the stall guard owns the body, so the per-read timeout is off for it.
+        `slot_reason`: why the slot is in error, if it is; a failed open names it.
+        """
+        with upstream_errors(slot, "waiting for the upstream's response headers",
+                             refused_at="upstream_connect", slot_reason=slot_reason):
+            async with asyncio.timeout(open_bound(timeouts)):
+                upstream = await self.session.request(
+                    method,
+                    upstream_url(slot.upstream, path),
+                    params=params,
+                    data=body,
+                    headers=headers,
+                    timeout=client_timeout(timeouts, timeouts.direct_read_timeout_s),
+                    allow_redirects=False,
+                )
+        if guarded:
+            hand_body_to_guard(upstream)
+        return upstream
+
+    async def ask(
+        self,
+        slot: SlotConfig,
+        method: str,
+        path: str,
+        *,
+        during: str,
+        timeout_s: float,
+        body: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        refused_at: str | None = None,
+    ) -> tuple[int, bytes]:
+        """A question of hal0d's own (a probe, a token count): with hal0d's own headers and the
+        slot's key, the whole answer within `timeout_s`; (status, body). No answer at all is
+        UpstreamUnavailable saying why (`during`: what it waited for), or FdExhausted when
+        `refused_at` names the step a refused descriptor is counted at."""
+        sent = own_headers(slot)
+        if body is not None:
+            sent[hdrs.CONTENT_TYPE] = "application/json"
+        sent.update(headers or {})
+        with upstream_errors(slot, during, refused_at=refused_at):
+            async with asyncio.timeout(timeout_s):
+                async with self.session.request(
+                    method, upstream_url(slot.upstream, path), data=body, headers=sent,
+                    allow_redirects=False,
+                ) as answer:
+                    return answer.status, await answer.read()

@@ -1,10 +1,10 @@
 """What a surface plugs into the relay: the Transform protocol and the values that cross it.
 
-The relay (hal0d/relay.py) owns the sockets and the clocks and knows no surface; every byte it
-writes to the client comes from a Transform. Each surface brings its own: hal0d/openai/transform.py
-passes the upstream's bytes through, hal0d/anthropic/transform.py translates them. When the stall
-guard ends a stream it hands the transform a StallTrip, and the transform renders it in its own
-surface's frames.
+The relay (hal0d/transport/relay.py) owns the sockets and the clocks and knows no surface; every
+byte it writes to the client comes from a Transform. Each surface brings its own:
+hal0d/openai/transform.py passes the upstream's bytes through, hal0d/anthropic/transform.py
+translates them. When the stall guard ends a stream it hands the transform a StallTrip, and the
+transform renders it in its own surface's frames.
 
 Pure: nothing here imports asyncio or aiohttp (tests/test_purity.py holds it to that), so the
 transforms built on it stay testable as "these bytes in, these bytes out".
@@ -18,7 +18,7 @@ from typing import Any, Protocol
 __all__ = ["STALL_KEY", "StallTrip", "Transform", "TransformFailed"]
 
 # The key under which every surface's stall frame carries StallTrip.details(); the metrics tap
-# looks for it to skip hal0d's own frame (hal0d.stallguard.STALL_MARKER).
+# looks for it to skip hal0d's own frame (hal0d.transport.stallguard.STALL_MARKER).
 STALL_KEY = "x_hal0_stall"
 
 

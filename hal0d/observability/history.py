@@ -37,7 +37,8 @@ T = TypeVar("T")
 class RequestRecord:
     """One history row: the one definition of the table's columns (the schema is built from
     these fields, their SQL types from the annotations), filled by name from the request's
-    RequestInfo (hal0d.requestinfo), whose fields carry the same names. New fields go last."""
+    RequestInfo (hal0d.observability.requestinfo), whose fields carry the same names. New fields
+    go last."""
 
     ts: float  # unix time
     request_id: str

@@ -8,11 +8,11 @@ from collections.abc import Callable, Hashable
 from typing import Any, Final
 
 from hal0d.errors import stall_reason
-from hal0d.metrics.history import COLUMNS, HistoryWriter, RequestRecord
-from hal0d.metrics.live import SlotMetrics
-from hal0d.metrics.prometheus import PromMetrics
-from hal0d.metrics.tally import Tally
-from hal0d.requestinfo import RequestInfo
+from hal0d.observability.history import COLUMNS, HistoryWriter, RequestRecord
+from hal0d.observability.live import SlotMetrics
+from hal0d.observability.prometheus import PromMetrics
+from hal0d.observability.requestinfo import RequestInfo
+from hal0d.observability.tally import Tally
 
 # Polled by probes: noise in the log (their metrics still count).
 UNLOGGED_PATHS: Final = frozenset({"/healthz", "/readyz"})

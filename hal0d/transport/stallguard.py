@@ -35,7 +35,7 @@ from typing import Protocol
 
 from hal0d.config import DispatcherConfig
 from hal0d.logs import get_logger
-from hal0d.transform import STALL_KEY, StallTrip
+from hal0d.protocol.transform import STALL_KEY, StallTrip
 
 log = get_logger()
 

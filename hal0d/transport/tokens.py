@@ -29,14 +29,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import hdrs
 
 from hal0d.config import SlotConfig
 from hal0d.errors import UpstreamUnavailable
 from hal0d.logs import get_logger
-from hal0d.upstream import own_headers, upstream_errors
+from hal0d.transport.upstream import UpstreamClient, upstream_errors
 
 log = get_logger()
 TOKENIZE_TIMEOUT_S = 2.0
@@ -78,29 +77,28 @@ def _count_of(answer: Any) -> int | None:
 
 
 class TokenCounter:
-    def __init__(self, session: aiohttp.ClientSession) -> None:
-        self.session = session
+    def __init__(self, client: UpstreamClient) -> None:
+        self.client = client
         # (slot name, upstream) -> the path that answered, or None when none did. Keyed by the
         # upstream too: a reload that points the slot at another server asks that one afresh.
         self._ways: dict[tuple[str, str], str | None] = {}
 
     async def _post(self, slot: SlotConfig, path: str, body: dict[str, Any]) -> Any:
         """The answer's JSON; None when the endpoint is not there (or answers no JSON)."""
-        headers = own_headers(slot)
-        headers[hdrs.CONTENT_TYPE] = "application/json"
-        async with self.session.post(
-            slot.upstream + path, data=orjson.dumps(body), headers=headers
-        ) as resp:
-            if path == TEMPLATE and resp.status in ABSENT_STATUSES - NO_ENDPOINT_STATUSES:
-                raise NotThisRequest(f"{path} answered {resp.status}")
-            if resp.status in ABSENT_STATUSES:
-                return None
-            if resp.status != 200:
-                raise TryLater(f"{path} answered {resp.status}")
-            try:
-                return orjson.loads(await resp.read())
-            except orjson.JSONDecodeError:
-                return None
+        status, data = await self.client.ask(
+            slot, hdrs.METH_POST, path, body=orjson.dumps(body), during="counting tokens",
+            timeout_s=TOKENIZE_TIMEOUT_S, refused_at="tokenizer",
+        )
+        if path == TEMPLATE and status in ABSENT_STATUSES - NO_ENDPOINT_STATUSES:
+            raise NotThisRequest(f"{path} answered {status}")
+        if status in ABSENT_STATUSES:
+            return None
+        if status != 200:
+            raise TryLater(f"{path} answered {status}")
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return None
 
     async def _templated(self, slot: SlotConfig, openai_request: dict[str, Any]) -> int | None:
         """llama-server's own template, then its tokenizer, as its chat completion does both."""

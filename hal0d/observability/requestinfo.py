@@ -1,6 +1,6 @@
 """What one request did, filled in as it goes from the handler to the upstream and back: the
 `request.done` line, the history row and the Prometheus figures are all read from it, once, when
-the request ends. Its fields carry the names of the history's columns (hal0d.metrics.history
+the request ends. Its fields carry the names of the history's columns (hal0d.observability.history
 .RequestRecord), which are filled from them by name."""
 
 from __future__ import annotations

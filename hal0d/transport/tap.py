@@ -1,4 +1,4 @@
-"""Live metrics piggybacked on the stream: time to first token, token counts, decode speed.
+"""The tap: what a relayed stream shows of itself: time to first token, token counts, speed.
 
 The tap sees every raw upstream chunk and must cost the stream nothing: after the first token,
 per-chunk work is one substring count and one clock read. Only until the first token does it
@@ -14,15 +14,12 @@ relies on.
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-from hal0d.stallguard import STALL_MARKER
+from hal0d.transport.stallguard import STALL_MARKER
 
 # Fields of a chunk's delta (or legacy choice) that carry generated output.
 _GENERATED = ("content", "reasoning_content", "reasoning", "tool_calls", "text")
@@ -137,68 +134,3 @@ class StreamTap:
             return None
         span = self.last_chunk_at - self.first_token_at
         return (self.tokens - 1) / span if span > 0 else None
-
-
-@dataclass(slots=True)
-class SlotMetrics:
-    """What one slot has shown since start: the figures of GET /api/slots/metrics."""
-
-    ttft_ms: deque[float]
-    requests: int = 0
-    errors: int = 0
-    tokens: int = 0
-    tokens_per_s: float | None = None
-    flm: dict[str, float] = field(default_factory=dict)
-
-    @classmethod
-    def new(cls, samples: int) -> SlotMetrics:
-        return cls(ttft_ms=deque(maxlen=samples))
-
-    def record(
-        self,
-        *,
-        ok: bool,
-        ttft_ms: float | None,
-        completion_tokens: int | None,
-        tokens_per_s: float | None,
-    ) -> None:
-        self.requests += 1
-        if not ok:
-            self.errors += 1
-        if ttft_ms is not None:
-            self.ttft_ms.append(ttft_ms)
-        if completion_tokens:
-            self.tokens += completion_tokens
-        if tokens_per_s is not None:
-            self.tokens_per_s = tokens_per_s
-
-    def record_flm(self, usage: dict[str, Any]) -> None:
-        for key in ("decoding_speed_tps", "kv_token_occupancy_rate_percentage"):
-            value = usage.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.flm[key] = float(value)
-        if "decoding_speed_tps" in usage and "decoding_speed_tps" in self.flm:
-            self.tokens_per_s = self.flm["decoding_speed_tps"]
-
-    def snapshot(self) -> dict[str, Any]:
-        samples = sorted(self.ttft_ms)
-
-        def pct(p: float) -> float | None:
-            if not samples:
-                return None
-            return round(samples[min(len(samples) - 1, int(p * len(samples)))], 3)
-
-        out: dict[str, Any] = {
-            "requests": self.requests,
-            "errors": self.errors,
-            "tokens": self.tokens,
-            "tokens_per_s": round(self.tokens_per_s, 3) if self.tokens_per_s else None,
-            "ttft_ms": {
-                "last": round(self.ttft_ms[-1], 3) if self.ttft_ms else None,
-                "p50": round(statistics.median(samples), 3) if samples else None,
-                "p95": pct(0.95),
-                "samples": len(samples),
-            },
-        }
-        out.update(self.flm)
-        return out

@@ -22,11 +22,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from hal0d import descriptors
 from hal0d.lifecycle.groups import LOADED
 from hal0d.lifecycle.manager import LoadPhase, UnloadReason
 from hal0d.lifecycle.slots import SlotState, SlotTable
-from hal0d.metrics.live import SlotMetrics
+from hal0d.observability.live import SlotMetrics
+from hal0d.transport import descriptors
 
 # Seconds. LLM requests run from milliseconds (a cached embedding) to many minutes (a long turn).
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
