@@ -16,7 +16,8 @@ from aiohttp import web
 from hal0d.appkeys import DISPATCH, EVENTS, LIFECYCLE, RECORDER, RUNTIME, SLOTS
 from hal0d.config import SlotConfig
 from hal0d.forward import Dispatch
-from hal0d.lifecycle.manager import LifecycleManager, log_state_change
+from hal0d.lifecycle.manager import LifecycleManager
+from hal0d.lifecycle.runner import log_state_change
 from hal0d.lifecycle.slots import SlotTable
 from hal0d.observability.events import SlotFeed
 from hal0d.observability.history import HistoryWriter

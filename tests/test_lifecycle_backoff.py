@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 
 from hal0d.appkeys import LIFECYCLE
 from hal0d.config import SlotConfig
-from hal0d.lifecycle.manager import BACKOFF_FIRST_S
+from hal0d.lifecycle.runner import BACKOFF_FIRST_S
 from tests.conftest import eventually, free_port
 from tests.test_loader import (
     Start,

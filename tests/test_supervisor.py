@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestServer
 from structlog.testing import capture_logs
 
 from hal0d.appkeys import LIFECYCLE, SLOTS
-from hal0d.lifecycle.manager import Runner
+from hal0d.lifecycle.runner import Runner
 from hal0d_stub.app import make_stub_app
 from tests.conftest import chat_body, eventually, free_port
 

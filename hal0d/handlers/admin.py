@@ -13,7 +13,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from hal0d import __version__, access
 from hal0d.appkeys import EVENTS, LIFECYCLE, RECORDER, RUNTIME, SLOTS
 from hal0d.errors import Conflict, InvalidRequest, NoRoute
-from hal0d.lifecycle.manager import LifecycleManager, UnloadReason
+from hal0d.lifecycle.manager import LifecycleManager
+from hal0d.lifecycle.runner import UnloadReason
 from hal0d.lifecycle.slots import Slot, SlotState
 from hal0d.observability import events as feed
 

@@ -29,7 +29,7 @@ from hal0d.lifecycle.slots import Slot, SlotState
 from hal0d.protocol import sse
 
 if TYPE_CHECKING:
-    from hal0d.lifecycle.manager import LoadPhase, UnloadReason
+    from hal0d.lifecycle.runner import LoadPhase, UnloadReason
     from hal0d.observability.history import RequestRecord
 
 QUEUE_SIZE: Final = 1000

@@ -23,7 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from hal0d.lifecycle.groups import LOADED
-from hal0d.lifecycle.manager import LoadPhase, UnloadReason
+from hal0d.lifecycle.runner import LoadPhase, UnloadReason
 from hal0d.lifecycle.slots import SlotState, SlotTable
 from hal0d.observability.live import SlotMetrics
 from hal0d.transport import descriptors
