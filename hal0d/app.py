@@ -66,7 +66,8 @@ def translate_http_exception(exc: web.HTTPException, request: web.Request) -> Ha
 async def request_lifecycle(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    """Names the request, renders every error in the surface's envelope, logs request.done."""
+    """Names the request, renders every error in the surface's envelope, sends the answer, and
+    then, the request having ended, writes its request.done line and makes its record."""
     given = request.headers.get(REQUEST_ID_HEADER, "")
     request_id = given if _REQUEST_ID.match(given) else secrets.token_hex(8)
     # A path no route matched is recorded under one name: client-chosen paths must not become
@@ -75,6 +76,25 @@ async def request_lifecycle(
     info = RequestInfo(request_id=request_id, endpoint=request.path if matched else "unmatched")
     request[INFO] = info
     structlog.contextvars.bind_contextvars(request_id=request_id)
+    try:
+        response = await answer(request, handler, info)
+        await send(request, response, info)
+        return response
+    except asyncio.CancelledError:
+        if not info.answered:
+            info.fail(ErrorCode.CLIENT_DISCONNECT)
+        raise
+    finally:
+        structlog.contextvars.unbind_contextvars("request_id")
+        info.end()
+        finish(request, info)
+
+
+async def answer(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    info: RequestInfo,
+) -> web.StreamResponse:
+    """The handler's answer, or the error it raised in its surface's envelope."""
     try:
         access.check(request, request.app[RUNTIME].current.config.server)
         response = await handler(request)
@@ -90,19 +110,24 @@ async def request_lifecycle(
         info.status = error.status
         info.fail(error.error_code)
         return error_response(error, request.path)
-    except asyncio.CancelledError:
-        if not info.answered:
-            info.fail(ErrorCode.CLIENT_DISCONNECT)
-        raise
     except Exception:
         log.exception("request.failed", path=request.path)
         info.status = 500
         info.fail(ErrorCode.INTERNAL)
         return error_response(Hal0Error("internal error in hal0d; see its log"), request.path)
-    finally:
-        structlog.contextvars.unbind_contextvars("request_id")
-        info.end()
-        finish(request, info)
+
+
+async def send(request: web.Request, response: web.StreamResponse, info: RequestInfo) -> None:
+    """A whole answer written out here rather than after the middleware (where aiohttp would
+    find it sent and do nothing more): the client has it before the request's line and record
+    are made. A stream was written by its handler already."""
+    if response.prepared:
+        return
+    try:
+        await response.prepare(request)
+        await response.write_eof()
+    except ConnectionResetError:
+        info.fail(ErrorCode.CLIENT_DISCONNECT)  # aiohttp's own finish ignores the rest
 
 
 def finish(request: web.Request, info: RequestInfo) -> None:

@@ -145,16 +145,18 @@ class Forward:
         self.upstream = upstream = await self.dispatch.upstreams.open(
             self.route.slot, self.timeouts, method=method, path=path,
             params=params, headers=headers, body=body,
-            guarded=self.stream and guard_active(self.timeouts),
+            guarded=self.stream and guard_active(self.timeouts), whole=not self.stream,
             slot_reason=self.lease.slot.reason,
         )
         self.info.upstream_status(upstream.status)
         return upstream
 
     async def read_whole(self) -> bytes:
-        """The opened upstream's whole body, within the slot's direct read timeout."""
+        """The opened upstream's whole body: within the bounds of its open for a whole answer,
+        within the slot's direct read timeout for a stream's answer read whole."""
         assert self.upstream is not None, "read_whole() after open() only"
-        return await read_whole(self.upstream, self.route.slot, self.timeouts.direct_read_timeout_s)
+        bound = self.timeouts.direct_read_timeout_s if self.stream else None
+        return await read_whole(self.upstream, self.route.slot, bound)
 
     def relay(self, response: web.StreamResponse, transform: Transform) -> Awaitable[None]:
         """The opened upstream's body through the relay loop into `response` (to be awaited).

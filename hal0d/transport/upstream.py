@@ -16,8 +16,10 @@ break is an outcome written into the stream rather than an error status.
 Timeouts. aiohttp's client default is total=300 s, which silently kills long streams; the session
 has no total. `connect_timeout_s` bounds the TCP connect, `pool_timeout_s` the wait for a free
 connection, `direct_read_timeout_s` the wait for response headers (counted from the request's
-body written) and, unless the stall guard owns the body, every body read; an open as a whole is
-bounded by the sum of the four bounds, `write_timeout_s` included (open_upstream). When the
+body written) and, unless the stall guard owns the body, every body read; a stream's open as a
+whole is bounded by the sum of the four bounds, `write_timeout_s` included (UpstreamClient.open),
+and a whole answer, open and body, by that sum and `direct_read_timeout_s` once more, with
+aiohttp's own `total` (no timer of ours: it would be a second one per request). When the
 stall guard owns a stream's body, the per-read timeout that bounded its header wait is switched
 off once the headers are in (`hand_body_to_guard`). (An earlier design moved a deadline along
 with aiohttp's tracing signals instead: four signals a request, ~6% of a stream's CPU and of its
@@ -207,13 +209,13 @@ class upstream_errors:  # lower case: read as a `with` statement, as contextlib'
 
 @functools.lru_cache(maxsize=256)
 def client_timeout(
-    timeouts: DispatcherConfig, sock_read: float | None = None
+    timeouts: DispatcherConfig, sock_read: float | None = None, total: float | None = None
 ) -> aiohttp.ClientTimeout:
-    """aiohttp's timeouts from ours: no total (aiohttp's default of 300 s kills long streams),
-    the pool wait and the connect, and `sock_read` for every read when given. Cached: a slot's
-    timeouts change only on a reload, and both values are frozen."""
+    """aiohttp's timeouts from ours: the pool wait and the connect, `sock_read` for every read
+    when given, and `total` only for a whole answer (aiohttp's default of 300 s would kill long
+    streams). Cached: a slot's timeouts change only on a reload, and the values are frozen."""
     return aiohttp.ClientTimeout(
-        total=None,
+        total=total,
         connect=timeouts.pool_timeout_s + timeouts.connect_timeout_s,
         sock_connect=timeouts.connect_timeout_s,
         sock_read=sock_read,
@@ -240,8 +242,8 @@ def make_session(timeouts: DispatcherConfig) -> aiohttp.ClientSession:
         # latency low and memory per open stream small (1,000 streams: ~28 KB each).
         read_bufsize=2**16,
         trust_env=False,
-        # Instead of aiohttp's own "Python/3.x aiohttp/3.x", on any request that sets none.
-        headers={hdrs.USER_AGENT: USER_AGENT},
+        # No default headers: every request names its User-Agent (request_headers, own_headers),
+        # so aiohttp has nothing to merge into each one.
     )
 
 
@@ -271,10 +273,14 @@ def hand_body_to_guard(upstream: aiohttp.ClientResponse) -> None:
 
 
 async def read_whole(upstream: aiohttp.ClientResponse, slot: SlotConfig,
-                     timeout_s: float) -> bytes:
-    """A whole (non-streamed) body within `timeout_s` (empty for a HEAD). A reset, a stall or a
-    broken framing is UpstreamUnavailable, a clean 502: nothing was sent to the client yet."""
+                     timeout_s: float | None) -> bytes:
+    """A whole body (empty for a HEAD). `timeout_s` bounds it when its open did not (a stream's
+    answer that is read whole: an error status, a JSON body); None for an answer opened
+    `whole`, which aiohttp's total bounds. A reset, a stall or a broken framing is
+    UpstreamUnavailable, a clean 502: nothing was sent to the client yet."""
     with upstream_errors(slot, "while sending its answer"):
+        if timeout_s is None:
+            return await upstream.read()
         async with asyncio.timeout(timeout_s):
             return await upstream.read()
 
@@ -303,7 +309,8 @@ class UpstreamClient:
         path: str,
         headers: CIMultiDict[str],
         body: bytes,
-        guarded: bool,
+        guarded: bool = False,
+        whole: bool = False,
         params: Any = None,
         slot_reason: str | None = None,
     ) -> aiohttp.ClientResponse:
@@ -312,19 +319,24 @@ class UpstreamClient:
         the four bounds.
 
         `guarded`: the stall guard owns the body, so the per-read timeout is off for it.
+        `whole`: the answer is read whole (read_whole): aiohttp's total bounds the open and the
+        body together, by the sum of the open's bound and `direct_read_timeout_s`.
         `slot_reason`: why the slot is in error, if it is; a failed open names it.
         """
+        read_s = timeouts.direct_read_timeout_s
         with upstream_errors(slot, "waiting for the upstream's response headers",
                              refused_at="upstream_connect", slot_reason=slot_reason):
+            if whole:
+                return await self.session.request(
+                    method, upstream_url(slot.upstream, path), params=params, data=body,
+                    headers=headers, allow_redirects=False,
+                    timeout=client_timeout(timeouts, read_s, open_bound(timeouts) + read_s),
+                )
             async with asyncio.timeout(open_bound(timeouts)):
                 upstream = await self.session.request(
-                    method,
-                    upstream_url(slot.upstream, path),
-                    params=params,
-                    data=body,
-                    headers=headers,
-                    timeout=client_timeout(timeouts, timeouts.direct_read_timeout_s),
-                    allow_redirects=False,
+                    method, upstream_url(slot.upstream, path), params=params, data=body,
+                    headers=headers, allow_redirects=False,
+                    timeout=client_timeout(timeouts, read_s),
                 )
         if guarded:
             hand_body_to_guard(upstream)
