@@ -139,9 +139,11 @@ bench-peers: $(STAMP) bench-nginx $(LITELLM_STAMP)
 
 # `make soak` (not part of `make test`, a few minutes): 10,000 streams on both surfaces with half
 # the clients leaving, then bursts of 1,000 streams, against hal0d under systemd's default
-# open-files limits (bench/soak.py); one figure line per run.
+# open-files limits (bench/soak.py); one figure line per run. Then the storm of loads, unloads,
+# forced unloads and requests on one on-demand slot (tests/test_lifecycle_race.py) for 60 s.
 soak: $(STAMP)
 	$(BIN)/python -m bench.soak
+	HAL0D_STORM_S=60 $(BIN)/python -m pytest -q tests/test_lifecycle_race.py -k keep_one_truth
 
 bench-nginx:
 	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || { \

@@ -392,19 +392,23 @@ class LifecycleManager:
 
     async def load(self, name: str) -> None:
         """Loads the slot (the admin API's load, which an operator may ask for during a failed
-        load's backoff); returns once it is ready, or raises SlotLoadFailed with the cause."""
+        load's backoff); returns once it is ready. An unload under way finishes first, then the
+        slot loads. SlotLoading when an unload cancels the load this waits for; SlotLoadFailed
+        with the cause when the load fails."""
         runner = self.runners[name]
         slot = runner.slot
-        for _ in range(3):  # an unload under way, then the load (once more if one cut in)
-            if slot.state in UP_STATES or self._stopping:
-                break
+        if slot.state is SlotState.STOPPING and runner.job is not None:
+            await asyncio.wait({runner.job})
+        if slot.state not in UP_STATES and not self._stopping:
             if not runner.busy and runner.child is None and slot.state in (SlotState.STOPPED,
                                                                             SlotState.ERROR):
                 self.tell(runner, Event.START)  # at rest, or waiting out a backoff
             job = runner.job
-            if job is None or job.done():
-                break
-            await asyncio.wait({job})  # not shield(): a cancelled job is an outcome here
+            if job is not None and not job.done():
+                await asyncio.wait({job})  # not shield(): a cancelled job is an outcome here
+                if job.cancelled():
+                    raise SlotLoading(f"slot {name!r} was unloaded while it loaded",
+                                      retry_after=FORCED_RETRY_AFTER_S)
         if slot.state not in UP_STATES:
             raise SlotLoadFailed(f"slot {name!r} did not load: {slot.reason}",
                                  retry_after=BACKOFF_FIRST_S)
