@@ -20,8 +20,9 @@ import structlog
 from aiohttp import web
 
 from hal0d import access
-from hal0d.appkeys import EVENTS, RECORDER, RESPONSE_OWNERS, RUNTIME
+from hal0d.appkeys import EVENTS, HEADS, RECORDER, RESPONSE_OWNERS, RUNTIME
 from hal0d.config import Config
+from hal0d.connections import HeadWatch
 from hal0d.contexts import dispatch_context, recorder_context
 from hal0d.errors import ErrorCode, Hal0Error, MethodNotAllowed, NoRoute
 from hal0d.handlers import admin, anthropic, openai, page, responses
@@ -75,6 +76,7 @@ async def request_lifecycle(
     matched = request.match_info.route.resource is not None
     info = RequestInfo(request_id=request_id, endpoint=request.path if matched else "unmatched")
     request[INFO] = info
+    request.app[HEADS].served(request.protocol)
     structlog.contextvars.bind_contextvars(request_id=request_id)
     try:
         response = await answer(request, handler, info)
@@ -171,6 +173,7 @@ def make_app(config: Config) -> web.Application:
     )
     app[RUNTIME] = RuntimeRef(Runtime.build(config))
     app[EVENTS] = EventHub()
+    app[HEADS] = HeadWatch(config.server.header_timeout_s)
     app.on_shutdown.append(close_events)
     app[RESPONSE_OWNERS] = ResponseOwners()
     app.cleanup_ctx.append(recorder_context)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from hal0d.connections import HeadWatch
 from hal0d.lifecycle.routing import RuntimeRef
 from hal0d.lifecycle.slots import SlotTable
 from hal0d.openai.owners import ResponseOwners
@@ -29,6 +30,8 @@ LIFECYCLE: web.AppKey[LifecycleManager] = web.AppKey("lifecycle")
 # streams being relayed (forward.Dispatch).
 DISPATCH: web.AppKey[Dispatch] = web.AppKey("dispatch")
 RECORDER: web.AppKey[Recorder] = web.AppKey("recorder")
+# The connections that never sent a whole first request head, closed after header_timeout_s.
+HEADS = web.AppKey("heads", HeadWatch)
 # The readers of GET /api/events.
 EVENTS: web.AppKey[EventHub] = web.AppKey("events")
 # Which model made each Responses API answer (bounded): GET/DELETE /v1/responses/{id} go there.

@@ -31,6 +31,10 @@ class ServerConfig:
     # listen(2)'s queue of connections not yet accepted; the kernel clips it to somaxconn.
     backlog: int = 2048
     shutdown_grace_s: float = 30.0
+    # A connection that has not sent a whole first request head within this is closed.
+    header_timeout_s: float = 10.0
+    # An idle keep-alive connection is closed after this (aiohttp's own bound).
+    keepalive_timeout_s: float = 75.0
     max_body_bytes: int = 32 * 1024 * 1024
     api_keys: tuple[str, ...] = ()
     api_keys_file: str | None = None
@@ -159,6 +163,8 @@ _SERVER: dict[str, _Range] = {
     "port": (int, 1, 65535),
     "backlog": (int, 1, 65535),
     "shutdown_grace_s": (float, 0.0, 3600.0),
+    "header_timeout_s": (float, 1.0, 600.0),
+    "keepalive_timeout_s": (float, 1.0, 3600.0),
     "max_body_bytes": (int, 1024, 1 << 32),
     "api_keys": (list, None, None),
     "api_keys_file": (str, None, None),

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from hal0d.appkeys import DISPATCH, EVENTS, LIFECYCLE, RECORDER, RUNTIME, SLOTS
+from hal0d.appkeys import DISPATCH, EVENTS, HEADS, LIFECYCLE, RECORDER, RUNTIME, SLOTS
 from hal0d.config import SlotConfig
 from hal0d.forward import Dispatch
 from hal0d.lifecycle.manager import LifecycleManager
@@ -45,6 +45,7 @@ async def recorder_context(app: web.Application) -> AsyncIterator[None]:
     recorder.prom.watch_lifecycle(
         lambda: app[SLOTS], placements, lambda: iter(app[RUNTIME].current.config.groups)
     )
+    recorder.prom.watch_connections(lambda: app[HEADS].closed_total)
     app[RECORDER] = recorder
     yield
     await history.close()

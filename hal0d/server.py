@@ -51,7 +51,7 @@ from aiohttp import web
 from hal0d import config as configuration
 from hal0d import logs, preflight, systemd
 from hal0d.app import make_app
-from hal0d.appkeys import DISPATCH, LIFECYCLE, RUNTIME, SLOTS
+from hal0d.appkeys import DISPATCH, HEADS, LIFECYCLE, RUNTIME, SLOTS
 from hal0d.config import Config
 from hal0d.lifecycle.routing import Runtime
 from hal0d.lifecycle.runner import ConfigDiff
@@ -79,6 +79,7 @@ RESTART_KEYS: tuple[tuple[str, str], ...] = (
     ("server", "backlog"),  # the listening socket's, set once by listen(2)
     ("server", "max_body_bytes"),  # the application's client_max_size
     ("server", "shutdown_grace_s"),  # aiohttp's shutdown timeout is fixed with its runner
+    ("server", "keepalive_timeout_s"),  # so is its keep-alive timeout
     ("metrics", "database"),  # the history writer opens its file once
     ("metrics", "retention_days"),
     ("metrics", "ttft_samples"),
@@ -207,6 +208,7 @@ class Daemon:
             handler_cancellation=True,
             access_log=None,  # request.done is the access log
             shutdown_timeout=self.grace_s + TERMINAL_FRAME_S,
+            keepalive_timeout=config.server.keepalive_timeout_s,
         )
         self.address = f"{config.server.host}:{config.server.port}"
         self.stop_signals = 0
@@ -277,7 +279,10 @@ class Daemon:
         systemd.ready(self.status())
 
         reloads = asyncio.create_task(self.reloads())
-        tasks = [reloads, asyncio.create_task(self.keep_status())]
+        server = self.runner.server
+        assert server is not None  # set up above
+        heads = asyncio.create_task(self.app[HEADS].run(lambda: server.connections))
+        tasks = [reloads, heads, asyncio.create_task(self.keep_status())]
         interval = systemd.watchdog_interval()
         if interval:
             tasks.append(asyncio.create_task(watchdog(interval)))
@@ -388,6 +393,7 @@ class Daemon:
             logs.configure(effective.logging.level, effective.logging.format,
                            cache_loggers=True)
         logs.hide(known_secrets(effective))
+        self.app[HEADS].timeout_s = effective.server.header_timeout_s
         drain_s = drain_time(running)
         lifecycle = self.app[LIFECYCLE]
         diff = ConfigDiff.between(lifecycle.configs, effective.slots, effective.groups)

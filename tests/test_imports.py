@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("the surfaces' pure translations", frozenset({"hal0d.openai.*", "hal0d.anthropic.*"})),
     ("the protocol", frozenset({"hal0d.protocol.*"})),
     ("the base", frozenset({"hal0d", "hal0d.config", "hal0d.errors", "hal0d.logs",
-                           "hal0d.systemd", "hal0d.access"})),
+                           "hal0d.systemd", "hal0d.access", "hal0d.connections"})),
 )
 
 

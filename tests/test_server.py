@@ -35,8 +35,9 @@ STOP_WITHIN_S = 15.0  # a grace of up to 1.5 s, then slot processes get STOP_GRA
 
 
 def config_text(stub: str, port: int, tmp_path: Path, *, grace_s: float = GRACE_S,
-                slot: str = "", extra: str = "") -> str:
-    """hal0d's config; `slot` replaces the one slot in front of the test's stub."""
+                slot: str = "", extra: str = "", server: str = "") -> str:
+    """hal0d's config; `slot` replaces the one slot in front of the test's stub, `server`
+    lines join the [server] table."""
     slot = textwrap.dedent(slot) or textwrap.dedent(f"""
         [[slots]]
         name = "llm"
@@ -49,7 +50,7 @@ def config_text(stub: str, port: int, tmp_path: Path, *, grace_s: float = GRACE_
         host = "127.0.0.1"
         port = {port}
         shutdown_grace_s = {grace_s}
-    """) + slot + textwrap.dedent(f"""
+    """) + textwrap.dedent(server) + slot + textwrap.dedent(f"""
         [metrics]
         database = "{tmp_path / 'history.sqlite3'}"
 

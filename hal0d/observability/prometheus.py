@@ -164,6 +164,17 @@ class DescriptorCollector(Collector):
         )
 
 
+class ConnectionCollector(Collector):
+    def __init__(self, closed: Callable[[], int]) -> None:
+        self.closed = closed
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "hal0d_connections_closed", "connections hal0d closed, by reason", labels=["reason"])
+        family.add_metric(["header_timeout"], self.closed())
+        yield family
+
+
 class PromMetrics:
     """One registry per application, so tests and reloads never share global state."""
 
@@ -209,6 +220,10 @@ class PromMetrics:
         restarts: Callable[[], Mapping[str, int]],
     ) -> None:
         self.registry.register(SlotCollector(slots, live, restarts))
+
+    def watch_connections(self, closed: Callable[[], int]) -> None:
+        """The connections closed for sending no whole request head in time (HeadWatch)."""
+        self.registry.register(ConnectionCollector(closed))
 
     def watch_lifecycle(
         self,
