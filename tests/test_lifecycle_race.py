@@ -46,9 +46,11 @@ CLIENTS = 16
 SEED = 27
 QUEUE_TIMEOUT_S = 5.0
 LOAD_TIMEOUT_S = 8.0
-# The longest any call may take: a chat waits at most the load timeout (an on-demand slot's
+# The longest a call may take: a chat waits at most the load timeout (an on-demand slot's queue
 # bound), an API load at most for an unload and a load; a margin for a busy two-core box.
-BOUND_S = 2 * LOAD_TIMEOUT_S + 4.0
+MARGIN_S = 2.0
+BOUND_S = {"chat": max(QUEUE_TIMEOUT_S, LOAD_TIMEOUT_S) + MARGIN_S,
+           "load": 2 * LOAD_TIMEOUT_S + MARGIN_S}
 ALLOWED = {"load": {200, 503}, "load_nowait": {202}, "unload": {200, 409},
            "unload_force": {200}, "chat": {200, 429, 503}}
 # How often each call is picked: a forced unload cancels any load under way, and a load takes
@@ -71,11 +73,13 @@ async def one_call(http: aiohttp.ClientSession, url: str, what: str) -> tuple[st
                 assert data.endswith(b"data: [DONE]\n\n"), data[-200:]
             else:
                 assert b'"error"' in data, data
+                assert resp.status != 503 or "Retry-After" in resp.headers, resp.headers
             return what, resp.status, time.monotonic() - started
     async with http.post(url + paths[what]) as resp:
         data = await resp.read()
         if resp.status >= 400:
             assert b'"error"' in data, data
+            assert resp.status != 503 or "Retry-After" in resp.headers, resp.headers
         return what, resp.status, time.monotonic() - started
 
 
@@ -146,7 +150,7 @@ async def test_loads_unloads_forced_unloads_and_requests_at_once_keep_one_truth(
     by_kind = collections.Counter((what, status) for what, status, _ in results)
     for what, status, took in results:
         assert status in ALLOWED[what], (what, status, by_kind)
-        assert took < BOUND_S, (what, status, took)
+        assert took < BOUND_S.get(what, MARGIN_S), (what, status, took)
     # The storm did what it is for: every kind of call, loads that served and forced unloads.
     assert {what for what, _, _ in results} == set(ALLOWED), by_kind
     assert by_kind[("chat", 200)] > 0 and by_kind[("unload_force", 200)] > 0, by_kind
