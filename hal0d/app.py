@@ -97,8 +97,12 @@ async def answer(
     info: RequestInfo,
 ) -> web.StreamResponse:
     """The handler's answer, or the error it raised in its surface's envelope."""
+    server = request.app[RUNTIME].current.config.server
     try:
-        access.check(request, request.app[RUNTIME].current.config.server)
+        access.admit(request, server)
+        if (preflight := access.preflight(request, server)) is not None:
+            return preflight
+        access.check(request, server)
         response = await handler(request)
         if not info.status:
             info.status = response.status
@@ -150,6 +154,7 @@ async def add_request_id(request: web.Request, response: web.StreamResponse) -> 
     info = request.get(INFO)
     if info is not None:
         response.headers[REQUEST_ID_HEADER] = info.request_id
+    access.add_cors_headers(request, response, request.app[RUNTIME].current.config.server)
 
 
 async def warn_if_exposed(app: web.Application) -> None:

@@ -39,6 +39,9 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     api_keys_file: str | None = None
     protect_metrics: bool = False
+    # Host names (beyond loopback and the listening address) and browser origins let in.
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
     # The keys clients may present: api_keys plus the lines of api_keys_file, read at load time.
     # Kept out of repr and of print-config's output.
     accepted_keys: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
@@ -169,6 +172,8 @@ _SERVER: dict[str, _Range] = {
     "api_keys": (list, None, None),
     "api_keys_file": (str, None, None),
     "protect_metrics": (bool, None, None),
+    "allowed_hosts": (list, None, None),
+    "allowed_origins": (list, None, None),
 }
 _DISPATCHER: dict[str, _Range] = {
     "direct_read_timeout_s": (float, 30.0, 600.0),
@@ -418,6 +423,34 @@ def _access_keys(server: dict[str, Any], base_dir: Path, problems: list[str]) ->
     server["accepted_keys"] = frozenset(keys)
 
 
+def _host_name(entry: Any) -> str | None:
+    """An allowed_hosts entry as a request's Host is compared with it: lower-cased, an IPv6
+    address without its brackets; None when it is no bare host name (a port, a scheme)."""
+    if not isinstance(entry, str) or not entry.strip() or "/" in entry:
+        return None
+    name = entry.strip().lower()
+    if name.startswith("[") and name.endswith("]"):
+        return name[1:-1]
+    return None if ":" in name else name
+
+
+def _allowed_names(server: dict[str, Any], problems: list[str]) -> None:
+    """allowed_hosts: host names (no port, no scheme); allowed_origins: browser origins,
+    `scheme://host[:port]`, lower-cased, without a trailing slash."""
+    hosts = [_host_name(entry) for entry in server.get("allowed_hosts", [])]
+    if None in hosts:
+        problems.append("server.allowed_hosts: every entry must be a host name without port "
+                        "or scheme, e.g. \"box.lan\"")
+    else:
+        server["allowed_hosts"] = tuple(h for h in hosts if h)
+    origins = server.get("allowed_origins", [])
+    if not all(isinstance(o, str) and o.startswith(("http://", "https://")) for o in origins):
+        problems.append("server.allowed_origins: every entry must be an origin such as "
+                        "\"http://webui.lan:3000\"")
+    else:
+        server["allowed_origins"] = tuple(o.strip().rstrip("/").lower() for o in origins)
+
+
 def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     """Validate a decoded TOML document; raise ConfigError listing every problem."""
     problems: list[str] = []
@@ -428,6 +461,7 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     base_dir = base_dir or Path.cwd()
     server = _check_table(raw.get("server", {}), _SERVER, "server", problems)
     _access_keys(server, base_dir, problems)
+    _allowed_names(server, problems)
     dispatcher = _check_table(raw.get("dispatcher", {}), _DISPATCHER, "dispatcher", problems)
     metrics = _check_table(raw.get("metrics", {}), _METRICS, "metrics", problems)
     logging_ = _check_table(raw.get("logging", {}), _LOGGING, "logging", problems)

@@ -3,6 +3,7 @@
     Hal0Error                      status  OpenAI type / code                       Anthropic type
      ├── InvalidRequest            400     invalid_request_error / request.invalid  invalid_request_error
      ├── Unauthorized              401     authentication_error / auth.invalid_key  authentication_error
+     ├── Forbidden                 403     permission_error / access.forbidden      permission_error
      ├── NoRoute                   404     not_found_error / dispatch.no_route      not_found_error
      ├── MethodNotAllowed          405     invalid_request_error / request.method   invalid_request_error
      ├── Conflict                  409     invalid_request_error / slot.conflict    invalid_request_error
@@ -50,6 +51,7 @@ class ErrorCode(StrEnum):
     # Refused by hal0d (a Hal0Error).
     INVALID = "invalid"
     INVALID_KEY = "invalid_key"
+    FORBIDDEN = "forbidden"
     NO_ROUTE = "no_route"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     CONFLICT = "conflict"
@@ -131,6 +133,14 @@ class Unauthorized(Hal0Error):
     code = "auth.invalid_key"
     error_code = ErrorCode.INVALID_KEY
     anthropic_type = "authentication_error"
+
+
+class Forbidden(Hal0Error):
+    status = 403
+    openai_type = "permission_error"
+    code = "access.forbidden"
+    error_code = ErrorCode.FORBIDDEN
+    anthropic_type = "permission_error"
 
 
 class NoRoute(Hal0Error):

@@ -396,7 +396,7 @@ async def test_a_key_with_bytes_that_are_not_utf8_is_refused_with_401_not_a_500(
     hal0d = await start_hal0d(stub.url, config=config)
     reader, writer = await asyncio.open_connection(hal0d.host, hal0d.port)
     for header in (b"Authorization: Bearer \xff\xfe", b"x-api-key: caf\xc3"):
-        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + header + b"\r\n\r\n")
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n" + header + b"\r\n\r\n")
         await writer.drain()
         status = await reader.readline()
         assert status.startswith(b"HTTP/1.1 401"), status

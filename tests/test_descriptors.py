@@ -335,7 +335,7 @@ async def test_a_connection_hal0d_cannot_accept_is_closed_unanswered_without_a_s
     cpu_before, wall_before = cpu_s(pid), time.monotonic()
     for _ in range(3):
         with socket.create_connection(("127.0.0.1", hal0d.port), timeout=5) as sock:
-            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: hal0d\r\n\r\n")
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             sock.settimeout(5)
             try:
                 answer = sock.recv(4096)

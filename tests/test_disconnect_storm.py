@@ -296,7 +296,7 @@ async def test_a_client_leaving_as_the_upstream_answers_is_a_client_disconnect_n
     client["socket"] = sock
     with capture_logs() as events:
         sock.sendall(
-            f"POST {path} HTTP/1.1\r\nHost: hal0d\r\nContent-Type: application/json\r\n"
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nX-Request-Id: leaves\r\n\r\n".encode() + body
         )
         def done() -> bool:

@@ -170,7 +170,7 @@ def stuck_reader(port: int) -> socket.socket:
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", port))
-    sock.sendall(b"GET /api/events HTTP/1.1\r\nHost: hal0d\r\n\r\n")
+    sock.sendall(b"GET /api/events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     return sock
 
 

@@ -259,7 +259,9 @@ def test_a_page_left_open_does_not_slow_a_stream(hal0d: Daemon, browser: Any) ->
 
 
 def test_unload_and_load_buttons_drive_an_on_demand_slot(hal0d: Daemon, browser: Any) -> None:
-    browser.get(hal0d.url + "/")
+    """From http://localhost:PORT/ (the other tests use 127.0.0.1): the page's own origin and
+    Host are let in, its POSTs (which carry that Origin) included."""
+    browser.get(hal0d.url.replace("127.0.0.1", "localhost") + "/")
     until("the on-demand card", lambda: card_state(browser, "ondemand") == "stopped", 10)
     load = browser.find_element(By.CSS_SELECTOR,
                                 'article[data-slot="ondemand"] button[data-action="load"]')

@@ -438,7 +438,7 @@ async def open_raw_stream(hal0d: Any, model: str) -> tuple[asyncio.StreamReader,
     """A client that sends its request and then reads only when the test says so."""
     reader, writer = await asyncio.open_connection(hal0d.host, hal0d.port)
     body = orjson.dumps(chat_body(model, max_tokens=1_000_000))
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
                  b"application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n"
                  + body)
     await writer.drain()
