@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any, Self
 
 import aiohttp
+import orjson
 from aiohttp.test_utils import TestServer
 from structlog.testing import capture_logs
 
 from hal0d.appkeys import LIFECYCLE
 from hal0d.config import Config, GroupConfig, MetricsConfig, SlotConfig
-from tests.conftest import free_port
+from tests.conftest import eventually, free_port, logs_into_buffer
 
 CHAT = "/v1/chat/completions"
 STARTUP_S = 15.0  # a Python process importing aiohttp, on a busy two-core box
@@ -271,6 +272,26 @@ async def test_an_idle_slot_is_unloaded_and_the_next_request_loads_it_again(
     loaded, reloaded, first = rows
     assert first["load_ms"] > 0 and reloaded["load_ms"] > 0
     assert loaded["load_ms"] == 0
+
+
+async def test_an_idle_unload_carries_no_request_id_and_the_load_a_request_caused_does(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    slot = on_demand("a", tmp_path, idle_unload_s=0.3)
+    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, slot))
+    with logs_into_buffer("json", "info") as buffer:
+        async with http.post(hal0d.make_url(CHAT), json=body("chat"),
+                             headers={"X-Request-Id": "the-one-request"}) as resp:
+            assert resp.status == 200
+        await state_is(http, hal0d, "a", "stopped", timeout=5)
+        await eventually(lambda: '"slot.unloaded"' in buffer.getvalue(), 5, "the unload line")
+    events = [orjson.loads(line) for line in buffer.getvalue().splitlines()]
+    [started] = [e for e in events if e["event"] == "slot.load_started"]
+    assert started.get("request_id") == "the-one-request"
+    idle = [e for e in events if e["event"] in ("slot.unloaded", "slot.process_stopped")
+            or e.get("reason") in ("unloading (idle)", "unloaded (idle)")]
+    assert len(idle) == 4, idle  # stopping, the process stopped, unloaded, stopped
+    assert [e for e in idle if "request_id" in e] == []
 
 
 async def test_a_process_that_exits_while_idle_leaves_its_slot_stopped_not_restarting(

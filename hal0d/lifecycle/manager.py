@@ -23,6 +23,7 @@ is ever cut to make room. A reload is a config diff (ConfigDiff) handed to `appl
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final
@@ -54,6 +55,14 @@ PROBE_INTERVAL_S: Final = 10.0
 HEALTHY_RUN_S: Final = 60.0
 FORCED_RETRY_AFTER_S: Final = 5.0
 UP_STATES: Final = frozenset({SlotState.READY, SlotState.SERVING})
+
+
+def no_request() -> contextvars.Context:
+    """The context a timer of the lifecycle runs in: a fresh one, so an idle unload or a restart
+    after a backoff logs no request id (a timer armed while a request ended would otherwise
+    carry that request's, bound by the lifecycle middleware). What a request causes (the load it
+    asks for, an eviction for that load) keeps its id."""
+    return contextvars.Context()
 
 
 class LifecycleManager:
@@ -147,7 +156,7 @@ class LifecycleManager:
     def _arm_idle(self, runner: Runner, after_s: float) -> None:
         if runner.config.on_demand and runner.config.idle_unload_s > 0:
             runner.idle_timer = asyncio.get_running_loop().call_later(
-                max(0.0, after_s), self._idle, runner)
+                max(0.0, after_s), self._idle, runner, context=no_request())
 
     def _idle(self, runner: Runner) -> None:
         runner.idle_timer = None
@@ -268,7 +277,7 @@ class LifecycleManager:
 
     def _retry_later(self, runner: Runner) -> None:
         runner.retry = asyncio.get_running_loop().call_later(
-            runner.retry_in_s, self._retry, runner)
+            runner.retry_in_s, self._retry, runner, context=no_request())
 
     def _retry(self, runner: Runner) -> None:
         runner.retry = None
