@@ -274,6 +274,37 @@ async def test_an_idle_slot_is_unloaded_and_the_next_request_loads_it_again(
     assert loaded["load_ms"] == 0
 
 
+async def test_a_failed_load_names_the_last_lines_of_output_not_only_the_usage_hint(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """llama-server prints its real error two lines above `to show complete usage, run with
+    -h`: the 503 names the last three lines."""
+    script = ("import sys; print('error while handling argument \"--slot-save-path\": "
+              "not a directory'); print(); print('usage:'); "
+              "print('to show complete usage, run with -h'); sys.exit(1)")
+    slot = SlotConfig(name="a", upstream=f"http://127.0.0.1:{free_port()}", models=("chat",),
+                      command=(sys.executable, "-c", script), start="on_demand")
+    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, slot))
+    status, answer = await chat(http, hal0d, "chat")
+    assert status == 503 and answer["error"]["code"] == "slot.load_failed", answer
+    message = answer["error"]["message"]
+    assert "exited with code 1" in message
+    assert 'not a directory | usage: | to show complete usage, run with -h' in message, message
+
+
+async def test_no_room_says_what_is_true_of_a_group_with_no_other_slot_loaded(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    group = {"gpu0": GroupConfig("gpu0", free_memory_command=("echo", "100"))}
+    slot = on_demand("a", tmp_path, group="gpu0", memory_mib=2048)
+    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, slot, groups=group))
+    status, answer = await chat(http, hal0d, "chat")
+    assert status == 503, answer
+    message = answer["error"]["message"]
+    assert "100 MiB free by free_memory_command, 2048 MiB needed" in message, message
+    assert "no other slot of the group is loaded" in message and "always" not in message
+
+
 async def test_an_idle_unload_carries_no_request_id_and_the_load_a_request_caused_does(
     start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:

@@ -149,8 +149,9 @@ class Groups:
                 continue
             victim = self._victim(loaded)
             if victim is None:
-                raise NoRoom(f"no room in group {limits.name!r}: {short}, and nothing can be "
-                             "unloaded (the other slots are start = 'always')")
+                others = ("no other slot of the group is loaded" if not loaded else
+                          "the loaded ones are start = 'always', never unloaded")
+                raise NoRoom(f"no room in group {limits.name!r}: {short}; {others}")
             log.info("slot.evicting", slot=victim.slot.name, group=limits.name,
                      **{"for": config.name}, in_flight=victim.slot.in_flight, why=short)
             await self._evict(victim.slot.name)

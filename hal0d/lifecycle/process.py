@@ -8,6 +8,7 @@ Every slot with a command runs it through `Child`, started and stopped by the li
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ctypes
 import os
@@ -27,6 +28,9 @@ log = get_logger()
 STOP_GRACE_S = 10.0
 OUTPUT_BLOCK = 65536
 MAX_LOGGED_LINE = 16384  # a longer line is logged cut, with the count of what was left out
+# What a failed load's reason shows of the process's last output: these many lines, each cut.
+SUMMARY_LINES = 3
+SUMMARY_LINE = 300
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # What a slot process gets when hal0d dies without stopping it (kill -9, OOM killer, a crash).
@@ -129,7 +133,8 @@ class Child:
         self.argv = argv
         self.process = process
         self.pid = process.pid
-        self.last_line: str | None = None  # the last line it printed: a failed load names it
+        # The last lines it printed: a failed load names them (exit_summary).
+        self.last_lines: collections.deque[str] = collections.deque(maxlen=SUMMARY_LINES)
         self._output = asyncio.create_task(self._log_output())
 
     @classmethod
@@ -161,9 +166,19 @@ class Child:
         await asyncio.gather(self._output, return_exceptions=True)
         return code
 
+    @property
+    def last_line(self) -> str | None:
+        return self.last_lines[-1] if self.last_lines else None
+
     def exit_summary(self, code: int | None) -> str:
+        """The exit code and the last few lines the process printed: a server's real error is
+        often a line or two above its closing usage hint."""
         summary = f"process exited with code {code}"
-        return f"{summary}: {self.last_line}" if self.last_line else summary
+        if not self.last_lines:
+            return summary
+        shown = [line if len(line) <= SUMMARY_LINE else line[:SUMMARY_LINE] + " [...]"
+                 for line in self.last_lines]
+        return f"{summary}: " + " | ".join(shown)
 
     async def stop(self, grace_s: float = STOP_GRACE_S) -> int | None:
         """SIGTERM to its group, SIGKILL after `grace_s`; returns once it is gone."""
@@ -215,5 +230,5 @@ class Child:
         if len(line) > MAX_LOGGED_LINE:
             text += f" [... {len(line) - MAX_LOGGED_LINE} more bytes]"
         if text:
-            self.last_line = text
+            self.last_lines.append(text)
             log.info("slot.process_output", slot=self.slot, line=text)
