@@ -471,6 +471,9 @@ async def test_unload_drains_a_stream_refuses_with_requests_queued_and_force_end
             assert forced.status == 200
         cut = await resp.read()
     assert b'"reason":"unloaded"' in cut and cut.endswith(b"data: [DONE]\n\n")
+    # The notice names the slot and says it was unloaded: no stall, no placeholder.
+    assert b"slot 'a' was unloaded by force (POST /api/slots/a/unload?force=true)" in cut, cut
+    assert b"stall guard" not in cut and b"NAME" not in cut
     status, answer = await queued
     assert status == 503 and "unloaded" in answer["error"]["message"]
     view = (await views(http, hal0d))["a"]

@@ -42,18 +42,21 @@ class StallTrip:
         }
 
     def notice(self) -> str:
-        """The sentence a person reads where the answer stopped."""
+        """The sentence a person reads where the answer stopped: the stall guard's bounds say
+        so; a shutdown and a forced unload are no stall and say what they are."""
+        cut = f"the answer was cut off after {self.elapsed_s:.1f} s because"
+        if self.reason == "shutdown":
+            return f"[hal0] {cut} hal0d is shutting down (slot {self.upstream!r})."
+        if self.reason == "unloaded":
+            return (f"[hal0] {cut} slot {self.upstream!r} was unloaded by force "
+                    f"(POST /api/slots/{self.upstream}/unload?force=true).")
         why = {
             "total": f"the stream ran longer than stream_total_timeout_s = {self.total_s:g} s",
             "idle": f"the upstream sent nothing for stream_idle_timeout_s = {self.idle_s:g} s",
             "read": "the upstream connection timed out on a read (direct_read_timeout_s)",
-            "shutdown": "hal0d is shutting down",
-            "unloaded": "its slot was unloaded by force (POST /api/slots/NAME/unload?force=true)",
         }[self.reason]
-        return (
-            f"[hal0] stall guard: the answer was cut off after {self.elapsed_s:.1f} s because "
-            f"{why} (upstream {self.upstream!r}, reason {self.reason})."
-        )
+        return (f"[hal0] stall guard: {cut} {why} (upstream {self.upstream!r}, "
+                f"reason {self.reason}).")
 
 
 class TransformFailed(Exception):
