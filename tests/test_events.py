@@ -29,7 +29,7 @@ from hal0d.observability import events
 from hal0d.observability.events import EventHub
 from hal0d.observability.history import RequestRecord
 from hal0d.protocol.sse import Decoder
-from tests.conftest import Stub, chat_body, eventually, make_config
+from tests.conftest import Stub, chat_body, eventually, logs_into_buffer, make_config
 from tests.test_loader import STARTUP_S, Start, lifecycle_config, on_demand, start
 
 Event = tuple[str, dict[str, Any]]
@@ -254,6 +254,28 @@ async def test_the_feed_needs_a_key_when_keys_are_set(
     hello = await reader.wait_for("hello", "hello with the key")
     assert [view["name"] for view in hello["slots"]] == ["llm"]
     await reader.close()
+
+
+async def test_a_reader_that_leaves_ends_its_feed_normally_not_as_a_failed_request(
+    start_hal0d: Start, stub: Stub, http: aiohttp.ClientSession
+) -> None:
+    """A closed status page is how a feed ends: its request.done says ok, so the README's
+    `journalctl -g 'request.done.*ok=False'` lists failures, not page closes."""
+    hal0d = await start_hal0d(stub.url)
+    with logs_into_buffer("json", "info") as buffer:
+        async with http.get(hal0d.make_url("/api/events"),
+                            headers={"X-Request-Id": "a-page-closed"}) as resp:
+            assert (await resp.content.readany()).startswith(b"event: hello")
+
+        def done() -> dict[str, Any]:
+            lines = [orjson.loads(line) for line in buffer.getvalue().splitlines()]
+            found = [e for e in lines if e["event"] == "request.done"
+                     and e.get("request_id") == "a-page-closed"]
+            assert len(found) == 1, found
+            return found[0]
+
+        line = await eventually(done, 5, "the feed's request.done")
+    assert (line["path"], line["ok"], line["error_code"]) == ("/api/events", True, None), line
 
 
 async def test_a_quiet_feed_sends_a_heartbeat_comment(

@@ -17,6 +17,7 @@ from hal0d.lifecycle.manager import LifecycleManager
 from hal0d.lifecycle.runner import UnloadReason
 from hal0d.lifecycle.slots import Slot, SlotState
 from hal0d.observability import events as feed
+from hal0d.observability.requestinfo import INFO
 
 MAX_HISTORY_ROWS = 1000
 # A comment this often keeps a quiet feed's connection from looking dead to proxies and readers.
@@ -86,6 +87,8 @@ async def events(request: web.Request) -> web.StreamResponse:
     ]})
     try:
         await response.write(hello)
+        # A feed has no end of its own: its reader leaving is how it ends, not a failure.
+        request[INFO].answered = True
         while True:
             try:
                 async with asyncio.timeout(HEARTBEAT_S):
