@@ -63,6 +63,25 @@ def translate_http_exception(exc: web.HTTPException, request: web.Request) -> Ha
     return error
 
 
+# The route variables whose values are an endpoint's own name (a fixed set, by the route's
+# pattern); every other variable (a response id, a slot name) stays a placeholder.
+ENDPOINT_VARIABLES = ("endpoint",)
+
+
+def endpoint_of(request: web.Request) -> str:
+    """The request's endpoint as the history and /metrics name it: its route's template
+    (`/v1/responses/{id}`), never the raw path, so client-chosen paths cannot add label values
+    without bound; a path no route matched is `unmatched`."""
+    resource = request.match_info.route.resource
+    if resource is None:
+        return "unmatched"
+    template = resource.canonical
+    for name in ENDPOINT_VARIABLES:
+        if name in request.match_info:
+            template = template.replace("{" + name + "}", request.match_info[name])
+    return template
+
+
 @web.middleware
 async def request_lifecycle(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -71,10 +90,7 @@ async def request_lifecycle(
     then, the request having ended, writes its request.done line and makes its record."""
     given = request.headers.get(REQUEST_ID_HEADER, "")
     request_id = given if _REQUEST_ID.match(given) else secrets.token_hex(8)
-    # A path no route matched is recorded under one name: client-chosen paths must not become
-    # new Prometheus label values without bound.
-    matched = request.match_info.route.resource is not None
-    info = RequestInfo(request_id=request_id, endpoint=request.path if matched else "unmatched")
+    info = RequestInfo(request_id=request_id, endpoint=endpoint_of(request))
     request[INFO] = info
     request.app[HEADS].served(request.protocol)
     structlog.contextvars.bind_contextvars(request_id=request_id)

@@ -640,3 +640,29 @@ async def test_metrics_count_loads_failed_loads_idle_unloads_and_evictions(
     assert value(samples, "hal0d_slot_loads_total", slot="c", outcome="ok") == 1
     assert value(samples, "hal0d_slot_unloads_total", slot="b", reason="evicted") is None
     assert value(samples, "hal0d_slot_loaded", slot="b") == 1
+
+
+async def test_made_up_response_ids_add_no_metrics_lines(
+    stub: Any, start_hal0d: Any, http: aiohttp.ClientSession
+) -> None:
+    """Endpoint labels are route templates: 200 requests for made-up /v1/responses ids leave
+    /metrics as long as it was after the first few."""
+    hal0d = await start_hal0d(stub.url)
+
+    async def ask_made_up(count: int, start: int) -> None:
+        for n in range(start, start + count):
+            async with http.get(hal0d.make_url(f"/v1/responses/resp_made_up_{n}")) as resp:
+                assert resp.status == 404
+
+    async def metrics_lines() -> list[str]:
+        async with http.get(hal0d.make_url("/metrics")) as resp:
+            return [line for line in (await resp.text()).splitlines()
+                    if not line.startswith("#")]
+
+    await ask_made_up(3, 0)
+    before = await metrics_lines()
+    await ask_made_up(200, 3)
+    after = await metrics_lines()
+    assert len(after) == len(before)
+    assert any('endpoint="/v1/responses/{id}"' in line for line in after)
+    assert not any("resp_made_up" in line for line in after)
