@@ -121,6 +121,36 @@ def with_server_overrides(config: Config, overrides: Mapping[str, Any]) -> Confi
     return dataclasses.replace(config, server=dataclasses.replace(config.server, **overrides))
 
 
+def listen(host: str, port: int, backlog: int) -> list[socket.socket]:
+    """The listening sockets of `host` (every address it names, as aiohttp's TCPSite would bind
+    them), taken before anything else starts: a port another process holds fails here, before
+    any slot process is started for nothing. Connections that come meanwhile wait in the
+    backlog until the site serves them."""
+    addresses = dict.fromkeys(
+        (family, address) for family, _, _, _, address in socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE))
+    taken: list[socket.socket] = []
+    try:
+        for family, address in addresses:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            taken.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(backlog)
+            sock.setblocking(False)
+    except OSError:
+        close_all(taken)
+        raise
+    return taken
+
+
+def close_all(sockets: list[socket.socket]) -> None:
+    for sock in sockets:
+        sock.close()
+
+
 def bind_hint(exc: OSError) -> str:
     """What the operator can do about a listening address that cannot be had."""
     if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
@@ -250,30 +280,31 @@ class Daemon:
 
     async def serve(self) -> int:
         config = self.config
+        backlog = config.server.backlog
+        ceiling = somaxconn()
+        if ceiling is not None and backlog > ceiling:
+            log.warning("server.backlog_clipped", requested=backlog, somaxconn=ceiling,
+                        hint="raise net.core.somaxconn (sysctl) for a longer accept queue")
+        try:
+            sockets = listen(config.server.host, config.server.port, backlog)
+        except OSError as exc:
+            log.error("server.bind_failed", host=config.server.host, port=config.server.port,
+                      error=exc.strerror or str(exc), hint=bind_hint(exc))
+            return 1
         try:
             await self.runner.setup()
         except Exception as exc:
             log.exception("server.start_failed", config=str(self.config_path),
                           error=f"{type(exc).__name__}: {exc}")
             await self.runner.cleanup()
+            close_all(sockets)
             return 1
         if self.stop_requested.is_set():
             await self.runner.cleanup()
+            close_all(sockets)
             return 0
-        backlog = config.server.backlog
-        ceiling = somaxconn()
-        if ceiling is not None and backlog > ceiling:
-            log.warning("server.backlog_clipped", requested=backlog, somaxconn=ceiling,
-                        hint="raise net.core.somaxconn (sysctl) for a longer accept queue")
-        site = web.TCPSite(self.runner, config.server.host, config.server.port,
-                           backlog=backlog, reuse_address=True)
-        try:
-            await site.start()
-        except OSError as exc:
-            log.error("server.bind_failed", host=config.server.host, port=config.server.port,
-                      error=exc.strerror or str(exc), hint=bind_hint(exc))
-            await self.runner.cleanup()
-            return 1
+        for sock in sockets:
+            await web.SockSite(self.runner, sock, backlog=backlog).start()
         log.info("server.started", host=config.server.host, port=config.server.port,
                  config=str(self.config_path), slots=len(config.slots))
         systemd.ready(self.status())

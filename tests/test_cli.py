@@ -135,14 +135,18 @@ async def test_serve_port_flag_overrides_the_config_and_a_reload_keeps_it_withou
 
 async def test_a_taken_port_exits_1_with_a_hint_naming_the_way_out(serve, stub: Stub,
                                                                     tmp_path: Path):
+    """...and before any slot process is started: the port is taken first."""
+    model_port = free_port()
+    command = ["hal0d", "stub", "--port", str(model_port)]
+    slots = slot_toml(f"http://127.0.0.1:{model_port}", command=command)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        served = await serve(config_toml(tmp_path, port, slot_toml(stub.url)), port=port,
-                             wait=False)
+        served = await serve(config_toml(tmp_path, port, slots), port=port, wait=False)
         code = await asyncio.wait_for(served.process.wait(), DEADLINE_S)
     assert code == 1
+    assert served.named("slot.process_started") == [], served.log.read_text()
     failed = served.named("server.bind_failed")
     assert len(failed) == 1, served.log.read_text()
     assert failed[0]["port"] == port
