@@ -23,6 +23,7 @@ early exit), so response timing tells nothing about how much of a key was right.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import ipaddress
 import time
@@ -97,10 +98,15 @@ def is_ip(name: str) -> bool:
 def host_allowed(host: str | None, server: ServerConfig) -> bool:
     if host is None:
         return True  # HTTP/1.0 without Host: no browser sends that
-    name = host_name(host)
-    if is_loopback(name) or name.endswith(".localhost") or name in server.allowed_hosts:
+    return _name_allowed(host_name(host), server.host.strip("[]").lower(), server.allowed_hosts)
+
+
+@functools.lru_cache(maxsize=256)
+def _name_allowed(name: str, listening: str, allowed: tuple[str, ...]) -> bool:
+    """Cached: a box is reached by a few names, and parsing an address costs more than the
+    lookup (a client that makes up names only churns the bounded cache)."""
+    if is_loopback(name) or name.endswith(".localhost") or name in allowed:
         return True
-    listening = server.host.strip("[]").lower()
     if listening in WILDCARD_HOSTS:
         return is_ip(name)
     return name == listening
