@@ -72,6 +72,7 @@ async def dispatch_context(app: web.Application) -> AsyncIterator[None]:
     for slot in table:
         feed.watch(slot)
     lifecycle.slot_added.append(feed.watch)
+    lifecycle.slot_reconfigured.append(feed.reconfigured)
     lifecycle.observers.append(feed)
     recorder.listeners.append(feed.request_finished)
     try:

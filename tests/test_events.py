@@ -256,6 +256,22 @@ async def test_the_feed_needs_a_key_when_keys_are_set(
     await reader.close()
 
 
+async def test_a_reload_that_changes_a_slot_shows_its_new_view_in_the_feed(
+    start_hal0d: Start, tmp_path: Any, http: aiohttp.ClientSession
+) -> None:
+    first = on_demand("a", tmp_path)
+    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, first))
+    reader = Reader(http, hal0d)
+    await reader.wait_for("hello", "the hello event")
+    changed = dataclasses.replace(first, models=("chat", "tool"))
+    lifecycle = hal0d.app[LIFECYCLE]
+    await lifecycle.apply(ConfigDiff.between(lifecycle.configs, (changed,), {}))
+    event = await reader.wait_for("slot", "the changed slot's view", slot="a", reason="reloaded")
+    assert event["view"]["models"] == ["chat", "tool"]
+    assert event["old"] == event["new"] == "stopped"
+    await reader.close()
+
+
 async def test_a_reader_that_leaves_ends_its_feed_normally_not_as_a_failed_request(
     start_hal0d: Start, stub: Stub, http: aiohttp.ClientSession
 ) -> None:

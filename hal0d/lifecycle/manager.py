@@ -89,6 +89,9 @@ class LifecycleManager:
         self.observers: list[LifecycleObserver] = []
         # Told of each slot a reload adds, once the manager has it (the event feed watches it).
         self.slot_added: list[Callable[[Slot], None]] = []
+        # Told of each slot a reload changed, once its new config is in its view (the event
+        # feed shows it: a page or `status --watch` would show the old one otherwise).
+        self.slot_reconfigured: list[Callable[[Slot], None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
         for config in configs:
@@ -548,6 +551,8 @@ class LifecycleManager:
             self._remove(name, drain_s)
         for config in diff.changed:
             self._change(config, drain_s)
+            for tell in self.slot_reconfigured:
+                tell(self.table[config.name])
 
     async def _add(self, configs: Iterable[SlotConfig]) -> None:
         # Whatever listener contexts.lifecycle_context wired into the first slots, new ones get.

@@ -175,6 +175,11 @@ class SlotFeed:
             "view": self.view(slot),
         })
 
+    def reconfigured(self, slot: Slot) -> None:
+        """A reload changed the slot's config: its view, in a `slot` event with its state as
+        it is (old = new)."""
+        self.slot_changed(slot, slot.state, slot.state, "reloaded")
+
     # LifecycleObserver (lifecycle/manager.py)
     def load_phase(self, slot: str, phase: LoadPhase, elapsed_s: float,
                    reason: str | None) -> None:
