@@ -128,6 +128,10 @@ def unload(daemon: Daemon, name: str, force: bool) -> str:
     return f"{answer['slot']}: {answer['state']}"
 
 
+def _count(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
 def requests(daemon: Daemon, count: int) -> str:
     rows = call(daemon, "GET", f"/api/requests?limit={count}")["requests"]
     header = ("TIME", "REQUEST", "SLOT", "MODEL", "STATUS", "QUEUE_MS", "LOAD_MS", "TTFT_MS",
@@ -136,7 +140,8 @@ def requests(daemon: Daemon, count: int) -> str:
     for row in rows:
         tokens = "-"
         if row.get("prompt_tokens") is not None or row.get("completion_tokens") is not None:
-            tokens = f"{row.get('prompt_tokens') or 0}/{row.get('completion_tokens') or 0}"
+            # An unknown count is "-", not 0: a stream without usage has no prompt count.
+            tokens = f"{_count(row.get('prompt_tokens'))}/{_count(row.get('completion_tokens'))}"
         status = str(row["status"]) + ("" if row["ok"] else f" {row.get('error_code') or ''}")
         lines.append((
             time.strftime("%H:%M:%S", time.localtime(row["ts"])), row["request_id"],

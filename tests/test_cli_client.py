@@ -135,6 +135,9 @@ async def test_status_load_requests_and_unload_through_the_config_file(
     code, out, err = await hal0d("requests", "-n", "5", "--config", config)
     assert code == 0, err
     assert request_id in out and "chat" in out.splitlines()[1]
+    # The stream carried no usage: its prompt count is unknown, shown "-", not 0.
+    [line] = [line for line in out.splitlines() if request_id in line]
+    assert line.split()[-1].startswith("-/"), line
 
     code, out, err = await hal0d("unload", "a", "--config", config)
     assert (code, out.strip()) == (0, "a: stopped"), err
