@@ -30,6 +30,7 @@ TIMEOUT_S = 30.0
 # The feed sends a heartbeat every 15 s: three missed ones mean the daemon is gone.
 WATCH_TIMEOUT_S = 45.0
 METRICS_EVERY_S = 1.0  # --watch asks /api/slots/metrics at most this often
+RECONNECT_S = 1.0  # --watch asks for the feed again this often while hal0d is away
 CLEAR = "\x1b[H\x1b[2J"
 # The addresses that mean "every interface" when listened on; a client reaches them on loopback.
 _ANY = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}
@@ -71,6 +72,10 @@ def locate(config_path: str | None, url: str | None, default_config: str) -> Dae
     return Daemon(f"http://{host}:{server.port}", key)
 
 
+class Refused(ClientError):
+    """hal0d answered, and refused (a key, a 403, a 404): asking again will not help."""
+
+
 def _open(daemon: Daemon, method: str, path: str, timeout: float | None
           ) -> http.client.HTTPResponse:
     request = urllib.request.Request(daemon.url + path, method=method)
@@ -79,7 +84,7 @@ def _open(daemon: Daemon, method: str, path: str, timeout: float | None
     try:
         response: http.client.HTTPResponse = urllib.request.urlopen(request, timeout=timeout)
     except urllib.error.HTTPError as exc:
-        raise ClientError(_refusal(daemon, exc)) from None
+        raise Refused(_refusal(daemon, exc)) from None
     except urllib.error.URLError as exc:
         reason = exc.reason
         if isinstance(reason, ConnectionRefusedError):
@@ -161,9 +166,31 @@ def metrics(daemon: Daemon) -> dict[str, dict[str, Any]]:
     return {entry["name"]: entry for entry in call(daemon, "GET", "/api/slots/metrics")["slots"]}
 
 
-def watch(daemon: Daemon, out: TextIO = sys.stdout) -> None:
-    """Redraws the status table as events arrive, until the daemon ends the feed (a
-    ClientError) or the operator presses Ctrl-C (KeyboardInterrupt, the caller's to catch)."""
+def watch(daemon: Daemon, out: TextIO = sys.stdout, *, retry_s: float = RECONNECT_S) -> None:
+    """Redraws the status table as events arrive, until the operator presses Ctrl-C
+    (KeyboardInterrupt, the caller's to catch). Once it has shown hal0d, a hal0d that goes away
+    (it restarts, it stops, it goes quiet) gets the notice the page shows, and the feed is asked
+    for again every `retry_s`. A hal0d that never answered, or a refusal (a missing or wrong
+    key), ends it with a ClientError."""
+    seen = False
+    while True:
+        try:
+            lost = _watch_once(daemon, out)
+            seen = True
+        except Refused:
+            raise
+        except ClientError as exc:
+            if not seen:
+                raise
+            lost = str(exc)
+        out.write(f"\nConnection to hal0d lost: reconnecting... ({lost})\n")
+        out.flush()
+        time.sleep(retry_s)
+
+
+def _watch_once(daemon: Daemon, out: TextIO) -> str:
+    """One connection to the feed, drawn until it ends; returns why it ended. A ClientError
+    when the feed cannot be opened at all."""
     board = Board([], {})
     metrics_at = 0.0
     with _open(daemon, "GET", "/api/events", WATCH_TIMEOUT_S) as response:
@@ -180,11 +207,12 @@ def watch(daemon: Daemon, out: TextIO = sys.stdout) -> None:
                     out.write(f"\nlast: {board.last}\n")
                 out.flush()
         except TimeoutError:
-            raise ClientError(f"hal0d at {daemon.url} went quiet (no heartbeat in "
-                              f"{WATCH_TIMEOUT_S:g} s)") from None
+            return f"hal0d at {daemon.url} went quiet (no heartbeat in {WATCH_TIMEOUT_S:g} s)"
         except (ConnectionError, http.client.HTTPException) as exc:
-            raise ClientError(f"lost hal0d at {daemon.url}: {exc}") from None
-    raise ClientError(f"hal0d at {daemon.url} ended the event stream (stopping?)")
+            return f"lost hal0d at {daemon.url}: {exc}"
+        except ClientError as exc:  # its metrics, asked as hal0d went away
+            return str(exc)
+    return f"hal0d at {daemon.url} ended the event stream (restarting?)"
 
 
 def sse_events(response: http.client.HTTPResponse) -> Iterator[tuple[str, dict[str, Any]]]:

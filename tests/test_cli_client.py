@@ -177,6 +177,55 @@ async def test_status_watch_redraws_as_events_arrive_and_ends_0_on_ctrl_c(
             await watcher.wait()
 
 
+async def test_status_watch_reconnects_when_hal0d_restarts(daemon: Hal0d) -> None:
+    env = {**env_without("HAL0D_API_KEY"), "HAL0D_API_KEY": KEY}
+    watcher = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "hal0d", "status", "--watch", "--url", daemon.url, cwd=ROOT,
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    stdout = watcher.stdout
+    assert stdout is not None
+    seen = bytearray()
+
+    async def shown(text: str) -> bool:
+        with contextlib.suppress(TimeoutError):
+            seen.extend(await asyncio.wait_for(stdout.read(65536), 0.2))
+        return text in seen.decode(errors="replace")
+
+    again: asyncio.subprocess.Process | None = None
+    try:
+        await eventually(lambda: shown(" stopped "), DEADLINE_S, "the first screen")
+        daemon.process.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(daemon.process.wait(), DEADLINE_S)
+        await eventually(lambda: shown("Connection to hal0d lost: reconnecting"), DEADLINE_S,
+                         "the page's notice")
+        assert watcher.returncode is None  # still watching, not exited 1
+        before = len(seen)
+        with daemon.log.open("ab") as out:
+            again = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "hal0d", "serve", "--config", str(daemon.config),
+                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
+                env=env_without("HAL0D_API_KEY"),
+            )
+
+        async def redrawn() -> bool:
+            await shown("")
+            return " stopped " in seen[before:].decode(errors="replace")
+
+        await eventually(redrawn, DEADLINE_S, "a fresh screen from the restarted hal0d")
+        watcher.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(watcher.wait(), DEADLINE_S) == 0
+    finally:
+        for process in (watcher, again):
+            if process is not None and process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(process.wait(), DEADLINE_S)
+                except TimeoutError:
+                    process.kill()
+                    await process.wait()
+
+
 async def test_a_daemon_that_is_not_running_is_one_line_and_exit_1() -> None:
     port = free_port()
     for command in (("status",), ("status", "--watch"), ("load", "a"), ("requests",)):
