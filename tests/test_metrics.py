@@ -666,3 +666,24 @@ async def test_made_up_response_ids_add_no_metrics_lines(
     assert len(after) == len(before)
     assert any('endpoint="/v1/responses/{id}"' in line for line in after)
     assert not any("resp_made_up" in line for line in after)
+
+
+async def test_a_stream_without_usage_counts_its_generated_deltas_not_the_closing_one(
+    stub: Any, start_hal0d: Any, http: aiohttp.ClientSession
+) -> None:
+    """The seed's count: one per `"delta":` that carries generated output; the role-only
+    opening chunk and the finish chunk's empty delta are none."""
+    hal0d = await start_hal0d(stub.url)
+    async with http.post(hal0d.make_url("/v1/chat/completions"),
+                         json={"model": "chat", "stream": True,
+                               "messages": [{"role": "user", "content": "hi"}]}) as resp:
+        raw = await resp.read()
+    generated = 0
+    for line in raw.decode().splitlines():
+        if line.startswith("data: {"):
+            delta = orjson.loads(line[len("data: "):])["choices"][0].get("delta") or {}
+            generated += bool(delta.get("content") or delta.get("reasoning_content"))
+    assert generated > 1
+    async with http.get(hal0d.make_url("/api/requests?limit=1")) as resp:
+        [row] = (await resp.json())["requests"]
+    assert row["completion_tokens"] == generated, (row, generated)

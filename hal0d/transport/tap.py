@@ -106,8 +106,9 @@ class StreamTap:
             if STALL_MARKER in chunk or not _carries_generated_text(chunk):
                 return
             self.first_token_at = now
-        # Approximate: one delta per generated token, as llama-server and vLLM stream them.
-        self.tokens += chunk.count(b'"delta"')
+        # Approximate: one delta per generated token, as llama-server and vLLM stream them; the
+        # closing chunk's empty delta (it carries the finish_reason) generated nothing.
+        self.tokens += chunk.count(b'"delta"') - chunk.count(b'"delta":{}')
         self.last_chunk_at = now
         self._before_last, self._last = self._last, chunk
 
