@@ -309,6 +309,8 @@ def _check_slots(raw: Any, problems: list[str]) -> tuple[SlotConfig, ...]:
         if len(problems) == before:
             good["upstream"] = good["upstream"].rstrip("/")
             slots.append(SlotConfig(**good))
+        elif isinstance(name, str) and name:
+            problems[before:] = [f'{problem} (slot "{name}")' for problem in problems[before:]]
     return tuple(slots)
 
 
@@ -316,8 +318,8 @@ def _check_lifecycle(good: dict[str, Any], table: Any, path: str, problems: list
     start = good.get("start", START_ALWAYS)
     if start not in (START_ALWAYS, START_ON_DEMAND):
         problems.append(f"{path}.start: {start!r} is not one of ('always', 'on_demand')")
-    if good.get("command"):
-        return
+    if good.get("command") or (isinstance(table, dict) and "command" in table):
+        return  # a command given, if malformed, has its own problem: no follow-ons from it
     # Without a command hal0d has nothing to start or stop: these would silently do nothing.
     if start == START_ON_DEMAND:
         problems.append(f"{path}.start: 'on_demand' needs a command for hal0d to start")
@@ -327,7 +329,7 @@ def _check_lifecycle(good: dict[str, Any], table: Any, path: str, problems: list
 
 
 def _check_groups(
-    raw: Any, slots: tuple[SlotConfig, ...], problems: list[str]
+    raw: Any, slots: tuple[SlotConfig, ...], problems: list[str], raw_slots: Any = ()
 ) -> dict[str, GroupConfig]:
     if not isinstance(raw, dict):
         problems.append("groups: must be a table of [groups.NAME] tables")
@@ -347,11 +349,15 @@ def _check_groups(
             continue
         if slot.group not in groups:
             problems.append(f"slots[{index}].group: {slot.group!r} is not a [groups] table "
-                            f"(defined: {', '.join(sorted(groups)) or 'none'})")
+                            f"(defined: {', '.join(sorted(groups)) or 'none'}) "
+                            f'(slot "{slot.name}")')
             continue
         members[slot.group].append((index, slot))
+    # A group that a slot with problems of its own names is not "named by no slot".
+    claimed = {table.get("group") for table in raw_slots if isinstance(table, dict)}
     for name, group in groups.items():
-        _check_group_members(group, members[name], problems)
+        if members[name] or name not in claimed:
+            _check_group_members(group, members[name], problems)
     return groups
 
 
@@ -470,7 +476,9 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     if logging_.get("format", "auto") not in _LOG_FORMATS:
         problems.append(f"logging.format: {logging_['format']!r} is not one of {_LOG_FORMATS}")
     slots = _check_slots(raw.get("slots", []), problems)
-    groups = _check_groups(raw.get("groups", {}), slots, problems)
+    raw_slots = raw.get("slots", [])
+    groups = _check_groups(raw.get("groups", {}), slots, problems,
+                           raw_slots if isinstance(raw_slots, list) else [])
     models = _check_models(raw.get("models", {}), slots, problems)
     for pattern in models:
         if not any(ch in pattern for ch in "*?[") and any(pattern in s.models for s in slots):

@@ -103,3 +103,26 @@ def test_print_config_shows_groups_and_lifecycle_keys_and_round_trips(tmp_path: 
     assert printed["slots"][0]["start"] == "on_demand"
     assert "idle_unload_s" not in printed["slots"][3]  # no command: the key cannot apply
     assert config.load(write(tmp_path, result.stdout)) == config.load(path)
+
+
+def test_one_mistake_is_one_problem_naming_its_slot_not_a_cascade() -> None:
+    """A typo in a slot of a group, or a command given as a string, is reported once, with the
+    slot's name; the group that slot names is not 'named by no slot', and the keys that need a
+    command are not refused for want of one."""
+    group = '[groups.gpu0]\nmax_loaded = 1\n'
+    alpha = 'name = "alpha"\nupstream = "http://127.0.0.1:9"\nmodels = ["m"]\n'
+    typo = ('[[slots]]\nname = "beta"\nupstream = "http://127.0.0.1:10"\nmodels = ["n"]\n'
+            'command = ["llama-server"]\nstart = "on_demand"\ngroup = "gpu0"\n'
+            'idle_unlaod_s = 60\n')
+    with pytest.raises(config.ConfigError) as caught:
+        config.parse(tomllib.loads("[[slots]]\n" + alpha + typo + group))
+    [problem] = caught.value.problems
+    assert problem.startswith("slots[1].idle_unlaod_s: unknown key"), problem
+    assert problem.endswith('(slot "beta")'), problem
+
+    as_string = typo.replace('command = ["llama-server"]', 'command = "llama-server -m x.gguf"'
+                             ).replace("idle_unlaod_s", "idle_unload_s")
+    with pytest.raises(config.ConfigError) as caught:
+        config.parse(tomllib.loads("[[slots]]\n" + alpha + as_string + group))
+    [problem] = caught.value.problems
+    assert problem.startswith("slots[1].command:") and '(slot "beta")' in problem, problem
