@@ -509,7 +509,16 @@ def load(path: str | Path) -> Config:
         raise ConfigError([f"{path}: not UTF-8 ({exc.reason})"]) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([f"{path}: invalid TOML ({exc})"]) from None
+    metrics = raw.get("metrics")
+    if (isinstance(metrics, dict) and "database" not in metrics) or "metrics" not in raw:
+        # Named after the config file: two configs in one folder keep two histories.
+        raw.setdefault("metrics", {})["database"] = default_database(path)
     return parse(raw, base_dir=path.resolve().parent)
+
+
+def default_database(config_path: Path) -> str:
+    """The history of a config file that names none: `two.toml` keeps `two.history.sqlite3`."""
+    return f"{config_path.stem}.history.sqlite3"
 
 
 def to_dict(config: Config) -> dict[str, Any]:

@@ -55,6 +55,7 @@ from hal0d.appkeys import DISPATCH, HEADS, LIFECYCLE, RUNTIME, SLOTS
 from hal0d.config import Config
 from hal0d.lifecycle.routing import Runtime
 from hal0d.lifecycle.runner import ConfigDiff
+from hal0d.observability.history import HistoryInUse
 from hal0d.preflight import Finding
 from hal0d.transport import descriptors
 from hal0d.transport.stallguard import StallGuard
@@ -293,6 +294,11 @@ class Daemon:
             return 1
         try:
             await self.runner.setup()
+        except HistoryInUse as exc:
+            log.error("server.start_failed", config=str(self.config_path), error=str(exc))
+            await self.runner.cleanup()
+            close_all(sockets)
+            return 1
         except Exception as exc:
             log.exception("server.start_failed", config=str(self.config_path),
                           error=f"{type(exc).__name__}: {exc}")

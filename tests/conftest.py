@@ -257,8 +257,16 @@ async def start_hal0d(
 ) -> ServerFactory:
     """Start hal0d in front of `upstream`; keyword arguments go to make_config."""
 
+    started = 0
+
     async def start(upstream: str, **options: Any) -> TestServer:
+        nonlocal started
         config = options.pop("config", None) or make_config(upstream, tmp_path=tmp_path, **options)
+        started += 1
+        if started > 1 and config.database_path() == tmp_path / "history.sqlite3":
+            # A second hal0d in one test keeps a history of its own, as two daemons must.
+            config = dataclasses.replace(config, metrics=dataclasses.replace(
+                config.metrics, database=str(tmp_path / f"history-{started}.sqlite3")))
         return await aiohttp_server(make_app(config))
 
     return start

@@ -24,6 +24,7 @@ import aiohttp
 import orjson
 import pytest
 
+from hal0d import config as configuration
 from tests.conftest import Stub, StubFactory, chat_body, eventually, free_port
 
 GRACE_S = 1.5
@@ -481,3 +482,34 @@ async def test_a_reloaded_slot_command_replaces_its_process_once_its_streams_are
     assert status == 200, answer
     assert "start rid=" in new_log.read_text()  # served by the reloaded command
     assert await after_the_stream(http, hal0d, "slot.process_stopped", "proc")
+
+
+def test_two_configs_in_one_folder_keep_two_histories(tmp_path: Path) -> None:
+    slot = '[[slots]]\nname = "a"\nupstream = "http://127.0.0.1:9"\nmodels = ["m"]\n'
+    (tmp_path / "two.toml").write_text(slot)
+    (tmp_path / "keys.toml").write_text(slot)
+    two, keys = (configuration.load(tmp_path / name) for name in ("two.toml", "keys.toml"))
+    assert two.database_path() == tmp_path / "two.history.sqlite3"
+    assert keys.database_path() == tmp_path / "keys.history.sqlite3"
+
+
+async def test_a_second_hal0d_on_one_history_is_refused_with_one_clear_line(
+    stub: Stub, start_hal0d: Hal0dFactory, tmp_path: Path
+) -> None:
+    first = await start_hal0d(stub)
+    other = tmp_path / "other"
+    other.mkdir()
+    config = other / "hal0d.toml"
+    config.write_text(config_text(stub.url, free_port(), tmp_path))  # the same database
+    log = other / "hal0d.log"
+    with log.open("wb") as out:
+        second = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "hal0d", "serve", "--config", str(config),
+            stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
+        )
+    assert await asyncio.wait_for(second.wait(), 20) == 1
+    refused = Hal0d(second, 0, config, log).named("server.start_failed")
+    assert len(refused) == 1, log.read_text()
+    assert f"in use by another hal0d (pid {first.process.pid})" in refused[0]["error"]
+    assert "exception" not in refused[0]  # one line, no traceback
+    assert first.process.returncode is None  # the first one serves on

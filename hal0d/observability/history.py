@@ -18,13 +18,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import fcntl
+import os
 import sqlite3
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import IO, Any, Final, TypeVar
 
 import structlog
 
@@ -87,6 +89,31 @@ _SELECT_RECENT: Final = (
 _BOOLEAN_COLUMNS: Final = ("stream", "ok")
 
 
+class HistoryInUse(Exception):
+    """Another hal0d keeps its request history in this file."""
+
+
+def hold_lock(path: Path) -> IO[str]:
+    """An exclusive lock on `<database>.lock`, held while the history is open: two hal0d on one
+    file would mix their rows and each list the other's requests as its own, so the second is
+    refused (HistoryInUse, naming the holder's pid)."""
+    lock = path.with_name(path.name + ".lock").open("a+")
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip()
+        lock.close()
+        by = f" (pid {holder})" if holder else ""
+        raise HistoryInUse(f"the request history {path} is in use by another hal0d{by}; "
+                           "give each its own [metrics] database") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
+
+
 class HistoryWriter:
     def __init__(
         self,
@@ -113,6 +140,7 @@ class HistoryWriter:
         self._queue: asyncio.Queue[RequestRecord] = asyncio.Queue(maxsize=max_pending)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hal0d-history")
         self._conn: sqlite3.Connection | None = None
+        self._lock: IO[str] | None = None
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         # flush() waits on counters, not on queue.join(): under steady traffic the queue may
@@ -237,6 +265,7 @@ class HistoryWriter:
 
     def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = hold_lock(self.path)
         # Autocommit mode: transactions are explicit, one per batch.
         conn = sqlite3.connect(self.path, isolation_level=None)
         conn.execute("PRAGMA journal_mode=WAL")
@@ -286,3 +315,6 @@ class HistoryWriter:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+        if self._lock is not None:
+            self._lock.close()  # the lock goes with it
+            self._lock = None
