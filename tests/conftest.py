@@ -185,11 +185,20 @@ def no_process_outlives_the_tests() -> Iterator[None]:
                     pytrace=False)
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A loopback port nothing listens on (bound, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port nothing listens on (bound, then released), and none this test run has
+    handed out before: two calls before either port is bound (hal0d's and its slot's) could
+    otherwise get the same one, and the slot's process would find hal0d on its port."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def read_log(path: Path) -> str:
