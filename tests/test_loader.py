@@ -305,6 +305,31 @@ async def test_no_room_says_what_is_true_of_a_group_with_no_other_slot_loaded(
     assert "no other slot of the group is loaded" in message and "always" not in message
 
 
+async def test_a_port_another_program_listens_on_fails_the_load_instead_of_its_answer_counting(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession, aiohttp_server: Any
+) -> None:
+    """Another program on the slot's port would answer the probe while the slot's own process
+    fails to bind: the load fails at once, naming the port, and the slot is never ready."""
+    from aiohttp import web
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"data": []})
+
+    other = web.Application()
+    other.router.add_get("/v1/models", models)
+    squatter = await aiohttp_server(other)
+    slot = SlotConfig(name="a", upstream=f"http://127.0.0.1:{squatter.port}", models=("chat",),
+                      command=stub_command(squatter.port, tmp_path / "a.log"), start="on_demand")
+    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, slot))
+    with capture_logs() as logs:
+        status, answer = await chat(http, hal0d, "chat")
+    assert status == 503 and answer["error"]["code"] == "slot.load_failed", answer
+    assert f"port {squatter.port} of 127.0.0.1 is already in use" in answer["error"]["message"]
+    events = [entry["event"] for entry in logs]
+    assert "slot.loaded" not in events and "slot.process_started" not in events
+    assert (await views(http, hal0d))["a"]["state"] == "stopped"
+
+
 async def test_an_idle_unload_carries_no_request_id_and_the_load_a_request_caused_does(
     start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:

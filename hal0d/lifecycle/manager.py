@@ -32,7 +32,7 @@ from hal0d.config import GroupConfig, SlotConfig
 from hal0d.errors import SlotLoadFailed, SlotLoading
 from hal0d.lifecycle.groups import Groups, Member, NoRoom
 from hal0d.lifecycle.machine import Action, Event, allows
-from hal0d.lifecycle.probe import answers_within, probe
+from hal0d.lifecycle.probe import answers_within, port_taken, probe
 from hal0d.lifecycle.process import Child, LaunchFailed, resolve_program
 from hal0d.lifecycle.runner import (
     BACKOFF_FIRST_S,
@@ -203,6 +203,8 @@ class LifecycleManager:
                     launching += f" (the last attempt failed: {runner.cause})"
                 self.tell(runner, Event.LAUNCH, launching)
                 progress.enter(LoadPhase.STARTING)
+                if (taken := port_taken(config.upstream)) is not None:
+                    raise LaunchFailed(taken)
                 child = await self._launch(runner)
                 progress.enter(LoadPhase.PROBING)
                 cause = await self._until_answering(

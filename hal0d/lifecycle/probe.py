@@ -7,7 +7,11 @@ answers.
 from __future__ import annotations
 
 import asyncio
+import errno
+import ipaddress
+import socket
 import time
+from urllib.parse import urlsplit
 
 from aiohttp import hdrs
 
@@ -40,6 +44,34 @@ async def probe(client: UpstreamClient, config: SlotConfig) -> str | None:
         return exc.cause or str(exc)
     if status >= 500:
         return f"GET /v1/models answered {status}"
+    return None
+
+
+def port_taken(upstream: str) -> str | None:
+    """Why a process started for `upstream` could not have it to itself: something already
+    listens on its port (another program, an earlier hal0d's process): None when the port is
+    free or not this machine's to check. A probe would otherwise take that other program's
+    answer for the new process's. A bind with SO_REUSEADDR fails only on a listener, not on
+    connections an earlier process left in TIME_WAIT."""
+    parts = urlsplit(upstream)
+    host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    if host is None:
+        return None
+    try:
+        address = ipaddress.ip_address("127.0.0.1" if host == "localhost" else host)
+    except ValueError:
+        return None  # a name: a remote provider, or one this check cannot place
+    if not address.is_loopback:
+        return None
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((str(address), port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return (f"port {port} of {host} is already in use by another process: the "
+                        "slot's command could not listen there")
     return None
 
 
