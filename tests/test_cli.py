@@ -297,3 +297,20 @@ def test_version_comes_from_one_place():
     assert result.returncode == 0
     assert result.stdout.strip() == f"hal0d {hal0d.__version__}" == "hal0d 0.1.0"
     assert importlib.metadata.version("hal0d") == hal0d.__version__
+
+
+def test_python_m_hal0d_beside_a_folder_named_hal0d_says_so_instead_of_an_import_error(
+    tmp_path: Path,
+):
+    """From the folder that holds a clone named hal0d, Python takes the clone for the package:
+    one line saying so and exit 1, not `cannot import name '__version__'`."""
+    (tmp_path / "hal0d").mkdir()
+    result = subprocess.run([sys.executable, "-m", "hal0d", "--version"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        f"hal0d: the folder {tmp_path / 'hal0d'} shadows the installed hal0d in "
+        "`python -m hal0d`; run it from another folder, or use the `hal0d` command")
+    elsewhere = subprocess.run([sys.executable, "-m", "hal0d", "--version"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=30, check=False)
+    assert elsewhere.returncode == 0 and elsewhere.stdout.startswith("hal0d ")
