@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import eventually, free_port
 from tests.test_cli import ROOT, env_without
-from tests.test_server import Hal0d
+from tests.test_server import Hal0d, stop
 
 KEY = "sk-cli-test"
 DEADLINE_S = 20.0
@@ -68,13 +68,7 @@ async def daemon(tmp_path: Path) -> AsyncIterator[Hal0d]:
         await served.wait_for_event("server.started", DEADLINE_S)
         yield served
     finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(process.wait(), DEADLINE_S)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+        await stop(process)
 
 
 async def hal0d(*args: str, key: str | None = None) -> tuple[int, str, str]:
@@ -217,13 +211,8 @@ async def test_status_watch_reconnects_when_hal0d_restarts(daemon: Hal0d) -> Non
         assert await asyncio.wait_for(watcher.wait(), DEADLINE_S) == 0
     finally:
         for process in (watcher, again):
-            if process is not None and process.returncode is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    await asyncio.wait_for(process.wait(), DEADLINE_S)
-                except TimeoutError:
-                    process.kill()
-                    await process.wait()
+            if process is not None:
+                await stop(process)
 
 
 async def test_a_daemon_that_is_not_running_is_one_line_and_exit_1() -> None:

@@ -106,9 +106,8 @@ class StreamTap:
             if STALL_MARKER in chunk or not _carries_generated_text(chunk):
                 return
             self.first_token_at = now
-        # Approximate: one delta per generated token, as llama-server and vLLM stream them; the
-        # closing chunk's empty delta (it carries the finish_reason) generated nothing.
-        self.tokens += chunk.count(b'"delta"') - chunk.count(b'"delta":{}')
+        # Approximate: one delta per generated token, as llama-server and vLLM stream them.
+        self.tokens += chunk.count(b'"delta"')
         self.last_chunk_at = now
         self._before_last, self._last = self._last, chunk
 
@@ -127,11 +126,17 @@ class StreamTap:
         reported = usage.get("completion_tokens") if usage else None
         if isinstance(reported, int):
             return reported
-        return self.tokens if self.first_token_at is not None else None
+        return self.generated() if self.first_token_at is not None else None
+
+    def generated(self) -> int:
+        """The deltas counted, less the closing chunk's empty one (it carries the finish_reason
+        and generated nothing): looked for once, in the last reads, not in every chunk."""
+        return self.tokens - (self._before_last + self._last).count(b'"delta":{}')
 
     def decode_tokens_per_s(self) -> float | None:
         """Tokens after the first over the time since it: the model's decoding speed."""
-        if self.first_token_at is None or self.last_chunk_at is None or self.tokens < 2:
+        tokens = self.generated()
+        if self.first_token_at is None or self.last_chunk_at is None or tokens < 2:
             return None
         span = self.last_chunk_at - self.first_token_at
-        return (self.tokens - 1) / span if span > 0 else None
+        return (tokens - 1) / span if span > 0 else None

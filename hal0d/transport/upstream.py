@@ -323,21 +323,18 @@ class UpstreamClient:
         body together, by the sum of the open's bound and `direct_read_timeout_s`.
         `slot_reason`: why the slot is in error, if it is; a failed open names it.
         """
-        read_s = timeouts.direct_read_timeout_s
+        read_s, bound = timeouts.direct_read_timeout_s, open_bound(timeouts)
+        sent = self.session.request(  # sent when awaited
+            method, upstream_url(slot.upstream, path), params=params, data=body,
+            headers=headers, allow_redirects=False,
+            timeout=client_timeout(timeouts, read_s, bound + read_s if whole else None),
+        )
         with upstream_errors(slot, "waiting for the upstream's response headers",
                              refused_at="upstream_connect", slot_reason=slot_reason):
             if whole:
-                return await self.session.request(
-                    method, upstream_url(slot.upstream, path), params=params, data=body,
-                    headers=headers, allow_redirects=False,
-                    timeout=client_timeout(timeouts, read_s, open_bound(timeouts) + read_s),
-                )
-            async with asyncio.timeout(open_bound(timeouts)):
-                upstream = await self.session.request(
-                    method, upstream_url(slot.upstream, path), params=params, data=body,
-                    headers=headers, allow_redirects=False,
-                    timeout=client_timeout(timeouts, read_s),
-                )
+                return await sent
+            async with asyncio.timeout(bound):
+                upstream = await sent
         if guarded:
             hand_body_to_guard(upstream)
         return upstream
