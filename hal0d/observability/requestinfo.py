@@ -23,6 +23,9 @@ class RequestInfo:
     model: str | None = None  # as the client named it
     served_model: str | None = None  # as the upstream knows it
     slot: str | None = None
+    # The name of the [[keys]] entry the request came in with (never the secret); None without
+    # keys. It is the client whose turn a slot's queue takes (see the swaps issue).
+    key: str | None = None
     stream: bool = False
     status: int = 0
     ok: bool = True
