@@ -14,17 +14,14 @@ A web page the same person opens in a browser can send requests to 127.0.0.1 (a 
   anything else is 403 on every method and path. An allowed foreign origin gets CORS answers
   (a preflight, `Access-Control-Allow-Origin` naming it alone); any other gets no CORS header.
 
-/healthz and /readyz never need one: a load balancer's or systemd's probe carries no key. /readyz
-shows the slots' reasons only to a key holder when keys are set (may_see_details).
-
-Keys are compared in constant time (hmac.compare_digest against every accepted key, without an
-early exit), so response timing tells nothing about how much of a key was right.
+Then the key (hal0d.keys: which scope a path needs, what each key may do). /healthz and /readyz
+never need one: a load balancer's or systemd's probe carries no key. /readyz shows the slots'
+reasons only to a key holder when keys are set (may_see_details).
 """
 
 from __future__ import annotations
 
 import functools
-import hmac
 import ipaddress
 import time
 from typing import Final
@@ -33,19 +30,10 @@ from aiohttp import hdrs, web
 
 from hal0d.config import ServerConfig
 from hal0d.errors import Forbidden, Unauthorized
+from hal0d.keys import ADMIN, INFERENCE, READ, Key, KeyRing, scope_of
 from hal0d.logs import get_logger
 
 log = get_logger()
-
-PROTECTED_PREFIXES = ("/v1/", "/llm/", "/api/")
-
-
-def needs_key(path: str, server: ServerConfig) -> bool:
-    if not server.accepted_keys:
-        return False
-    if path == "/metrics":
-        return server.protect_metrics
-    return path.startswith(PROTECTED_PREFIXES)
 
 
 def presented_key(request: web.Request) -> str | None:
@@ -55,15 +43,6 @@ def presented_key(request: web.Request) -> str | None:
     if scheme.lower() == "bearer" and token.strip():
         return token.strip()
     return request.headers.get("x-api-key") or None
-
-
-def is_accepted(key: str, server: ServerConfig) -> bool:
-    # aiohttp decodes header bytes with surrogateescape; encode them back the same way.
-    given = key.encode("utf-8", "surrogateescape")
-    accepted = False
-    for candidate in server.accepted_keys:
-        accepted |= hmac.compare_digest(given, candidate.encode())
-    return accepted
 
 
 # What a CORS preflight from an allowed origin is told: the API's methods, and the request's own
@@ -182,23 +161,40 @@ def add_cors_headers(request: web.Request, response: web.StreamResponse,
         response.headers.add(hdrs.VARY, "Origin")
 
 
-def check(request: web.Request, server: ServerConfig) -> None:
-    if not needs_key(request.path, server):
-        return
-    key = presented_key(request)
-    if key is None:
+# What each scope lets a key do, for the refusal's message.
+SCOPE_WORK: Final = {INFERENCE: "call models", READ: "read hal0d's state",
+                     ADMIN: "load or unload slots"}
+
+
+def check(request: web.Request, ring: KeyRing, server: ServerConfig) -> Key | None:
+    """The key the request came in with when its path needs one (hal0d.keys.scope_of): 401
+    without a key or with an unknown one, 403 when the key lacks the scope. None when keys are
+    not set or the path needs none."""
+    if not ring:
+        return None
+    scope = scope_of(request.method, request.path, server.protect_metrics)
+    if scope is None:
+        return None
+    presented = presented_key(request)
+    if presented is None:
         raise Unauthorized("an API key is required: Authorization: Bearer KEY or x-api-key: KEY")
-    if not is_accepted(key, server):
+    key = ring.identify(presented)
+    if key is None:
         raise Unauthorized("the API key is not valid")
+    if scope not in key.scopes:
+        raise Forbidden(f"key {key.name!r} may not {SCOPE_WORK[scope]} (its scopes: "
+                        f"{', '.join(sorted(key.scopes))}; {request.method} {request.path} "
+                        f"needs {scope!r})")
+    return key
 
 
-def may_see_details(request: web.Request, server: ServerConfig) -> bool:
+def may_see_details(request: web.Request, ring: KeyRing) -> bool:
     """Open probes (/readyz) answer anyone, but the slots' reasons (error texts, upstream
     addresses) are what /api/slots guards: with keys set, only a key holder sees them."""
-    if not server.accepted_keys:
+    if not ring:
         return True
-    key = presented_key(request)
-    return key is not None and is_accepted(key, server)
+    presented = presented_key(request)
+    return presented is not None and ring.identify(presented) is not None
 
 
 def is_loopback(host: str) -> bool:

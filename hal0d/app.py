@@ -20,12 +20,13 @@ import structlog
 from aiohttp import web
 
 from hal0d import access
-from hal0d.appkeys import EVENTS, HEADS, RECORDER, RESPONSE_OWNERS, RUNTIME
+from hal0d.appkeys import EVENTS, HEADS, KEY_LIMITS, RECORDER, RESPONSE_OWNERS, RUNTIME
 from hal0d.config import Config
 from hal0d.connections import HeadWatch
 from hal0d.contexts import dispatch_context, recorder_context
 from hal0d.errors import ErrorCode, Hal0Error, MethodNotAllowed, NoRoute
 from hal0d.handlers import admin, anthropic, openai, page, responses
+from hal0d.keys import KEY, KeyLimits
 from hal0d.lifecycle.routing import Runtime, RuntimeRef
 from hal0d.logs import get_logger
 from hal0d.observability.events import EventHub
@@ -113,13 +114,20 @@ async def answer(
     info: RequestInfo,
 ) -> web.StreamResponse:
     """The handler's answer, or the error it raised in its surface's envelope."""
-    server = request.app[RUNTIME].current.config.server
+    runtime = request.app[RUNTIME].current
+    server = runtime.config.server
     try:
         access.admit(request, server)
         if (preflight := access.preflight(request, server)) is not None:
             return preflight
-        access.check(request, server)
-        response = await handler(request)
+        key = access.check(request, runtime.keys, server)
+        if key is not None:
+            request[KEY] = key
+            info.key = key.name
+        # A key's limits count its model calls, never the page's polls.
+        counted = key if is_dispatch_request(request.method, request.path) else None
+        with request.app[KEY_LIMITS].admitted(counted):
+            response = await handler(request)
         if not info.status:
             info.status = response.status
         return response
@@ -174,12 +182,14 @@ async def add_request_id(request: web.Request, response: web.StreamResponse) -> 
 
 
 async def warn_if_exposed(app: web.Application) -> None:
-    server = app[RUNTIME].current.config.server
-    if not access.is_loopback(server.host) and not server.accepted_keys:
+    runtime = app[RUNTIME].current
+    server = runtime.config.server
+    if not access.is_loopback(server.host) and not runtime.keys:
         log.warning(
             "server.unprotected",
             host=server.host,
-            hint="reachable beyond this machine with no [server].api_keys: anyone can use it",
+            hint="reachable beyond this machine with no [[keys]] or [server].api_keys: anyone "
+                 "can use it",
         )
 
 
@@ -197,6 +207,7 @@ def make_app(config: Config) -> web.Application:
     app[HEADS] = HeadWatch(config.server.header_timeout_s)
     app.on_shutdown.append(close_events)
     app[RESPONSE_OWNERS] = ResponseOwners()
+    app[KEY_LIMITS] = KeyLimits()
     app.cleanup_ctx.append(recorder_context)
     app.cleanup_ctx.append(dispatch_context)
     app.on_response_prepare.append(add_request_id)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from hal0d.connections import HeadWatch
+from hal0d.keys import KeyLimits
 from hal0d.lifecycle.routing import RuntimeRef
 from hal0d.lifecycle.slots import SlotTable
 from hal0d.openai.owners import ResponseOwners
@@ -36,3 +37,6 @@ HEADS = web.AppKey("heads", HeadWatch)
 EVENTS: web.AppKey[EventHub] = web.AppKey("events")
 # Which model made each Responses API answer (bounded): GET/DELETE /v1/responses/{id} go there.
 RESPONSE_OWNERS = web.AppKey("response_owners", ResponseOwners)
+# What each named key is doing now (its model calls in flight and of the last minute): one for
+# the process, so a reload keeps the counts.
+KEY_LIMITS = web.AppKey("key_limits", KeyLimits)

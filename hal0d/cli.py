@@ -97,6 +97,7 @@ def add_client_commands(commands: Any) -> None:
     history = client("requests", "show the newest finished requests, newest first")
     history.add_argument("-n", type=count_of_rows, default=20, dest="count",
                          help="how many (1-1000, default 20)")
+    history.add_argument("--key", metavar="NAME", help="only those of the [[keys]] entry NAME")
 
 
 def run_client(args: argparse.Namespace) -> int:
@@ -118,7 +119,7 @@ def run_client(args: argparse.Namespace) -> int:
         elif args.command == "unload":
             print(client.unload(daemon, args.name, args.force))
         else:
-            print(client.requests(daemon, args.count))
+            print(client.requests(daemon, args.count, args.key))
     except client.ClientError as exc:
         print(f"hal0d {args.command}: {exc}", file=sys.stderr)
         return 1

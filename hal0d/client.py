@@ -1,9 +1,10 @@
 """The operator's client of a running hal0d: `hal0d status [--watch]`, `load`, `unload`,
 `requests`, over the admin API (/api/slots, /api/slots/metrics, /api/events, /api/requests).
 
-It finds the daemon from a config file (its [server] host and port, and a key from `api_keys` or
-`api_keys_file`) or from a URL, with HAL0D_API_KEY as the key when set. It speaks plain HTTP with
-the standard library, so the commands start fast and need nothing the daemon does not. Every
+It finds the daemon from a config file (its [server] host and port, and a key from `api_keys`,
+`api_keys_file` or [[keys]]) or from a URL, with HAL0D_API_KEY as the key when set. It speaks
+plain HTTP with the standard library, so the commands start fast and need nothing the daemon
+does not. Every
 failure the operator can meet (the daemon is not running, it refuses the key, a slot it does not
 know) is a ClientError with a one-line message.
 """
@@ -67,9 +68,20 @@ def locate(config_path: str | None, url: str | None, default_config: str) -> Dae
     host = _ANY.get(server.host, server.host)
     if ":" in host:
         host = f"[{host}]"
-    if key is None and server.accepted_keys:
-        key = server.api_keys[0] if server.api_keys else sorted(server.accepted_keys)[0]
+    if key is None:
+        key = config_key(config)
     return Daemon(f"http://{host}:{server.port}", key)
+
+
+def config_key(config: configuration.Config) -> str | None:
+    """The key the commands present from the config file: an api_keys key (every scope), else
+    the [[keys]] entry with the most scopes (status reads, load and unload administer)."""
+    server = config.server
+    if server.accepted_keys:
+        return server.api_keys[0] if server.api_keys else sorted(server.accepted_keys)[0]
+    if config.keys:
+        return max(config.keys, key=lambda entry: len(entry.scopes)).secret
+    return None
 
 
 class Refused(ClientError):
@@ -103,7 +115,7 @@ def _refusal(daemon: Daemon, exc: urllib.error.HTTPError) -> str:
     except (ValueError, KeyError, TypeError, OSError):
         message = exc.reason
     if exc.code == 401:
-        hint = "set HAL0D_API_KEY or [server].api_keys in the --config file"
+        hint = "set HAL0D_API_KEY, or [[keys]] or [server].api_keys in the --config file"
         if daemon.key is not None:
             return f"hal0d at {daemon.url} refused the API key: {message}"
         return f"hal0d at {daemon.url} needs an API key: {hint}"
@@ -137,10 +149,11 @@ def _count(value: int | None) -> str:
     return "-" if value is None else str(value)
 
 
-def requests(daemon: Daemon, count: int) -> str:
-    rows = call(daemon, "GET", f"/api/requests?limit={count}")["requests"]
-    header = ("TIME", "REQUEST", "SLOT", "MODEL", "STATUS", "QUEUE_MS", "LOAD_MS", "TTFT_MS",
-              "TOTAL_MS", "TOKENS")
+def requests(daemon: Daemon, count: int, key: str | None = None) -> str:
+    query = urllib.parse.urlencode({"limit": count, **({"key": key} if key else {})})
+    rows = call(daemon, "GET", f"/api/requests?{query}")["requests"]
+    header = ("TIME", "REQUEST", "KEY", "SLOT", "MODEL", "STATUS", "QUEUE_MS", "LOAD_MS",
+              "TTFT_MS", "TOTAL_MS", "TOKENS")
     lines = [header]
     for row in rows:
         tokens = "-"
@@ -150,7 +163,7 @@ def requests(daemon: Daemon, count: int) -> str:
         status = str(row["status"]) + ("" if row["ok"] else f" {row.get('error_code') or ''}")
         lines.append((
             time.strftime("%H:%M:%S", time.localtime(row["ts"])), row["request_id"],
-            row.get("slot") or "-", row.get("model") or "-", status.strip(),
+            row.get("key") or "-", row.get("slot") or "-", row.get("model") or "-", status.strip(),
             _ms(row.get("queue_ms")), _ms(row.get("load_ms")), _ms(row.get("ttft_ms")),
             _ms(row.get("total_ms")), tokens,
         ))

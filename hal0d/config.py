@@ -142,6 +142,29 @@ class LoggingConfig:
     format: str = "auto"
 
 
+KEY_SCOPES = ("inference", "read", "admin")
+KEY_SECRET_SOURCES = ("key", "key_env", "key_file")
+
+
+@dataclass(frozen=True, slots=True)
+class KeyConfig:
+    """A `[[keys]]` table: a client key with a name (shown in the history, the log and /metrics
+    instead of the key), what it may reach and how much at once (hal0d.keys)."""
+
+    name: str
+    scopes: tuple[str, ...]
+    # Where the secret comes from: one of the three (systemd credentials: key_file =
+    # "${CREDENTIALS_DIRECTORY}/NAME").
+    key: str | None = None
+    key_env: str | None = None
+    key_file: str | None = None
+    models: tuple[str, ...] | None = None  # globs of the model names it may use
+    max_concurrent: int | None = None
+    requests_per_minute: int | None = None
+    # The secret itself, read from its source at load time; never printed.
+    secret: str = field(default="", repr=False)
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -151,6 +174,7 @@ class Config:
     models: dict[str, str] = field(default_factory=dict)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    keys: tuple[KeyConfig, ...] = ()
     # The folder relative paths (the metrics database) resolve against.
     base_dir: Path = field(default_factory=Path.cwd, compare=False)
 
@@ -207,6 +231,16 @@ _GROUP: dict[str, _Range] = {
     "max_loaded": (int, 1, 4096),
     "memory_mib": (int, 1, 1 << 30),
     "free_memory_command": (list, None, None),
+}
+_KEY: dict[str, _Range] = {
+    "name": (str, None, None),
+    "key": (str, None, None),
+    "key_env": (str, None, None),
+    "key_file": (str, None, None),
+    "scopes": (list, None, None),
+    "models": (list, None, None),
+    "max_concurrent": (int, 1, 100_000),
+    "requests_per_minute": (int, 1, 1_000_000),
 }
 _METRICS: dict[str, _Range] = {
     "database": (str, None, None),
@@ -429,6 +463,88 @@ def _access_keys(server: dict[str, Any], base_dir: Path, problems: list[str]) ->
     server["accepted_keys"] = frozenset(keys)
 
 
+def _check_keys(raw: Any, server: dict[str, Any], base_dir: Path, problems: list[str]
+                ) -> tuple[KeyConfig, ...]:
+    """The [[keys]] tables: a unique name, one secret source that yields a secret no other key
+    has, at least one scope; each problem ends with the key's name when it has one."""
+    if not isinstance(raw, list):
+        problems.append("keys: must be an array of tables ([[keys]])")
+        return ()
+    keys: list[KeyConfig] = []
+    names: set[str] = set()
+    owners: dict[str, str] = {secret: "server.api_keys" for secret in
+                              server.get("accepted_keys", ())}
+    for index, table in enumerate(raw):
+        path = f"keys[{index}]"
+        before = len(problems)
+        good = _check_table(table, _KEY, path, problems)
+        name = good.get("name")
+        if isinstance(table, dict) and "name" not in table:
+            problems.append(f"{path}.name: is required")
+        elif isinstance(name, str) and not name.strip():
+            problems.append(f"{path}.name: must not be empty")
+        elif isinstance(name, str):
+            if name in names:
+                problems.append(f"{path}.name: {name!r} is used by another key")
+            names.add(name)
+        scopes = good.get("scopes")
+        if isinstance(table, dict) and "scopes" not in table:
+            problems.append(f"{path}.scopes: is required (any of {', '.join(KEY_SCOPES)})")
+        elif scopes is not None:
+            if not scopes or not all(scope in KEY_SCOPES for scope in scopes):
+                problems.append(f"{path}.scopes: {scopes!r} must list at least one of "
+                                f"{', '.join(KEY_SCOPES)}")
+            else:
+                good["scopes"] = tuple(dict.fromkeys(scopes))
+        if "models" in good:
+            good["models"] = _string_list(good["models"], f"{path}.models", problems)
+        secret = _key_secret(good, table, path, base_dir, problems)
+        if secret is not None:
+            if secret in owners:
+                problems.append(f"{path}: its secret is also {owners[secret]}'s; every key "
+                                "needs its own")
+            owners.setdefault(secret, f"key {name!r}")
+        if len(problems) == before:
+            keys.append(KeyConfig(secret=secret or "", **good))
+        elif isinstance(name, str) and name:
+            problems[before:] = [f'{problem} (key "{name}")' for problem in problems[before:]]
+    return tuple(keys)
+
+
+def _key_secret(good: dict[str, Any], table: Any, path: str, base_dir: Path,
+                problems: list[str]) -> str | None:
+    """The secret from the key's one source, or None (and a problem) when it yields none."""
+    given = [source for source in KEY_SECRET_SOURCES if isinstance(table, dict) and source in table]
+    if len(given) != 1:
+        problems.append(f"{path}: needs exactly one of {', '.join(KEY_SECRET_SOURCES)}"
+                        + (f" (has {', '.join(given)})" if given else ""))
+        return None
+    source = given[0]
+    if source not in good:
+        return None  # malformed: its own problem is reported
+    where = f"{path}.{source}"
+    if source == "key":
+        secret = good["key"].strip()
+    elif source == "key_env":
+        secret = os.environ.get(good["key_env"], "").strip()
+        if not secret:
+            problems.append(f"{where}: the environment variable {good['key_env']!r} is unset "
+                            "or empty")
+            return None
+    else:
+        file = Path(os.path.expandvars(good["key_file"]))
+        file = file if file.is_absolute() else base_dir / file
+        try:
+            secret = file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            problems.append(f"{where}: {str(file)!r} cannot be read ({exc})")
+            return None
+    if not secret:
+        problems.append(f"{where}: the secret is empty")
+        return None
+    return secret
+
+
 def _host_name(entry: Any) -> str | None:
     """An allowed_hosts entry as a request's Host is compared with it: lower-cased, an IPv6
     address without its brackets; None when it is no bare host name (a port, a scheme)."""
@@ -460,7 +576,7 @@ def _allowed_names(server: dict[str, Any], problems: list[str]) -> None:
 def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     """Validate a decoded TOML document; raise ConfigError listing every problem."""
     problems: list[str] = []
-    known = {"server", "dispatcher", "slots", "groups", "models", "metrics", "logging"}
+    known = {"server", "dispatcher", "slots", "groups", "models", "metrics", "logging", "keys"}
     for key in raw:
         if key not in known:
             problems.append(f"{key}: unknown section (known: {', '.join(sorted(known))})")
@@ -468,6 +584,7 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     server = _check_table(raw.get("server", {}), _SERVER, "server", problems)
     _access_keys(server, base_dir, problems)
     _allowed_names(server, problems)
+    keys = _check_keys(raw.get("keys", []), server, base_dir, problems)
     dispatcher = _check_table(raw.get("dispatcher", {}), _DISPATCHER, "dispatcher", problems)
     metrics = _check_table(raw.get("metrics", {}), _METRICS, "metrics", problems)
     logging_ = _check_table(raw.get("logging", {}), _LOGGING, "logging", problems)
@@ -493,6 +610,7 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         models=models,
         metrics=MetricsConfig(**metrics),
         logging=LoggingConfig(**logging_),
+        keys=keys,
         base_dir=base_dir,
     )
 
@@ -545,6 +663,8 @@ def to_dict(config: Config) -> dict[str, Any]:
     if config.models:
         doc["models"] = dict(config.models)
     doc["slots"] = [slot_table(slot, table(slot)) for slot in config.slots]
+    if config.keys:
+        doc["keys"] = [table(key) for key in config.keys]
     return doc
 
 

@@ -9,6 +9,7 @@
      ├── Conflict                  409     invalid_request_error / slot.conflict    invalid_request_error
      ├── PayloadTooLarge           413     invalid_request_error / request.too_large request_too_large
      ├── QueueFull                 429     rate_limit_error / slot.queue_full       rate_limit_error
+     ├── KeyLimited                429     rate_limit_error / access.key_limited    rate_limit_error
      ├── SlotLoading               503     slot_loading / slot.loading              overloaded_error
      ├── SlotLoadFailed            503     slot_load_failed / slot.load_failed      overloaded_error
      ├── FdExhausted               503     server_overloaded / server.fd_exhausted  overloaded_error
@@ -57,6 +58,7 @@ class ErrorCode(StrEnum):
     CONFLICT = "conflict"
     TOO_LARGE = "too_large"
     QUEUE_FULL = "queue_full"
+    KEY_LIMITED = "key_limited"
     LOADING = "loading"
     LOAD_FAILED = "load_failed"
     FD_EXHAUSTED = "fd_exhausted"
@@ -183,6 +185,16 @@ class QueueFull(Hal0Error):
     openai_type = "rate_limit_error"
     code = "slot.queue_full"
     error_code = ErrorCode.QUEUE_FULL
+    anthropic_type = "rate_limit_error"
+
+
+class KeyLimited(Hal0Error):
+    """The request's key is at its max_concurrent or requests_per_minute ([[keys]])."""
+
+    status = 429
+    openai_type = "rate_limit_error"
+    code = "access.key_limited"
+    error_code = ErrorCode.KEY_LIMITED
     anthropic_type = "rate_limit_error"
 
 

@@ -1,7 +1,7 @@
 """The one forward path: every request that reaches a slot's upstream goes through `forward`.
 
-    fwd = dispatch.forward(request, model,      resolve the model to a route (NoRoute, 404)
-                           stream=...)
+    fwd = dispatch.forward(request, model,      resolve the model to a route (NoRoute, 404) that
+                           stream=...)          the request's key may take (Forbidden, 403)
     async with fwd:                             take a lease on the slot: the slot is made ready
         await fwd.open(path, body)              open the upstream eagerly (502/503 before any
                                                 byte of the client response)
@@ -39,6 +39,7 @@ from aiohttp import hdrs, web
 
 from hal0d.config import DispatcherConfig, SlotConfig
 from hal0d.errors import ErrorCode
+from hal0d.keys import KEY
 from hal0d.lifecycle.routing import Route, RuntimeRef
 from hal0d.lifecycle.slots import Lease, SlotTable
 from hal0d.observability.requestinfo import INFO, RequestInfo
@@ -91,6 +92,8 @@ class Forward:
         runtime = dispatch.runtime.current
         self.dispatch = dispatch
         self.route: Route = runtime.router.resolve(model)
+        if (key := request.get(KEY)) is not None:
+            key.check_model(model, self.route.served_model)  # 403 naming the key
         info.served_model, info.slot = self.route.served_model, self.route.slot.name
         self.request = request
         self.info: RequestInfo = info

@@ -185,7 +185,7 @@ def known_secrets(config: Config) -> list[str]:
     """The client keys hal0d accepts and the slots' upstream keys: no log line may show them,
     whatever carries them there."""
     upstream = [token for slot in config.slots if (token := slot.bearer_token())]
-    return [*config.server.accepted_keys, *upstream]
+    return [*config.server.accepted_keys, *(key.secret for key in config.keys), *upstream]
 
 
 def restart_needed(running: Config, loaded: Config) -> list[str]:
@@ -446,4 +446,5 @@ class Daemon:
             slots_changed=changes["changed"],
             models=len(self.app[RUNTIME].current.router.served_models()),
             aliases=len(effective.models),
+            keys=len(effective.keys),
         )

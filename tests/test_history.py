@@ -204,7 +204,7 @@ CREATE INDEX requests_ts ON requests (ts);
 """
 
 
-async def test_a_database_of_the_previous_version_keeps_its_rows_and_gains_load_ms(
+async def test_a_database_of_a_previous_version_keeps_its_rows_and_gains_load_ms_and_key(
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "old.db"
@@ -220,14 +220,18 @@ async def test_a_database_of_the_previous_version_keeps_its_rows_and_gains_load_
     await writer.start()
     try:
         new = record(9)
-        new.load_ms = 812.5
+        new.load_ms, new.key = 812.5, "laptop"
         writer.submit(new)
         await writer.flush()
         rows = await writer.recent(10)
+        of_key = await writer.recent(10, key="laptop")
     finally:
         await writer.close()
     assert [row["request_id"] for row in rows][-3:] == ["old-2", "old-1", "old-0"]
     assert [row["load_ms"] for row in rows] == [812.5, None, None, None]
+    assert [row["key"] for row in rows] == ["laptop", None, None, None]
+    assert [row["request_id"] for row in of_key] == [new.request_id]
     with closing(sqlite3.connect(path)) as conn:
         columns = [row[1] for row in conn.execute("PRAGMA table_info(requests)")]
-    assert columns[-1] == "load_ms" and columns.count("load_ms") == 1
+    assert columns[-2:] == ["load_ms", "key"]
+    assert columns.count("load_ms") == 1 and columns.count("key") == 1

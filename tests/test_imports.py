@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("the transport", frozenset({"hal0d.transport.*"})),
     ("the surfaces' pure translations", frozenset({"hal0d.openai.*", "hal0d.anthropic.*"})),
     ("the protocol", frozenset({"hal0d.protocol.*"})),
-    ("the base", frozenset({"hal0d", "hal0d.config", "hal0d.errors", "hal0d.logs",
+    ("the base", frozenset({"hal0d", "hal0d.config", "hal0d.errors", "hal0d.logs", "hal0d.keys",
                            "hal0d.systemd", "hal0d.access", "hal0d.connections"})),
 )
 

@@ -199,9 +199,10 @@ class Stream:
 
 
 async def open_stream(http: aiohttp.ClientSession, url: str, stream: Stream,
-                      body: dict[str, Any]) -> None:
+                      body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
     try:
-        async with http.post(f"{url}/v1/chat/completions", json=body) as response:
+        async with http.post(f"{url}/v1/chat/completions", json=body,
+                             headers=headers) as response:
             assert response.status == 200, await response.text()
             async for data in response.content.iter_any():
                 stream.raw += data

@@ -41,7 +41,7 @@ async def readyz(request: web.Request) -> web.Response:
     balancer or `curl --fail` sends traffic only where it can be served."""
     table = request.app[SLOTS]
     ready = any(slot.state in READY_STATES or loadable(slot) for slot in table)
-    detailed = access.may_see_details(request, request.app[RUNTIME].current.config.server)
+    detailed = access.may_see_details(request, request.app[RUNTIME].current.keys)
     slots = [
         {"name": slot.name, "state": str(slot.state), "reason": slot.reason}
         if detailed else {"name": slot.name, "state": str(slot.state)}
@@ -182,9 +182,10 @@ async def requests(request: web.Request) -> web.Response:
         raise InvalidRequest(
             f"limit must be an integer from 1 to {MAX_HISTORY_ROWS}", field="limit"
         )
+    key = request.query.get("key") or None
     history = request.app[RECORDER].history
     await history.flush()  # the rows of requests that already ended, still in the writer's queue
-    rows = await history.recent(int(raw))
+    rows = await history.recent(int(raw), key)
     return json({"requests": rows})
 
 

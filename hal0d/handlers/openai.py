@@ -22,6 +22,7 @@ from hal0d.handlers.body import (
     read_body,
     replace_multipart_field,
 )
+from hal0d.keys import KEY
 from hal0d.openai.transform import Passthrough
 from hal0d.protocol.limits import MAX_MESSAGES, MAX_TOKENS_LIMIT
 from hal0d.transport.upstream import response_headers
@@ -174,11 +175,14 @@ async def copy_whole(fwd: Forward, upstream: aiohttp.ClientResponse) -> web.Resp
 async def list_models(request: web.Request) -> web.Response:
     config = request.app[RUNTIME].current.config
     table = request.app[SLOTS]
-    # Every model, loaded or not; `state` tells a client whether the first request will load it.
+    key = request.get(KEY)
+    # Every model the key may use, loaded or not; `state` tells a client whether the first
+    # request will load it.
     data = [
         {"id": model, "object": "model", "created": 0, "owned_by": slot.name,
          "state": str(table[slot.name].state) if slot.name in table else "offline"}
         for slot in config.slots
         for model in slot.models
+        if key is None or key.may_use(model)
     ]
     return web.json_response({"object": "list", "data": data})

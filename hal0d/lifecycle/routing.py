@@ -1,5 +1,5 @@
 """Routing: which slot serves a requested model name, aliases (glob patterns) applied first, and
-the Runtime (the settings and the router) a request runs on."""
+the Runtime (the settings, the router and the keys) a request runs on."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from hal0d.config import Config, SlotConfig, alias_target
 from hal0d.errors import NoRoute
+from hal0d.keys import KeyRing
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,10 +43,11 @@ class Runtime:
 
     config: Config
     router: Router
+    keys: KeyRing
 
     @classmethod
     def build(cls, config: Config) -> Runtime:
-        return cls(config, Router(config))
+        return cls(config, Router(config), KeyRing(config))
 
 
 class RuntimeRef:

@@ -57,6 +57,7 @@ class RequestRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     load_ms: float | None = None  # the part of queue_ms spent waiting for a model to load
+    key: str | None = None  # the name of the [[keys]] entry it came with (never the secret)
 
 
 COLUMNS: Final[tuple[str, ...]] = tuple(f.name for f in dataclasses.fields(RequestRecord))
@@ -78,13 +79,17 @@ _SCHEMA: Final = (
 )
 # Columns later versions added: a database an earlier version wrote gains them in place at open
 # (ALTER TABLE keeps every row; old rows read NULL there).
-_ADDED_COLUMNS: Final = ("load_ms",)
+_ADDED_COLUMNS: Final = ("load_ms", "key")
 
 _INSERT: Final = (
     f"INSERT INTO requests ({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)})"
 )
 _SELECT_RECENT: Final = (
     f"SELECT id, {', '.join(COLUMNS)} FROM requests ORDER BY ts DESC, id DESC LIMIT ?"
+)
+_SELECT_RECENT_OF_KEY: Final = (
+    f"SELECT id, {', '.join(COLUMNS)} FROM requests WHERE key = ? "
+    "ORDER BY ts DESC, id DESC LIMIT ?"
 )
 _BOOLEAN_COLUMNS: Final = ("stream", "ok")
 
@@ -208,9 +213,9 @@ class HistoryWriter:
             await self._run(self._close_conn)
         self._executor.shutdown(wait=True)
 
-    async def recent(self, limit: int) -> list[dict[str, Any]]:
-        """Newest rows first, as the admin API shows them."""
-        return await self._run(self._select_recent, max(0, limit))
+    async def recent(self, limit: int, key: str | None = None) -> list[dict[str, Any]]:
+        """Newest rows first, as the admin API shows them; only the named key's with `key`."""
+        return await self._run(self._select_recent, max(0, limit), key)
 
     # -- the writer task ---------------------------------------------------------------------
 
@@ -300,14 +305,17 @@ class HistoryWriter:
         cutoff = time.time() - self.retention_days * 86400
         return self._db().execute("DELETE FROM requests WHERE ts < ?", (cutoff,)).rowcount
 
-    def _select_recent(self, limit: int) -> list[dict[str, Any]]:
-        cursor = self._db().execute(_SELECT_RECENT, (limit,))
+    def _select_recent(self, limit: int, key: str | None) -> list[dict[str, Any]]:
+        if key is None:
+            cursor = self._db().execute(_SELECT_RECENT, (limit,))
+        else:
+            cursor = self._db().execute(_SELECT_RECENT_OF_KEY, (key, limit))
         names = [d[0] for d in cursor.description]
         out = []
         for row in cursor.fetchall():
             item = dict(zip(names, row, strict=True))
-            for key in _BOOLEAN_COLUMNS:
-                item[key] = bool(item[key])
+            for column in _BOOLEAN_COLUMNS:
+                item[column] = bool(item[column])
             out.append(item)
         return out
 

@@ -182,8 +182,9 @@ class PromMetrics:
         # auto_describe off: the slot collector can only run once the slots exist.
         self.registry = CollectorRegistry(auto_describe=False)
         self.requests = Counter(
-            "hal0d_requests", "finished requests by outcome (ok or the error_code)",
-            ["slot", "model", "endpoint", "outcome"], registry=self.registry,
+            "hal0d_requests", "finished requests by outcome (ok or the error_code), and the "
+            "name of the key they came with (empty without one)",
+            ["slot", "model", "endpoint", "outcome", "key"], registry=self.registry,
         )
         self.duration = Histogram(
             "hal0d_request_duration_seconds", "whole request, streams until drained",

@@ -78,7 +78,7 @@ class Recorder:
         slot = info.slot or ""
         model = info.served_model or ""
         self._child(self.prom.requests, slot, model, info.endpoint,
-                    info.error_code or "ok").inc()
+                    info.error_code or "ok", info.key or "").inc()
         self._child(self.prom.duration, slot, info.endpoint).observe(total_ms / 1000)
         if info.slot is None:
             return  # never reached a slot: a bad request, an unknown model

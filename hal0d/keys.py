@@ -1,0 +1,159 @@
+"""Client keys: who a presented key says the client is, what it may reach, and how much it is
+doing at once.
+
+A key comes from a `[[keys]]` table (a name, scopes, optional model globs and limits) or from the
+older `[server] api_keys` / `api_keys_file` (no name, every scope, no limits). A request's path
+decides the scope it needs:
+
+    inference   /v1/*, /llm/*                         (a model call, the model list)
+    read        GET /api/*, /api/events, /metrics     (/metrics only with protect_metrics)
+    admin       POST /api/slots/{name}/load|unload    (and any other non-GET under /api/)
+
+The page itself (/ and /static/*) and the probes (/healthz, /readyz) need none: they hold no data,
+and the page asks for a key before it reads /api/.
+
+A key's limits count its model calls alone: `max_concurrent` those in hal0d at once (queued or
+being answered, across slots), `requests_per_minute` those begun in the last 60 s (a sliding
+window, bounded by the limit itself). The page's polls are never throttled.
+
+Keys are compared in constant time: the presented key is compared with every accepted one by
+hmac.compare_digest, without an early exit.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hmac
+import math
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Final
+
+from aiohttp import hdrs, web
+
+from hal0d.config import KEY_SCOPES, Config
+from hal0d.errors import Forbidden, KeyLimited
+
+INFERENCE, READ, ADMIN = KEY_SCOPES
+EVERY_SCOPE: Final = frozenset(KEY_SCOPES)
+RATE_WINDOW_S: Final = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    # None for an api_keys / api_keys_file key: it has no name to show.
+    name: str | None
+    scopes: frozenset[str] = EVERY_SCOPE
+    models: tuple[str, ...] | None = None  # globs; None is every model
+    max_concurrent: int | None = None
+    requests_per_minute: int | None = None
+
+    @property
+    def limited(self) -> bool:
+        return self.max_concurrent is not None or self.requests_per_minute is not None
+
+    def may_use(self, *names: str) -> bool:
+        """Whether a glob of the key matches one of `names` (the model as the client named it,
+        and as it is served: an alias reaches its target's slot)."""
+        if self.models is None:
+            return True
+        return any(fnmatch.fnmatchcase(name, glob) for name in names for glob in self.models)
+
+    def check_model(self, requested: str, served: str) -> None:
+        if not self.may_use(requested, served):
+            raise Forbidden(f"key {self.name!r} may not use model {requested!r} (it may use "
+                            f"{', '.join(self.models or ())})", field="model")
+
+
+KEY: Final = web.RequestKey("hal0d_key", Key)
+
+
+def scope_of(method: str, path: str, protect_metrics: bool) -> str | None:
+    """The scope a request needs (see the module's docstring), None when it needs no key."""
+    if path.startswith(("/v1/", "/llm/")):
+        return INFERENCE
+    if path.startswith("/api/"):
+        return READ if method in (hdrs.METH_GET, hdrs.METH_HEAD) else ADMIN
+    if path == "/metrics" and protect_metrics:
+        return READ
+    return None
+
+
+class KeyRing:
+    """Every key a configuration accepts, by its secret (built with the Runtime, so a reload
+    brings the new keys without touching a slot)."""
+
+    def __init__(self, config: Config) -> None:
+        self._secrets: list[tuple[bytes, Key]] = [
+            (secret.encode(), Key(None)) for secret in sorted(config.server.accepted_keys)
+        ]
+        for entry in config.keys:
+            key = Key(entry.name, frozenset(entry.scopes), entry.models, entry.max_concurrent,
+                      entry.requests_per_minute)
+            self._secrets.append((entry.secret.encode(), key))
+        self.names: tuple[str, ...] = tuple(entry.name for entry in config.keys)
+
+    def __bool__(self) -> bool:
+        return bool(self._secrets)
+
+    def identify(self, presented: str) -> Key | None:
+        # aiohttp decodes header bytes with surrogateescape; encode them back the same way.
+        given = presented.encode("utf-8", "surrogateescape")
+        found: Key | None = None
+        for secret, key in self._secrets:
+            if hmac.compare_digest(given, secret):
+                found = key
+        return found
+
+
+class KeyLimits:
+    """What each named key is doing now: its model calls in flight and the start times of those
+    of the last minute. One for the process: a reload keeps the counts (a request begun before
+    it still counts), and a key's new limits apply from its next request."""
+
+    def __init__(self) -> None:
+        self._in_flight: dict[str, int] = {}
+        self._begun: dict[str, deque[float]] = {}
+
+    def in_flight(self, name: str) -> int:
+        return self._in_flight.get(name, 0)
+
+    @contextmanager
+    def admitted(self, key: Key | None) -> Iterator[None]:
+        """Counts one model call of `key` while the block runs; KeyLimited (429, with
+        Retry-After) when the key is at one of its limits. None, or a key without limits,
+        passes and is not counted."""
+        name = key.name if key is not None and key.limited else None
+        if key is None or name is None:
+            yield
+            return
+        self._admit(key, name)
+        self._in_flight[name] = self._in_flight.get(name, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._in_flight[name] - 1
+            if left:
+                self._in_flight[name] = left
+            else:
+                del self._in_flight[name]
+
+    def _admit(self, key: Key, name: str) -> None:
+        if key.max_concurrent is not None and self.in_flight(name) >= key.max_concurrent:
+            raise KeyLimited(f"key {name!r} has {key.max_concurrent} requests in flight, its "
+                             "max_concurrent; retry when one ends", retry_after=1.0)
+        if key.requests_per_minute is None:
+            return
+        now = time.monotonic()
+        begun = self._begun.setdefault(name, deque())
+        while begun and begun[0] <= now - RATE_WINDOW_S:
+            begun.popleft()
+        if len(begun) >= key.requests_per_minute:
+            wait_s = begun[0] + RATE_WINDOW_S - now
+            raise KeyLimited(f"key {name!r} made {key.requests_per_minute} requests in the last "
+                             f"minute, its requests_per_minute; retry in {math.ceil(wait_s)} s",
+                             retry_after=wait_s)
+        begun.append(now)
