@@ -97,6 +97,9 @@ class SlotConfig:
     # The Anthropic Messages surface for this slot's models: "translate" (to chat completions),
     # "native" (relayed raw to the upstream's own /v1/messages), "auto" (native when it has one).
     anthropic: str = "translate"
+    # "openai": an OpenAI-compatible server; "hal0d": another hal0d, whose models' states are
+    # followed (lifecycle/remote.py) so a route's prefer_loaded knows what is loaded there.
+    kind: str = "openai"
 
     @property
     def on_demand(self) -> bool:
@@ -142,6 +145,23 @@ class LoggingConfig:
     format: str = "auto"
 
 
+@dataclass(frozen=True, slots=True)
+class RouteConfig:
+    """A `[[routes]]` table: one model name served by several slots, tried in order while
+    nothing has reached the client (hal0d.forward)."""
+
+    model: str
+    slots: tuple[str, ...]
+    # The model name each slot is asked for; a slot not named here is asked for `model`.
+    served: dict[str, str] = field(default_factory=dict)
+    first_byte_timeout_s: float = 0.0  # 0 = off
+    spill_when_busy: bool = False
+    prefer_loaded: bool = False
+
+    def served_by(self, slot: str) -> str:
+        return self.served.get(slot, self.model)
+
+
 KEY_SCOPES = ("inference", "read", "admin")
 KEY_SECRET_SOURCES = ("key", "key_env", "key_file")
 
@@ -175,6 +195,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     keys: tuple[KeyConfig, ...] = ()
+    routes: tuple[RouteConfig, ...] = ()
     # The folder relative paths (the metrics database) resolve against.
     base_dir: Path = field(default_factory=Path.cwd, compare=False)
 
@@ -225,12 +246,22 @@ _SLOT: dict[str, _Range] = {
     "group": (str, None, None),
     "memory_mib": (int, 1, 1 << 30),
     "anthropic": (str, None, None),
+    "kind": (str, None, None),
 }
+SLOT_KINDS = ("openai", "hal0d")
 ANTHROPIC_MODES = ("translate", "native", "auto")
 _GROUP: dict[str, _Range] = {
     "max_loaded": (int, 1, 4096),
     "memory_mib": (int, 1, 1 << 30),
     "free_memory_command": (list, None, None),
+}
+_ROUTE: dict[str, _Range] = {
+    "model": (str, None, None),
+    "slots": (list, None, None),
+    "served": (dict, None, None),
+    "first_byte_timeout_s": (float, 0.0, 3600.0),
+    "spill_when_busy": (bool, None, None),
+    "prefer_loaded": (bool, None, None),
 }
 _KEY: dict[str, _Range] = {
     "name": (str, None, None),
@@ -258,6 +289,7 @@ _LOG_FORMATS = ("auto", "console", "json", "journald", "logfmt")
 def _type_name(kind: type) -> str:
     return {
         str: "a string", int: "an integer", float: "a number", list: "a list", bool: "a boolean",
+        dict: "a table",
     }[kind]
 
 
@@ -332,6 +364,8 @@ def _check_slots(raw: Any, problems: list[str]) -> tuple[SlotConfig, ...]:
         if good.get("anthropic", ANTHROPIC_MODES[0]) not in ANTHROPIC_MODES:
             problems.append(f"{path}.anthropic: {good['anthropic']!r} is not one of "
                             f"{ANTHROPIC_MODES!r}")
+        if good.get("kind", SLOT_KINDS[0]) not in SLOT_KINDS:
+            problems.append(f"{path}.kind: {good['kind']!r} is not one of {SLOT_KINDS!r}")
         if "api_key" in good and "api_key_env" in good:
             problems.append(f"{path}: set api_key or api_key_env, not both")
         for model in good.get("models") or ():
@@ -421,18 +455,71 @@ def _check_group_members(
                         f"{pinned_mib} MiB of its slots with start = 'always'")
 
 
-def _check_models(raw: Any, slots: tuple[SlotConfig, ...], problems: list[str]) -> dict[str, str]:
+def _check_routes(raw: Any, slots: tuple[SlotConfig, ...], problems: list[str]
+                  ) -> tuple[RouteConfig, ...]:
+    """The [[routes]] tables: a model no slot serves by itself, slots that exist (at least one),
+    `served` naming only those slots."""
+    if not isinstance(raw, list):
+        problems.append("routes: must be an array of tables ([[routes]])")
+        return ()
+    names = {slot.name for slot in slots}
+    own = {model: slot.name for slot in slots for model in slot.models}
+    routes: list[RouteConfig] = []
+    seen: set[str] = set()
+    for index, table in enumerate(raw):
+        path = f"routes[{index}]"
+        before = len(problems)
+        good = _check_table(table, _ROUTE, path, problems)
+        for required in ("model", "slots"):
+            if isinstance(table, dict) and required not in table:
+                problems.append(f"{path}.{required}: is required")
+        model = good.get("model")
+        if isinstance(model, str):
+            if not model:
+                problems.append(f"{path}.model: must not be empty")
+            elif model in own:
+                problems.append(f"{path}.model: {model!r} is already slot {own[model]!r}'s own "
+                                "model; a route names a model no slot lists")
+            elif model in seen:
+                problems.append(f"{path}.model: {model!r} has another route")
+            seen.add(model)
+        if "slots" in good:
+            listed = _string_list(good["slots"], f"{path}.slots", problems)
+            if listed is not None:
+                unknown = [name for name in listed if name not in names]
+                if unknown:
+                    problems.append(f"{path}.slots: {', '.join(map(repr, unknown))} is no slot "
+                                    f"(slots: {', '.join(sorted(names)) or 'none'})")
+                if len(set(listed)) != len(listed):
+                    problems.append(f"{path}.slots: names a slot twice")
+                good["slots"] = listed
+        served = good.get("served", {})
+        for slot, name in served.items():
+            if slot not in (good.get("slots") or ()):
+                problems.append(f"{path}.served.{slot}: is not one of the route's slots")
+            elif not isinstance(name, str) or not name:
+                problems.append(f"{path}.served.{slot}: must be a non-empty model name")
+        if len(problems) == before:
+            routes.append(RouteConfig(**good))
+        elif isinstance(model, str) and model:
+            problems[before:] = [f'{problem} (route "{model}")' for problem in problems[before:]]
+    return tuple(routes)
+
+
+def _check_models(raw: Any, slots: tuple[SlotConfig, ...], problems: list[str],
+                  routes: tuple[RouteConfig, ...] = ()) -> dict[str, str]:
     if not isinstance(raw, dict):
         problems.append("models: must be a table of alias = served model")
         return {}
-    served = {model for slot in slots for model in slot.models}
+    served = {model for slot in slots for model in slot.models} | {r.model for r in routes}
     aliases: dict[str, str] = {}
     for pattern, target in raw.items():
         where = f"models.{pattern!r}" if not pattern.isidentifier() else f"models.{pattern}"
         if not isinstance(target, str):
             problems.append(f"{where}: {target!r} is not a string")
         elif slots and target not in served:
-            problems.append(f"{where}: {target!r} is not a model any slot serves")
+            problems.append(f"{where}: {target!r} is not a model any slot "
+                            + ("or route serves" if routes else "serves"))
         else:
             aliases[pattern] = target
     return aliases
@@ -576,7 +663,8 @@ def _allowed_names(server: dict[str, Any], problems: list[str]) -> None:
 def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     """Validate a decoded TOML document; raise ConfigError listing every problem."""
     problems: list[str] = []
-    known = {"server", "dispatcher", "slots", "groups", "models", "metrics", "logging", "keys"}
+    known = {"server", "dispatcher", "slots", "groups", "models", "metrics", "logging", "keys",
+             "routes"}
     for key in raw:
         if key not in known:
             problems.append(f"{key}: unknown section (known: {', '.join(sorted(known))})")
@@ -596,9 +684,11 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     raw_slots = raw.get("slots", [])
     groups = _check_groups(raw.get("groups", {}), slots, problems,
                            raw_slots if isinstance(raw_slots, list) else [])
-    models = _check_models(raw.get("models", {}), slots, problems)
+    routes = _check_routes(raw.get("routes", []), slots, problems)
+    models = _check_models(raw.get("models", {}), slots, problems, routes)
     for pattern in models:
-        if not any(ch in pattern for ch in "*?[") and any(pattern in s.models for s in slots):
+        if not any(ch in pattern for ch in "*?[") and (
+                any(pattern in s.models for s in slots) or any(pattern == r.model for r in routes)):
             problems.append(f"models.{pattern}: is already a served model name")
     if problems:
         raise ConfigError(problems)
@@ -611,6 +701,7 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         metrics=MetricsConfig(**metrics),
         logging=LoggingConfig(**logging_),
         keys=keys,
+        routes=routes,
         base_dir=base_dir,
     )
 
@@ -665,6 +756,8 @@ def to_dict(config: Config) -> dict[str, Any]:
     doc["slots"] = [slot_table(slot, table(slot)) for slot in config.slots]
     if config.keys:
         doc["keys"] = [table(key) for key in config.keys]
+    if config.routes:
+        doc["routes"] = [table(route) for route in config.routes]
     return doc
 
 

@@ -17,6 +17,7 @@ from hal0d.appkeys import DISPATCH, EVENTS, HEADS, LIFECYCLE, RECORDER, RUNTIME,
 from hal0d.config import SlotConfig
 from hal0d.forward import Dispatch
 from hal0d.lifecycle.manager import LifecycleManager
+from hal0d.lifecycle.remote import RemoteModels
 from hal0d.lifecycle.runner import log_state_change
 from hal0d.lifecycle.slots import SlotTable
 from hal0d.observability.events import SlotFeed
@@ -52,20 +53,22 @@ async def recorder_context(app: web.Application) -> AsyncIterator[None]:
 
 
 async def dispatch_context(app: web.Application) -> AsyncIterator[None]:
-    """The one upstream client, the slot table, the lifecycle manager of its slots, and the
-    Dispatch the forward path is handed; on shutdown the slots' processes stop, then the client
+    """The one upstream client, the slot table, the lifecycle manager of its slots, the
+    followers of other hal0d boxes' states, and the Dispatch the forward path is handed; on
+    shutdown the slots' processes stop, then the client
     closes (the probes use it to the end)."""
     config = app[RUNTIME].current.config
     upstreams = UpstreamClient.create(config.dispatcher)
     table = SlotTable(config.slots, on_change=log_state_change)
     app[SLOTS] = table
+    recorder = app[RECORDER]  # recorder_context runs first (make_app's order)
+    remote = RemoteModels(upstreams)
     dispatch = Dispatch(runtime=app[RUNTIME], slots=table, upstreams=upstreams,
                         tokens=TokenCounter(upstreams), anthropic_modes=AnthropicModes(),
-                        streams=set())
+                        streams=set(), on_failover=recorder.prom.failover, remote=remote)
     app[DISPATCH] = dispatch
     lifecycle = LifecycleManager(table, config.slots, upstreams, groups=config.groups,
                                  end_streams=dispatch.end_streams)
-    recorder = app[RECORDER]  # recorder_context runs first (make_app's order)
     lifecycle.observers.append(recorder.prom.lifecycle)
     app[LIFECYCLE] = lifecycle
     feed = SlotFeed(app[EVENTS], lifecycle.slot_view)
@@ -77,7 +80,9 @@ async def dispatch_context(app: web.Application) -> AsyncIterator[None]:
     recorder.listeners.append(feed.request_finished)
     try:
         await lifecycle.start()
+        remote.watch(config.slots)
         yield
+        await remote.close()
         await lifecycle.stop()
     finally:
         await upstreams.close()

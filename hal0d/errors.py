@@ -237,6 +237,9 @@ class UpstreamUnavailable(Hal0Error):
     # Why, in a few words for a log line or a slot's reason ("cannot connect (...)"); set by
     # the transport's mapping (upstream.upstream_errors), None where there is none.
     cause: str | None = None
+    # The same as one stable word (connect_refused, connect_failed, timeout, disconnected,
+    # unavailable): a route's hand-on reason.
+    kind: str = "unavailable"
 
 
 class UpstreamInvalid(UpstreamUnavailable):

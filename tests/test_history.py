@@ -233,5 +233,5 @@ async def test_a_database_of_a_previous_version_keeps_its_rows_and_gains_load_ms
     assert [row["request_id"] for row in of_key] == [new.request_id]
     with closing(sqlite3.connect(path)) as conn:
         columns = [row[1] for row in conn.execute("PRAGMA table_info(requests)")]
-    assert columns[-2:] == ["load_ms", "key"]
-    assert columns.count("load_ms") == 1 and columns.count("key") == 1
+    assert columns[-4:] == ["load_ms", "key", "attempts", "failover"]
+    assert all(columns.count(name) == 1 for name in ("load_ms", "key", "attempts", "failover"))

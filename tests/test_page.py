@@ -325,3 +325,37 @@ def test_a_restarted_hal0d_shows_the_reconnecting_notice_then_live_data_again(
                                          "messages": [{"role": "user", "content": "hi"}]})
     until("a request after the restart", lambda: any("chat" in row
                                                      for row in request_rows(browser)))
+
+
+def test_a_request_a_route_handed_on_names_the_slot_it_passed(
+    tmp_path: Path, browser: Any
+) -> None:
+    port, dead = free_port(), free_port()
+    config = tmp_path / "hal0d.toml"
+    config.write_text(config_text(port, tmp_path, keys=False) + f"""
+[[slots]]
+name = "gone"
+upstream = "http://127.0.0.1:{dead}"
+models = ["gone-only"]
+
+[[routes]]
+model = "either"
+slots = ["gone", "llm"]
+served = {{ gone = "chat", llm = "chat" }}
+""")
+    daemon = Daemon(port, config, tmp_path / "hal0d.out")
+    daemon.start()
+    try:
+        browser.get(daemon.url + "/")
+        until("the llm slot ready", lambda: card_state(browser, "llm") == "ready", 20)
+        daemon.call("/v1/chat/completions", {"model": "either",
+                                              "messages": [{"role": "user", "content": "hi"}]})
+        row = until("the handed-on request", lambda: next(
+            (text for text in request_rows(browser) if text.split()[1:2] == ["either"]), None))
+        assert "llm after gone" in row, row
+        title = browser.execute_script(
+            "return document.querySelector('#requests tbody tr td:nth-child(3)').title;")
+        assert title == "handed on by gone=connect_refused", title
+        assert console_errors(browser) == []
+    finally:
+        daemon.stop()

@@ -77,39 +77,46 @@ async def messages(request: web.Request) -> web.StreamResponse:
     raw = await read_body(request)
     body = parse_json_object(raw)
     model, stream = model_and_stream(body)
-    fwd = request.app[DISPATCH].forward(request, model, stream=stream)
-    # A request to translate is checked whole before the slot is taken; a native upstream
-    # (and one that may turn out native, "auto") gets what the client sent, fields it may know
-    # and the translator does not included.
-    req = parse_messages_request(body) if fwd.slot.anthropic == TRANSLATE else None
-    async with fwd:
-        if req is None and await native(fwd):
-            return await relay_native(fwd, raw, "/v1/messages", stream=stream)
-        req = req or parse_messages_request(body)
-        payload = to_openai(
-            req, served_model=fwd.route.served_model, max_output_tokens=fwd.slot.max_output_tokens
+
+    async def attempt(fwd: Forward) -> web.StreamResponse:
+        # A request to translate is checked whole before the slot is taken; a native upstream
+        # (and one that may turn out native, "auto") gets what the client sent, fields it may
+        # know and the translator does not included.
+        req = parse_messages_request(body) if fwd.slot.anthropic == TRANSLATE else None
+        async with fwd:
+            if req is None and await native(fwd):
+                return await relay_native(fwd, raw, "/v1/messages", stream=stream)
+            return await translated(fwd, req or parse_messages_request(body))
+
+    return await request.app[DISPATCH].serve(request, model, stream=stream, attempt=attempt)
+
+
+async def translated(fwd: Forward, req: MessagesRequest) -> web.StreamResponse:
+    """The Messages request as a chat completion, and its answer translated back."""
+    payload = to_openai(
+        req, served_model=fwd.route.served_model, max_output_tokens=fwd.slot.max_output_tokens
+    )
+    input_tokens = None
+    if req.stream:
+        input_tokens, _ = await fwd.count_tokens(payload, prompt_text(payload))
+    upstream = await fwd.open("/v1/chat/completions", orjson.dumps(payload))
+    if upstream.status >= 400:
+        raise await upstream_status_error(fwd, upstream)
+    if not req.stream:
+        return await translate_whole(fwd, req)
+    if upstream.content_type != "text/event-stream":
+        raise UpstreamInvalid(
+            f"slot {fwd.slot.name!r} answered a streaming request with "
+            f"content-type {upstream.content_type!r}, not text/event-stream"
         )
-        input_tokens = None
-        if req.stream:
-            input_tokens, _ = await fwd.count_tokens(payload, prompt_text(payload))
-        upstream = await fwd.open("/v1/chat/completions", orjson.dumps(payload))
-        if upstream.status >= 400:
-            raise await upstream_status_error(fwd, upstream)
-        if not req.stream:
-            return await translate_whole(fwd, req)
-        if upstream.content_type != "text/event-stream":
-            raise UpstreamInvalid(
-                f"slot {fwd.slot.name!r} answered a streaming request with "
-                f"content-type {upstream.content_type!r}, not text/event-stream"
-            )
-        translator = Translator(
-            req.model, input_tokens=input_tokens, stop_sequences=req.stop_sequences
-        )
-        response = web.StreamResponse(status=200, headers=SSE_HEADERS)
-        await fwd.relay(response, AnthropicTransform(translator))
-        if fwd.info.prompt_tokens is None:
-            fwd.info.prompt_tokens = translator.input_tokens
-        return response
+    translator = Translator(
+        req.model, input_tokens=input_tokens, stop_sequences=req.stop_sequences
+    )
+    response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+    await fwd.relay(response, AnthropicTransform(translator))
+    if fwd.info.prompt_tokens is None:
+        fwd.info.prompt_tokens = translator.input_tokens
+    return response
 
 
 async def translate_whole(fwd: Forward, req: MessagesRequest) -> web.Response:
@@ -162,20 +169,23 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     raw = await read_body(request)
     body = parse_json_object(raw)
     model, _ = model_and_stream(body)
-    fwd = request.app[DISPATCH].forward(request, model, stream=False)
     # count_tokens takes the Messages body without max_tokens; the parser requires one.
     body.setdefault("max_tokens", 1)
     body["stream"] = False
-    req = parse_messages_request(body) if fwd.slot.anthropic == TRANSLATE else None
-    async with fwd:
-        if req is None and await native(fwd):
-            return await relay_native(fwd, raw, "/v1/messages/count_tokens", stream=False)
-        payload = to_openai(req or parse_messages_request(body),
-                            served_model=fwd.route.served_model)
-        count, source = await fwd.count_tokens(payload, prompt_text(payload))
-    fwd.info.prompt_tokens = count
-    return web.Response(
-        body=orjson.dumps({"input_tokens": count}),
-        content_type="application/json",
-        headers={"X-Hal0d-Token-Count": source},
-    )
+
+    async def attempt(fwd: Forward) -> web.StreamResponse:
+        req = parse_messages_request(body) if fwd.slot.anthropic == TRANSLATE else None
+        async with fwd:
+            if req is None and await native(fwd):
+                return await relay_native(fwd, raw, "/v1/messages/count_tokens", stream=False)
+            payload = to_openai(req or parse_messages_request(body),
+                                served_model=fwd.route.served_model)
+            count, source = await fwd.count_tokens(payload, prompt_text(payload))
+        fwd.info.prompt_tokens = count
+        return web.Response(
+            body=orjson.dumps({"input_tokens": count}),
+            content_type="application/json",
+            headers={"X-Hal0d-Token-Count": source},
+        )
+
+    return await request.app[DISPATCH].serve(request, model, stream=False, attempt=attempt)

@@ -117,42 +117,46 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
     model, stream = await requested_model(request, endpoint, body)
     streaming = stream or endpoint in ALWAYS_STREAMING
-    fwd = request.app[DISPATCH].forward(request, model, stream=streaming)
-    served_model = fwd.route.served_model
-    if served_model != model:
-        if endpoint == "audio/transcriptions":
-            body = replace_multipart_field(body, "model", model, served_model)
-        else:
-            body = with_model(body, served_model)
-    async with fwd:
-        upstream = await fwd.open(
-            f"/v1/{endpoint}",
-            body,
-            # Parsed as JSON: said so even when the client did not (`curl -d` sends a form
-            # content-type, which strict upstreams such as llama-cpp-python refuse).
-            json_body=endpoint != "audio/transcriptions",
-            params=request.query,
-        )
-        if not streaming:
-            return await copy_whole(fwd, upstream)
-        if not_streamed(endpoint, upstream):
-            # Asked for a stream, answered with something else: relayed as it came (status
-            # and content-type are the upstream's), but recorded as the failure it is.
-            whole = await copy_whole(fwd, upstream)
-            fwd.info.fail(ErrorCode.UPSTREAM_INVALID)
-            return whole
-        response = web.StreamResponse(
-            status=upstream.status, headers=response_headers(upstream.headers)
-        )
-        sse = upstream.content_type == "text/event-stream"
-        transform = Passthrough(
-            sse=sse,
-            legacy_completion=endpoint == "completions",
-            model=model,
-            expect_done=sse and upstream.status == 200,
-        )
-        await fwd.relay(response, transform)
-        return response
+
+    async def attempt(fwd: Forward) -> web.StreamResponse:
+        served_model = fwd.route.served_model
+        sent = body  # each slot gets the body as the client sent it, its own model name in it
+        if served_model != model:
+            if endpoint == "audio/transcriptions":
+                sent = replace_multipart_field(body, "model", model, served_model)
+            else:
+                sent = with_model(body, served_model)
+        async with fwd:
+            upstream = await fwd.open(
+                f"/v1/{endpoint}",
+                sent,
+                # Parsed as JSON: said so even when the client did not (`curl -d` sends a form
+                # content-type, which strict upstreams such as llama-cpp-python refuse).
+                json_body=endpoint != "audio/transcriptions",
+                params=request.query,
+            )
+            if not streaming:
+                return await copy_whole(fwd, upstream)
+            if not_streamed(endpoint, upstream):
+                # Asked for a stream, answered with something else: relayed as it came (status
+                # and content-type are the upstream's), but recorded as the failure it is.
+                whole = await copy_whole(fwd, upstream)
+                fwd.info.fail(ErrorCode.UPSTREAM_INVALID)
+                return whole
+            response = web.StreamResponse(
+                status=upstream.status, headers=response_headers(upstream.headers)
+            )
+            sse = upstream.content_type == "text/event-stream"
+            transform = Passthrough(
+                sse=sse,
+                legacy_completion=endpoint == "completions",
+                model=model,
+                expect_done=sse and upstream.status == 200,
+            )
+            await fwd.relay(response, transform)
+            return response
+
+    return await request.app[DISPATCH].serve(request, model, stream=streaming, attempt=attempt)
 
 
 async def copy_whole(fwd: Forward, upstream: aiohttp.ClientResponse) -> web.Response:
@@ -176,13 +180,28 @@ async def list_models(request: web.Request) -> web.Response:
     config = request.app[RUNTIME].current.config
     table = request.app[SLOTS]
     key = request.get(KEY)
+
+    def state(slot: str) -> str:
+        return str(table[slot].state) if slot in table else "offline"
+
     # Every model the key may use, loaded or not; `state` tells a client whether the first
-    # request will load it.
+    # request will load it (a route's: its best slot's, a warm one before one that must load).
     data = [
         {"id": model, "object": "model", "created": 0, "owned_by": slot.name,
-         "state": str(table[slot.name].state) if slot.name in table else "offline"}
+         "state": state(slot.name)}
         for slot in config.slots
         for model in slot.models
         if key is None or key.may_use(model)
     ]
+    dispatch = request.app[DISPATCH]
+    for route in config.routes:
+        if key is not None and not key.may_use(route.model):
+            continue
+        first = dispatch.order(dispatch.runtime.current.router.plan(route.model))[0]
+        # Another hal0d's slot: the state that hal0d reports for the model, when known.
+        remote = dispatch.remote.state(first.slot.name, first.served_model) if (
+            dispatch.remote is not None) else None
+        data.append({"id": route.model, "object": "model", "created": 0,
+                     "owned_by": first.slot.name, "state": remote or state(first.slot.name),
+                     "slots": list(route.slots)})
     return web.json_response({"object": "list", "data": data})

@@ -1,11 +1,16 @@
-"""Routing: which slot serves a requested model name, aliases (glob patterns) applied first, and
-the Runtime (the settings, the router and the keys) a request runs on."""
+"""Routing: which slots serve a requested model name, aliases (glob patterns) applied first, and
+the Runtime (the settings, the router and the keys) a request runs on.
+
+A model a slot lists is served by that slot alone. A `[[routes]]` model is served by its slots in
+their order (each asked for its `served` name), so the forward path can hand a request on to the
+next while nothing has reached the client; the order is the plan, and with `prefer_loaded` the
+slots that have their model loaded go first (forward.py asks the slot table)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hal0d.config import Config, SlotConfig, alias_target
+from hal0d.config import Config, RouteConfig, SlotConfig, alias_target
 from hal0d.errors import NoRoute
 from hal0d.keys import KeyRing
 
@@ -16,24 +21,49 @@ class Route:
     served_model: str  # the name the upstream knows; the client's name may be an alias
 
 
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The slots that may serve one request, in the order they are tried, and the route's
+    settings when the model is a [[routes]] one (None: a slot's own model, one slot)."""
+
+    model: str  # the served name the client's name resolved to (its alias applied)
+    routes: tuple[Route, ...]
+    route: RouteConfig | None = None
+
+    @property
+    def first(self) -> Route:
+        return self.routes[0]
+
+
 class Router:
     def __init__(self, config: Config) -> None:
-        self._by_model = {model: slot for slot in config.slots for model in slot.models}
+        self._plans: dict[str, Plan] = {
+            model: Plan(model, (Route(slot, model),))
+            for slot in config.slots for model in slot.models
+        }
+        by_name = {slot.name: slot for slot in config.slots}
+        for route in config.routes:
+            self._plans[route.model] = Plan(route.model, tuple(
+                Route(by_name[name], route.served_by(name)) for name in route.slots), route)
         self._aliases = config.models
 
     def served_models(self) -> list[str]:
-        return sorted(self._by_model)
+        return sorted(self._plans)
 
-    def resolve(self, model: str) -> Route:
-        served = model if model in self._by_model else alias_target(self._aliases, model)
-        slot = self._by_model.get(served) if served is not None else None
-        if slot is None or served is None:
+    def plan(self, model: str) -> Plan:
+        served = model if model in self._plans else alias_target(self._aliases, model)
+        plan = self._plans.get(served) if served is not None else None
+        if plan is None:
             raise NoRoute(
                 f"no slot serves model {model!r}; served models: "
                 + (", ".join(self.served_models()) or "none"),
                 field="model",
             )
-        return Route(slot, served)
+        return plan
+
+    def resolve(self, model: str) -> Route:
+        """The first slot of the model's plan."""
+        return self.plan(model).first
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,6 +58,8 @@ class RequestRecord:
     completion_tokens: int | None = None
     load_ms: float | None = None  # the part of queue_ms spent waiting for a model to load
     key: str | None = None  # the name of the [[keys]] entry it came with (never the secret)
+    attempts: int | None = None  # the slots a route tried (1 without a hand-on)
+    failover: str | None = None  # the slots that handed it on and why: `box1=connect_refused`
 
 
 COLUMNS: Final[tuple[str, ...]] = tuple(f.name for f in dataclasses.fields(RequestRecord))
@@ -79,7 +81,7 @@ _SCHEMA: Final = (
 )
 # Columns later versions added: a database an earlier version wrote gains them in place at open
 # (ALTER TABLE keeps every row; old rows read NULL there).
-_ADDED_COLUMNS: Final = ("load_ms", "key")
+_ADDED_COLUMNS: Final = ("load_ms", "key", "attempts", "failover")
 
 _INSERT: Final = (
     f"INSERT INTO requests ({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)})"

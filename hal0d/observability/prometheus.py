@@ -206,6 +206,11 @@ class PromMetrics:
             "hal0d_stall_guard_trips", "streams cut by the stall guard", ["slot", "reason"],
             registry=self.registry,
         )
+        self.failovers = Counter(
+            "hal0d_failovers", "requests a route's slot handed on to the next before anything "
+            "reached the client, by the slot that handed it on and why",
+            ["route", "slot", "reason"], registry=self.registry,
+        )
         self.history_dropped = Counter(
             "hal0d_history_rows_dropped", "history rows dropped because the writer fell behind",
             registry=self.registry,
@@ -213,6 +218,9 @@ class PromMetrics:
         self.lifecycle = LifecycleMetrics(self.registry)
         self.registry.register(DescriptorCollector())
         ProcessCollector(registry=self.registry)
+
+    def failover(self, route: str, slot: str, reason: str) -> None:
+        self.failovers.labels(route, slot, reason).inc()
 
     def watch_slots(
         self,

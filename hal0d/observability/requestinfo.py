@@ -41,6 +41,10 @@ class RequestInfo:
     # The client had the whole answer before the request ended (a stream's terminal frame was
     # written): a cancellation after that is the client closing, not a disconnect.
     answered: bool = False
+    # A route's way: the slots tried (1 without a hand-on), and those that handed it on with
+    # why (`slot=reason,...`), None when the first answered.
+    attempts: int = 1
+    failover: str | None = None
 
     def fail(self, error_code: str) -> None:
         self.ok = False

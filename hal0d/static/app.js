@@ -250,7 +250,10 @@ function renderRequests() {
     .map((row) => el("tr", { "data-request-id": row.request_id },
       el("td", {}, clock(row.ts)),
       el("td", {}, row.model || "–"),
-      el("td", {}, row.slot || "–"),
+      el("td", row.failover ? { title: `handed on by ${row.failover.replaceAll(",", ", ")}` } : {},
+        row.slot || "–", row.failover ? el("span", { class: "failover" },
+          ` after ${row.failover.split(",").map((tried) => tried.split("=")[0]).join(", ")}`)
+          : null),
       el("td", {}, `${row.stream ? "stream " : ""}${row.endpoint}`),
       el("td", { class: "num" }, String(row.status || "–")),
       el("td", {}, outcome(row)),

@@ -51,17 +51,18 @@ async def _write(response: web.StreamResponse, data: bytes) -> None:
         raise _ClientGone from None
 
 
-async def relay(
+async def relay(  # long: the per-chunk loop is written out, not called (the docstring)
     upstream: aiohttp.ClientResponse,
     response: web.StreamResponse,
     transform: Transform,
     guard: StallGuard,
     tap: StreamTap | None = None,
+    *,
+    first_chunk: bytes = b"",
 ) -> Outcome:
-    """The body until it ends, however it ends, then the transform's last frame; the Outcome
-    says how it ended. The per-chunk loop (two times noted, the tap, the transform, the write)
-    is written out here, not called: each coroutine level between the task and the read is
-    resumed for every chunk."""
+    """The body (after `first_chunk`, read before: a route's first_byte_timeout_s waited for it)
+    until it ends, however it ends, then the transform's last frame; the Outcome says how. The
+    per-chunk loop is written out, not called: each coroutine level is resumed every chunk."""
     outcome = Outcome()
     read, feed, write = upstream.content.readany, transform.feed, response.write
     awaiting_upstream, upstream_answered = guard.awaiting_upstream, guard.upstream_answered
@@ -71,10 +72,12 @@ async def relay(
             if first := transform.start():
                 upstream_answered()  # a write to the client, watched like the loop's
                 await _write(response, first)
+            chunk = first_chunk
             while True:
-                awaiting_upstream()
-                if not (chunk := await read()):
-                    break
+                if not chunk:
+                    awaiting_upstream()
+                    if not (chunk := await read()):
+                        break
                 upstream_answered()
                 if tap is not None:
                     tap.on_chunk(chunk)
@@ -83,6 +86,7 @@ async def relay(
                         await write(out)
                     except ConnectionResetError:
                         raise _ClientGone from None
+                chunk = b""
             last = transform.end()
         except StallTripped as exc:
             last = _stalled(upstream, transform, outcome, guard.trip(exc.reason))

@@ -33,6 +33,7 @@ body, whatever its Content-Length says).
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 from collections.abc import Mapping, MutableMapping
 from types import TracebackType
@@ -152,6 +153,18 @@ def transport_reason(exc: BaseException, during: str) -> str:
     return f"{type(exc).__name__} {during}" + (f": {detail}" if detail else "")
 
 
+def transport_kind(exc: BaseException) -> str:
+    """transport_reason as one stable word (UpstreamUnavailable.kind)."""
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        refused = exc.os_error.errno == errno.ECONNREFUSED
+        return "connect_refused" if refused else "connect_failed"
+    if isinstance(exc, aiohttp.ServerDisconnectedError | ConnectionResetError):
+        return "disconnected"
+    return "unavailable"
+
+
 class upstream_errors:  # lower case: read as a `with` statement, as contextlib's helpers are
     """`with upstream_errors(slot, during):` maps the transport exceptions raised inside it to
     hal0d's error tree, the one place that does (as httpcore's `map_exceptions` does):
@@ -204,6 +217,7 @@ class upstream_errors:  # lower case: read as a `with` statement, as contextlib'
         error = UpstreamUnavailable(
             f"slot {slot.name!r} at {slot.upstream} is unavailable: {reason}")
         error.cause = cause
+        error.kind = transport_kind(exc)
         raise error from None
 
 
@@ -338,6 +352,18 @@ class UpstreamClient:
         if guarded:
             hand_body_to_guard(upstream)
         return upstream
+
+    async def listen(self, slot: SlotConfig, path: str, *, connect_timeout_s: float
+                     ) -> aiohttp.ClientResponse:
+        """A long-lived GET of hal0d's own (another hal0d's event feed), with the slot's key:
+        the response once its headers are in, its body unbounded (the caller bounds each read
+        and closes it). No answer is UpstreamUnavailable."""
+        with upstream_errors(slot, f"waiting for GET {path}"):
+            async with asyncio.timeout(connect_timeout_s):
+                return await self.session.get(
+                    upstream_url(slot.upstream, path), headers=own_headers(slot),
+                    allow_redirects=False, timeout=aiohttp.ClientTimeout(total=None),
+                )
 
     async def ask(
         self,
