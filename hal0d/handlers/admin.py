@@ -18,6 +18,7 @@ from hal0d.lifecycle.runner import UnloadReason
 from hal0d.lifecycle.slots import Slot, SlotState
 from hal0d.observability import events as feed
 from hal0d.observability.requestinfo import INFO
+from hal0d.observability.tally import HOUR_S
 
 MAX_HISTORY_ROWS = 1000
 # A comment this often keeps a quiet feed's connection from looking dead to proxies and readers.
@@ -107,13 +108,17 @@ async def events(request: web.Request) -> web.StreamResponse:
 
 
 async def status(request: web.Request) -> web.Response:
-    """The status page's header: version, uptime, requests served, the last hour's failures."""
-    tally = request.app[RECORDER].tally
+    """The status page's header: version, uptime, requests served since start, and when the
+    last hour's failures happened (from the history: they outlive a restart)."""
+    recorder = request.app[RECORDER]
+    tally = recorder.tally
+    await recorder.history.flush()  # the rows of requests that already ended, still queued
+    error_times = await recorder.history.failed_since(time.time() - HOUR_S)
     return json({
         "version": __version__,
         "uptime_s": round(time.time() - tally.started, 1),
         "requests": tally.served,
-        "error_times": tally.error_times(),
+        "error_times": error_times,
     })
 
 

@@ -86,6 +86,7 @@ _INSERT: Final = (
 _SELECT_RECENT: Final = (
     f"SELECT id, {', '.join(COLUMNS)} FROM requests ORDER BY ts DESC, id DESC LIMIT ?"
 )
+_SELECT_FAILED_SINCE: Final = "SELECT ts FROM requests WHERE ts >= ? AND ok = 0 ORDER BY ts, id"
 _BOOLEAN_COLUMNS: Final = ("stream", "ok")
 
 
@@ -212,6 +213,11 @@ class HistoryWriter:
         """Newest rows first, as the admin API shows them."""
         return await self._run(self._select_recent, max(0, limit))
 
+    async def failed_since(self, since: float) -> list[float]:
+        """When the failed requests from `since` (unix time) on ended, oldest first: the
+        status page's "errors, last hour", which a restart must not forget."""
+        return await self._run(self._select_failed_since, since)
+
     # -- the writer task ---------------------------------------------------------------------
 
     async def _write_loop(self) -> None:
@@ -310,6 +316,10 @@ class HistoryWriter:
                 item[key] = bool(item[key])
             out.append(item)
         return out
+
+    def _select_failed_since(self, since: float) -> list[float]:
+        rows = self._db().execute(_SELECT_FAILED_SINCE, (since,)).fetchall()
+        return [float(row[0]) for row in rows]
 
     def _close_conn(self) -> None:
         if self._conn is not None:
