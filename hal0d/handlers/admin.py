@@ -11,7 +11,7 @@ from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hal0d import __version__, access
-from hal0d.appkeys import EVENTS, LIFECYCLE, RECORDER, RUNTIME, SLOTS
+from hal0d.appkeys import EVENTS, LIFECYCLE, RECORDER, RUNTIME, SLOTS, VIEWS
 from hal0d.errors import Conflict, InvalidRequest, NoRoute
 from hal0d.lifecycle.manager import LifecycleManager
 from hal0d.lifecycle.runner import UnloadReason
@@ -62,8 +62,7 @@ def loadable(slot: Slot) -> bool:
 
 
 async def slots(request: web.Request) -> web.Response:
-    lifecycle = request.app[LIFECYCLE]
-    return json({"slots": [lifecycle.slot_view(slot) for slot in request.app[SLOTS]]})
+    return json({"slots": [request.app[VIEWS](slot) for slot in request.app[SLOTS]]})
 
 
 async def events(request: web.Request) -> web.StreamResponse:
@@ -84,7 +83,7 @@ async def events(request: web.Request) -> web.StreamResponse:
     # Subscribing and taking the snapshot in one step: every later change is in the queue.
     subscriber = hub.subscribe()
     hello = feed.frame("hello", {"ts": time.time(), "slots": [
-        request.app[LIFECYCLE].slot_view(slot) for slot in request.app[SLOTS]
+        request.app[VIEWS](slot) for slot in request.app[SLOTS]
     ]})
     try:
         await response.write(hello)
