@@ -9,7 +9,7 @@ DESTDIR ?=
 RUN_STAMP := $(VENV)/.installed-run
 STAMP := $(VENV)/.installed-test
 
-.PHONY: run test lint typecheck bench clean install uninstall venv test-real
+.PHONY: run test lint typecheck bench clean install uninstall venv test-real screenshot
 
 venv: $(STAMP)
 
@@ -49,6 +49,11 @@ browser:
 	      "(as root: apt-get install $(BROWSER_PACKAGES))"; \
 	  fi; \
 	fi
+
+# `make screenshot`: docs/dashboard.png, the status page of the demo `make run` serves, after a few
+# of the tour's requests, photographed by Debian's chromium (tests/screenshot.py).
+screenshot: $(STAMP) browser
+	$(BIN)/python -m tests.screenshot docs/dashboard.png
 
 lint: $(STAMP)
 	$(BIN)/ruff check hal0d hal0d_stub tests

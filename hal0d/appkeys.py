@@ -19,7 +19,7 @@ from hal0d.openai.owners import ResponseOwners
 if TYPE_CHECKING:
     from hal0d.forward import Dispatch
     from hal0d.lifecycle.manager import LifecycleManager
-    from hal0d.observability.events import EventHub
+    from hal0d.observability.events import EventHub, SlotViews
     from hal0d.observability.recorder import Recorder
 
 
@@ -35,6 +35,8 @@ RECORDER: web.AppKey[Recorder] = web.AppKey("recorder")
 HEADS = web.AppKey("heads", HeadWatch)
 # The readers of GET /api/events.
 EVENTS: web.AppKey[EventHub] = web.AppKey("events")
+# A slot's view as /api/slots and the feed show it (the lifecycle's, with its load's phase).
+VIEWS: web.AppKey[SlotViews] = web.AppKey("views")
 # Which model made each Responses API answer (bounded): GET/DELETE /v1/responses/{id} go there.
 RESPONSE_OWNERS = web.AppKey("response_owners", ResponseOwners)
 # What each named key is doing now (its model calls in flight and of the last minute): one for

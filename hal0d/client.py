@@ -15,7 +15,9 @@ import dataclasses
 import http.client
 import json
 import os
+import queue
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -32,8 +34,10 @@ TIMEOUT_S = 30.0
 WATCH_TIMEOUT_S = 45.0
 METRICS_EVERY_S = 1.0  # --watch asks /api/slots/metrics at most this often
 RECONNECT_S = 1.0  # --watch asks for the feed again this often while hal0d is away
+REDRAW_S = 1.0  # --watch redraws at least this often, so its ages count up between events
 CLEAR = "\x1b[H\x1b[2J"
 # The addresses that mean "every interface" when listened on; a client reaches them on loopback.
+Frame = tuple[str, dict[str, Any]]  # one event of the feed: its name and its data
 _ANY = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}
 
 
@@ -203,29 +207,60 @@ def watch(daemon: Daemon, out: TextIO = sys.stdout, *, retry_s: float = RECONNEC
 
 def _watch_once(daemon: Daemon, out: TextIO) -> str:
     """One connection to the feed, drawn until it ends; returns why it ended. A ClientError
-    when the feed cannot be opened at all."""
+    when the feed cannot be opened at all. The feed is read in a thread of its own, so the
+    table is also redrawn every REDRAW_S between events: its ages (idle 5s, probing 12s) count
+    up as the page's do, instead of standing still until the next event."""
     board = Board([], {})
     metrics_at = 0.0
     with _open(daemon, "GET", "/api/events", WATCH_TIMEOUT_S) as response:
-        try:
-            for name, data in sse_events(response):
-                board.apply(name, data)
-                now = time.monotonic()
-                if name in ("hello", "request") and now - metrics_at >= METRICS_EVERY_S:
+        frames: queue.Queue[Frame | BaseException | None] = queue.Queue()
+        threading.Thread(target=_read_frames, args=(response, frames), daemon=True).start()
+        while True:
+            try:
+                item = frames.get(timeout=REDRAW_S)
+            except queue.Empty:
+                if board.views:
+                    _draw(out, daemon, board)
+                continue
+            if item is None:
+                break
+            if isinstance(item, TimeoutError):
+                return f"hal0d at {daemon.url} went quiet (no heartbeat in {WATCH_TIMEOUT_S:g} s)"
+            if isinstance(item, (ConnectionError, http.client.HTTPException)):
+                return f"lost hal0d at {daemon.url}: {item}"
+            if isinstance(item, BaseException):
+                raise item
+            name, data = item
+            board.apply(name, data)
+            now = time.monotonic()
+            if name in ("hello", "request") and now - metrics_at >= METRICS_EVERY_S:
+                try:
                     board.metrics = metrics(daemon)
-                    metrics_at = now
-                out.write(CLEAR + f"hal0d at {daemon.url}  (Ctrl-C to quit)\n\n"
-                          + board.render() + "\n")
-                if board.last:
-                    out.write(f"\nlast: {board.last}\n")
-                out.flush()
-        except TimeoutError:
-            return f"hal0d at {daemon.url} went quiet (no heartbeat in {WATCH_TIMEOUT_S:g} s)"
-        except (ConnectionError, http.client.HTTPException) as exc:
-            return f"lost hal0d at {daemon.url}: {exc}"
-        except ClientError as exc:  # its metrics, asked as hal0d went away
-            return str(exc)
+                except ClientError as exc:  # its metrics, asked as hal0d went away
+                    return str(exc)
+                metrics_at = now
+            _draw(out, daemon, board)
     return f"hal0d at {daemon.url} ended the event stream (restarting?)"
+
+
+
+def _read_frames(response: http.client.HTTPResponse,
+                 frames: queue.Queue[Frame | BaseException | None]) -> None:
+    """The feed's frames onto `frames`, then None at its end, or what ended it."""
+    try:
+        for item in sse_events(response):
+            frames.put(item)
+    except BaseException as exc:  # handed to the drawing thread, which decides
+        frames.put(exc)
+        return
+    frames.put(None)
+
+
+def _draw(out: TextIO, daemon: Daemon, board: Board) -> None:
+    out.write(CLEAR + f"hal0d at {daemon.url}  (Ctrl-C to quit)\n\n" + board.render() + "\n")
+    if board.last:
+        out.write(f"\nlast: {board.last}\n")
+    out.flush()
 
 
 def sse_events(response: http.client.HTTPResponse) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -251,15 +286,22 @@ class Board:
                  ) -> None:
         self.views: dict[str, dict[str, Any]] = {}
         self.seen: dict[str, float] = {}  # when each view was taken (its ages grow from there)
-        self.loading: dict[str, str] = {}
+        # Per slot loading: its load's phase, the seconds it had lasted, and when that was told.
+        self.loading: dict[str, tuple[str, float, float]] = {}
         self.metrics = slot_metrics
         self.last = ""
         for view in views:
             self._take(view)
 
     def _take(self, view: dict[str, Any]) -> None:
-        self.views[view["name"]] = view
-        self.seen[view["name"]] = time.monotonic()
+        name, now = view["name"], time.monotonic()
+        self.views[name] = view
+        self.seen[name] = now
+        load = view.get("load")
+        if load:
+            self.loading[name] = (load["phase"], load["elapsed_s"] + time.time() - load["ts"], now)
+        else:
+            self.loading.pop(name, None)
 
     def apply(self, name: str, data: dict[str, Any]) -> None:
         if name == "hello":
@@ -274,7 +316,8 @@ class Board:
             if data["phase"] in ("ready", "failed"):
                 self.loading.pop(data["slot"], None)
             else:
-                self.loading[data["slot"]] = f"{data['phase']} {data['elapsed_s']:.0f}s"
+                self.loading[data["slot"]] = (data["phase"], data["elapsed_s"],
+                                              time.monotonic())
             if data["phase"] == "failed":
                 self.last = f"{data['slot']}: load failed: {data.get('reason')}"
         elif name == "unload":
@@ -291,7 +334,8 @@ class Board:
         for name, view in self.views.items():
             state = view["state"]
             if name in self.loading:
-                state += f" ({self.loading[name]})"
+                phase, elapsed_s, told = self.loading[name]
+                state += f" ({phase} {_duration(elapsed_s + time.monotonic() - told)})"
             entry = self.metrics.get(name, {})
             tokens_per_s = entry.get("tokens_per_s")
             ttft = (entry.get("ttft_ms") or {}).get("p50")
@@ -301,7 +345,10 @@ class Board:
                 "-" if view.get("memory_mib") is None else str(view["memory_mib"]),
                 "-" if tokens_per_s is None else f"{tokens_per_s:.1f}", _ms(ttft),
             ))
-        return _table(lines)
+        # Why a slot is in its state (an error, a failed load), as the page shows it.
+        reasons = [f"{name}: {view['reason']}" for name, view in self.views.items()
+                   if view.get("reason")]
+        return _table(lines) + ("\n\n" + "\n".join(reasons) if reasons else "")
 
     def _age(self, name: str, view: dict[str, Any]) -> str:
         since = time.monotonic() - self.seen[name]

@@ -10,6 +10,7 @@ import dataclasses
 import fnmatch
 import math
 import os
+import socket
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -332,7 +333,37 @@ def _string_list(value: list[Any], where: str, problems: list[str]) -> tuple[str
     return tuple(value)
 
 
-def _check_slots(raw: Any, problems: list[str]) -> tuple[SlotConfig, ...]:
+# Written in a slot's `upstream` and `command`: a free loopback port hal0d picks for that slot.
+FREE_PORT = "{free_port}"
+# The port picked per (config folder, slot name, upstream as written), kept for the process's
+# life: a reload of an unchanged slot names the same port (the slot is not restarted).
+_picked_ports: dict[tuple[str, str, str], int] = {}
+
+
+def _unused_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _with_free_port(good: dict[str, Any], base_dir: Path) -> dict[str, Any]:
+    """A slot that writes FREE_PORT gets one port of its own in its upstream and its command
+    alike: the demo's stub cannot collide with a program on a fixed port (port_taken would
+    then only refuse the load, and `make run` would serve nothing)."""
+    command = good.get("command") or ()
+    if FREE_PORT not in good["upstream"] and not any(FREE_PORT in arg for arg in command):
+        return good
+    key = (str(base_dir), good["name"], good["upstream"])
+    if key not in _picked_ports:
+        _picked_ports[key] = _unused_port()
+    port = str(_picked_ports[key])
+    good["upstream"] = good["upstream"].replace(FREE_PORT, port)
+    if command:
+        good["command"] = tuple(arg.replace(FREE_PORT, port) for arg in command)
+    return good
+
+
+def _check_slots(raw: Any, problems: list[str], base_dir: Path) -> tuple[SlotConfig, ...]:
     if not isinstance(raw, list):
         problems.append("slots: must be an array of tables ([[slots]])")
         return ()
@@ -376,7 +407,7 @@ def _check_slots(raw: Any, problems: list[str]) -> tuple[SlotConfig, ...]:
             served[model] = str(name)
         if len(problems) == before:
             good["upstream"] = good["upstream"].rstrip("/")
-            slots.append(SlotConfig(**good))
+            slots.append(SlotConfig(**_with_free_port(good, base_dir)))
         elif isinstance(name, str) and name:
             problems[before:] = [f'{problem} (slot "{name}")' for problem in problems[before:]]
     return tuple(slots)
@@ -680,7 +711,7 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         problems.append(f"logging.level: {logging_['level']!r} is not one of {_LOG_LEVELS}")
     if logging_.get("format", "auto") not in _LOG_FORMATS:
         problems.append(f"logging.format: {logging_['format']!r} is not one of {_LOG_FORMATS}")
-    slots = _check_slots(raw.get("slots", []), problems)
+    slots = _check_slots(raw.get("slots", []), problems, base_dir)
     raw_slots = raw.get("slots", [])
     groups = _check_groups(raw.get("groups", {}), slots, problems,
                            raw_slots if isinstance(raw_slots, list) else [])

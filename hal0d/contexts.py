@@ -13,14 +13,14 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from hal0d.appkeys import DISPATCH, EVENTS, HEADS, LIFECYCLE, RECORDER, RUNTIME, SLOTS
+from hal0d.appkeys import DISPATCH, EVENTS, HEADS, LIFECYCLE, RECORDER, RUNTIME, SLOTS, VIEWS
 from hal0d.config import SlotConfig
 from hal0d.forward import Dispatch
 from hal0d.lifecycle.manager import LifecycleManager
 from hal0d.lifecycle.remote import RemoteModels
 from hal0d.lifecycle.runner import log_state_change
 from hal0d.lifecycle.slots import SlotTable
-from hal0d.observability.events import SlotFeed
+from hal0d.observability.events import SlotFeed, SlotViews
 from hal0d.observability.history import HistoryWriter
 from hal0d.observability.recorder import Recorder
 from hal0d.transport.anthropic_mode import AnthropicModes
@@ -71,7 +71,10 @@ async def dispatch_context(app: web.Application) -> AsyncIterator[None]:
                                  end_streams=dispatch.end_streams)
     lifecycle.observers.append(recorder.prom.lifecycle)
     app[LIFECYCLE] = lifecycle
-    feed = SlotFeed(app[EVENTS], lifecycle.slot_view)
+    views = SlotViews(lifecycle.slot_view)
+    lifecycle.observers.append(views)  # before the feed: its `load` events find views current
+    app[VIEWS] = views
+    feed = SlotFeed(app[EVENTS], views)
     for slot in table:
         feed.watch(slot)
     lifecycle.slot_added.append(feed.watch)

@@ -1,6 +1,7 @@
 """The demo `make run` serves, run for real: `hal0d serve` on a copy of etc/hal0d.toml with only
-its ports and the stub's log path rewritten, so a test can run beside `make run` and beside
-itself while everything else, the stub command included, is the demo configuration."""
+its port and the stub's log path rewritten, so a test can run beside `make run` and beside
+itself while everything else, the stub command and its free port included, is the demo
+configuration."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 from tests.conftest import free_port
 
@@ -48,27 +50,37 @@ class RunningDemo:
         return f"hal0d output:\n{log}\nstub log:\n" + "\n".join(self.stub_lines()[-20:])
 
 
-def rewrite_demo_config(port: int, stub_port: int, stub_log: Path) -> str:
+def rewrite_demo_config(port: int, stub_log: Path, stub_port: int | None = None) -> str:
+    """The demo's config on `port`; its stub keeps the free port hal0d picks, unless a test
+    pins it to `stub_port`."""
     text = (REPO / "etc" / "hal0d.toml").read_text()
     replacements = [
         (f"port = {DEMO_PORT}", f"port = {port}"),
-        ('upstream = "http://127.0.0.1:8091"', f'upstream = "http://127.0.0.1:{stub_port}"'),
-        ('"--port", "8091"', f'"--port", "{stub_port}"'),
         (json.dumps(DEMO_STUB_LOG), json.dumps(str(stub_log))),
     ]
+    if stub_port is not None:
+        replacements += [
+            ('upstream = "http://127.0.0.1:{free_port}"',
+             f'upstream = "http://127.0.0.1:{stub_port}"'),
+            ('"--port", "{free_port}"', f'"--port", "{stub_port}"'),
+        ]
     for old, new in replacements:
         assert text.count(old) == 1, f"etc/hal0d.toml no longer has exactly one {old!r}"
         text = text.replace(old, new)
     return text
 
 
-def slots_ready(port: int) -> bool:
+def slot_views(port: int) -> list[dict[str, Any]] | None:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/slots", timeout=1) as resp:
-            slots = json.loads(resp.read())["slots"]
+            return cast(list[dict[str, Any]], json.loads(resp.read())["slots"])
     except (OSError, urllib.error.URLError, ValueError):
-        return False
-    return bool(slots) and all(slot["state"] == "ready" for slot in slots)
+        return None
+
+
+def slots_ready(port: int) -> bool:
+    slots = slot_views(port)
+    return bool(slots) and all(slot["state"] == "ready" for slot in slots or ())
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:
@@ -84,14 +96,14 @@ def stop(process: subprocess.Popen[bytes]) -> None:
 
 
 @contextmanager
-def running_demo(tmp: Path) -> Iterator[RunningDemo]:
-    """The demo, served until the block ends; yields once its slot is ready."""
-    port, stub_port = free_port(), free_port()
-    while stub_port == port:
-        stub_port = free_port()
+def running_demo(tmp: Path, stub_port: int | None = None,
+                 wait_ready: bool = True) -> Iterator[RunningDemo]:
+    """The demo, served until the block ends; yields once its slot is ready (or, without
+    `wait_ready`, once hal0d answers)."""
+    port = free_port()
     config = tmp / "hal0d.toml"
     stub_log = tmp / "stub-reasoning.log"
-    config.write_text(rewrite_demo_config(port, stub_port, stub_log))
+    config.write_text(rewrite_demo_config(port, stub_log, stub_port))
     output = tmp / "hal0d.out"
     script = Path(sys.executable).parent / "hal0d"
     argv = [str(script)] if script.exists() else [sys.executable, "-m", "hal0d"]
@@ -103,7 +115,7 @@ def running_demo(tmp: Path) -> Iterator[RunningDemo]:
     demo = RunningDemo(port, config, stub_log, output, process)
     try:
         deadline = time.monotonic() + READY_WITHIN_S
-        while not slots_ready(port):
+        while not (slots_ready(port) if wait_ready else slot_views(port) is not None):
             assert process.poll() is None, f"hal0d exited early\n{demo.diagnostics()}"
             assert time.monotonic() < deadline, f"slot not ready\n{demo.diagnostics()}"
             time.sleep(0.1)

@@ -10,7 +10,7 @@ import aiohttp
 
 import hal0d
 from hal0d.config import SlotConfig
-from tests.conftest import Stub, chat_body, free_port, make_config
+from tests.conftest import Stub, chat_body, eventually, free_port, make_config
 from tests.test_access import KEY, WRONG_KEY, keyed_config, recording_upstream
 
 USER_AGENT = f"hal0d/{hal0d.__version__}"
@@ -110,3 +110,57 @@ async def test_a_clients_own_user_agent_is_kept_on_the_requests_relayed_for_it(
     assert [headers["User-Agent"] for headers in relayed] == [client_agent]
     probes = [headers for what, headers in seen if what == "GET /v1/models"]
     assert probes and all(headers["User-Agent"] == USER_AGENT for headers in probes)
+
+
+async def test_readyz_is_503_while_every_slot_is_in_its_failure_backoff_and_200_once_loadable(
+    start_hal0d, http: aiohttp.ClientSession, tmp_path: Path
+):
+    """Stopped after a failed load, an on-demand slot can serve nothing until its backoff has
+    passed: /readyz says not_ready with the reason (to a key holder only), then ready again,
+    since a request would then load it. An always slot whose process cannot start: not ready."""
+    import dataclasses
+
+    from hal0d.config import ServerConfig
+
+    missing = "hal0d-no-such-program-x"
+    slot = SlotConfig(name="lazy", upstream=f"http://127.0.0.1:{free_port()}", models=("m",),
+                      command=(missing,), start="on_demand")
+    config = keyed_config("http://unused", tmp_path)
+    config = dataclasses.replace(config, slots=(slot,))
+    hal0d_server = await start_hal0d("http://unused", config=config)
+    keyed = {"Authorization": f"Bearer {KEY}"}
+
+    async def readyz(headers: dict[str, str]) -> tuple[int, dict]:
+        async with http.get(hal0d_server.make_url("/readyz"), headers=headers) as resp:
+            return resp.status, await resp.json()
+
+    assert (await readyz({}))[0] == 200  # at rest, a request would load it
+    async with http.post(hal0d_server.make_url("/v1/chat/completions"), headers=keyed,
+                         json={"model": "m", "messages": [{"role": "user", "content": "x"}]}
+                         ) as resp:
+        assert resp.status == 503 and (await resp.json())["error"]["code"] == "slot.load_failed"
+    status, body = await readyz(keyed)
+    assert status == 503 and body["status"] == "not_ready", body
+    [view] = body["slots"]
+    assert view["state"] == "stopped" and f"cannot start {missing!r}" in view["reason"], view
+    status, body = await readyz({})
+    assert status == 503 and body["slots"] == [{"name": "lazy", "state": "stopped"}], body
+    # The first backoff is 1 s; after it the slot is loadable again.
+    async def ready_again() -> bool:
+        return (await readyz({}))[0] == 200
+
+    await eventually(ready_again, 10, "readyz 200 once the backoff has passed")
+
+    always = dataclasses.replace(slot, name="pinned", start="always")
+    pinned = await start_hal0d("http://unused", config=dataclasses.replace(
+        config, slots=(always,), server=ServerConfig(),
+        metrics=dataclasses.replace(config.metrics, database=str(tmp_path / "b.sqlite3"))))
+
+    async def pinned_in_error() -> dict:
+        async with http.get(pinned.make_url("/readyz")) as resp:
+            body = await resp.json()
+            assert resp.status == 503 and body["status"] == "not_ready", body
+            return body if body["slots"][0]["state"] == "error" else {}
+
+    body = await eventually(pinned_in_error, 10, "the always slot in error, not ready")
+    assert f"cannot start {missing!r}" in body["slots"][0]["reason"], body

@@ -19,6 +19,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 import pytest
+from aiohttp import hdrs
 
 import hal0d
 from tests.conftest import Stub, free_port
@@ -225,7 +226,7 @@ def test_check_config_says_slots_in_the_plural_for_two(tmp_path: Path):
     assert result.stdout.strip() == f"{path}: ok (2 slots)", result.stderr
 
 
-async def test_a_slot_whose_program_is_missing_says_why_in_api_slots_readyz_and_the_502(
+async def test_a_slot_whose_program_is_missing_says_why_in_api_slots_readyz_and_the_503(
     serve, tmp_path: Path, http: aiohttp.ClientSession
 ):
     port = free_port()
@@ -258,14 +259,16 @@ async def test_a_slot_whose_program_is_missing_says_why_in_api_slots_readyz_and_
     async with http.post(f"{served.url}/v1/chat/completions",
                          json={"model": "chat", "messages": [{"role": "user", "content": "x"}]}
                          ) as resp:
-        assert resp.status == 502
+        # No process of hal0d's listens on the slot's port: refused with the cause, never
+        # relayed to whatever else may listen there.
+        assert resp.status == 503 and hdrs.RETRY_AFTER in resp.headers
         error = (await resp.json())["error"]
-    assert error["code"] == "dispatch.upstream_unavailable"
+    assert error["code"] == "slot.load_failed"
     assert cause in error["message"], error
     async with http.post(f"{served.url}/v1/messages",
                          json={"model": "chat", "max_tokens": 8,
                                "messages": [{"role": "user", "content": "x"}]}) as resp:
-        assert resp.status == 502
+        assert resp.status == 503
         assert cause in (await resp.json())["error"]["message"]
     # Logged once at start, not again on every retry.
     assert len(served.named("config.warning")) == 1

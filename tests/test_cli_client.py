@@ -249,3 +249,97 @@ async def test_a_config_that_cannot_be_read_is_one_line_and_exit_1(tmp_path: Pat
     assert err.startswith(f"hal0d status: cannot use {tmp_path / 'missing.toml'}: ")
 
 
+
+
+@pytest.fixture
+async def slow_daemon(tmp_path: Path) -> AsyncIterator[Hal0d]:
+    """A daemon whose on-demand slot `a` takes 30 s to load (its stub waits before listening)
+    and whose slot `b` cannot start (a missing program)."""
+    port = free_port()
+    config = tmp_path / "hal0d.toml"
+    text = daemon_toml(tmp_path, port).replace('"--delay", "0.005"]',
+                                               '"--delay", "0.005", "--startup-delay", "30"]')
+    assert "--startup-delay" in text
+    config.write_text(text + textwrap.dedent(f"""
+        [[slots]]
+        name = "b"
+        upstream = "http://127.0.0.1:{free_port()}"
+        models = ["tool"]
+        command = ["hal0d-no-such-program-b"]
+    """))
+    log = tmp_path / "hal0d.log"
+    with log.open("wb") as out:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "hal0d", "serve", "--config", str(config),
+            stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
+            env=env_without("HAL0D_API_KEY"),
+        )
+    served = Hal0d(process, port, config, log)
+    try:
+        await served.wait_for_event("server.started", DEADLINE_S)
+        yield served
+    finally:
+        await stop(process)
+
+
+async def test_status_without_watch_shows_a_loads_phase_and_why_a_slot_is_in_error(
+    slow_daemon: Hal0d, http: aiohttp.ClientSession
+) -> None:
+    config = str(slow_daemon.config)
+    async with http.post(f"{slow_daemon.url}/api/slots/a/load?wait=false",
+                         headers={"Authorization": f"Bearer {KEY}"}) as resp:
+        assert resp.status == 202
+
+    async def phases() -> list[str]:
+        code, out, err = await hal0d("status", "--config", config)
+        assert code == 0, err
+        row = row_of(out, "a")
+        assert row[1] == "starting" and row[2] == "(probing", out
+        assert "b: cannot start 'hal0d-no-such-program-b'" in out, out
+        return row
+
+    row = await eventually(phases, DEADLINE_S, "the load's phase and b's reason")
+    first = int(row[3].rstrip("s)"))
+    # The phase's age counts from the load's start, not from the last event.
+    later = await eventually(
+        lambda: _later_phase(config, first), DEADLINE_S, "the probing phase's age grown")
+    assert later > first
+
+
+async def _later_phase(config: str, first: int) -> int:
+    code, out, err = await hal0d("status", "--config", config)
+    assert code == 0, err
+    seconds = int(row_of(out, "a")[3].rstrip("s)"))
+    return seconds if seconds >= first + 2 else 0
+
+
+async def test_status_watch_counts_idle_up_between_events(
+    daemon: Hal0d, http: aiohttp.ClientSession
+) -> None:
+    """Nothing happens after the load: the screen is still redrawn, idle counting up from the
+    slot's idle-since time (not standing at the age it had at the last event)."""
+    import re
+
+    code, _, err = await hal0d("load", "a", "--config", str(daemon.config))
+    assert code == 0, err
+    env = {**env_without("HAL0D_API_KEY"), "HAL0D_API_KEY": KEY}
+    watcher = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "hal0d", "status", "--watch", "--url", daemon.url, cwd=ROOT,
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    stdout = watcher.stdout
+    assert stdout is not None
+    seen = bytearray()
+
+    async def idles() -> list[int]:
+        with contextlib.suppress(TimeoutError):
+            seen.extend(await asyncio.wait_for(stdout.read(65536), 0.2))
+        values = [int(v) for v in re.findall(r"idle (\d+)s", seen.decode(errors="replace"))]
+        return values if values and values[-1] >= values[0] + 3 else []
+
+    try:
+        values = await eventually(idles, DEADLINE_S, "idle counting up on one screen after another")
+        assert values == sorted(values), values
+    finally:
+        watcher.kill()
+        await watcher.wait()

@@ -109,3 +109,24 @@ def test_alias_globs_and_exact_names():
     assert config.alias_target(aliases, "claude-sonnet-4") == "reasoning"
     assert config.alias_target(aliases, "claude-exact") == "chat"
     assert config.alias_target(aliases, "gpt-4") is None
+
+
+def test_free_port_is_one_port_of_the_slots_own_in_its_upstream_and_command(
+    tmp_path: Path,
+) -> None:
+    import socket
+
+    def slots(folder: Path) -> tuple[config.SlotConfig, ...]:
+        return config.parse({"slots": [{
+            "name": "demo", "upstream": "http://127.0.0.1:{free_port}", "models": ["m"],
+            "command": ["hal0d", "stub", "--port", "{free_port}"],
+        }]}, base_dir=folder).slots
+
+    [slot] = slots(tmp_path)
+    port = int(slot.upstream.rsplit(":", 1)[1])
+    assert slot.command == ("hal0d", "stub", "--port", str(port))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))  # free: nothing listens there
+    assert slots(tmp_path) == (slot,)  # read again (a reload): the same port
+    [other] = slots(tmp_path / "elsewhere")
+    assert other.upstream != slot.upstream

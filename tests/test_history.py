@@ -235,3 +235,42 @@ async def test_a_database_of_a_previous_version_keeps_its_rows_and_gains_load_ms
         columns = [row[1] for row in conn.execute("PRAGMA table_info(requests)")]
     assert columns[-4:] == ["load_ms", "key", "attempts", "failover"]
     assert all(columns.count(name) == 1 for name in ("load_ms", "key", "attempts", "failover"))
+
+
+async def test_the_pages_errors_of_the_last_hour_are_the_historys_and_survive_a_restart(
+    tmp_path: Path,
+) -> None:
+    """GET /api/status's error_times (the page's "errors, last hour") are read from the history:
+    a restart keeps them, and a failure older than an hour is not among them."""
+    import aiohttp
+
+    from tests.conftest import free_port
+    from tests.test_server import launch, stop
+
+    old = record(0, ts=time.time() - 2 * 3600, ok=False)
+    writer = HistoryWriter(tmp_path / "history.sqlite3")
+    await writer.start()
+    writer.submit(old)
+    await writer.close()
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    chat = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
+
+    async with aiohttp.ClientSession() as http:
+        first = await launch(tmp_path, nowhere)
+        try:
+            for _ in range(3):
+                async with http.post(f"{first.url}/v1/chat/completions", json=chat) as resp:
+                    assert resp.status >= 500  # nothing listens upstream
+            async with http.get(f"{first.url}/api/status") as resp:
+                before = (await resp.json())["error_times"]
+        finally:
+            await stop(first.process)
+        assert len(before) == 3 and old.ts not in before, before
+
+        second = await launch(tmp_path, nowhere)
+        try:
+            async with http.get(f"{second.url}/api/status") as resp:
+                after = await resp.json()
+        finally:
+            await stop(second.process)
+    assert after["error_times"] == before and after["requests"] == 0, after

@@ -3,7 +3,8 @@ chromium-driver, against a real `hal0d serve` whose slots run the stub.
 
 `make test` installs chromium and chromium-driver when they are missing and it runs as root (as
 CI does); elsewhere these tests skip, saying how to run them. Screenshots at 1440x900 and
-390x844 are written to the test's folder (docs/dashboard.png is one of them, committed).
+390x844 are written to the test's folder; docs/dashboard.png is `make screenshot`'s, the page of
+the demo `make run` serves (tests/screenshot.py, run here too so the target keeps working).
 """
 
 from __future__ import annotations
@@ -359,3 +360,10 @@ served = {{ gone = "chat", llm = "chat" }}
         assert console_errors(browser) == []
     finally:
         daemon.stop()
+
+
+def test_make_screenshot_photographs_the_page_of_the_demo_make_run_serves(tmp_path: Path) -> None:
+    from tests import screenshot as target
+
+    made = target.make(tmp_path / "dashboard.png")
+    assert made.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and made.stat().st_size > 10_000

@@ -147,6 +147,7 @@ async def test_api_slots_lists_every_slot_with_state_capacity_and_the_error_reas
         "memory_mib": None,
         "group_memory_mib": None,
         "group_max_loaded": None,
+        "load": None,  # a load's phase while one is under way
     }
     assert gone["state"] == "error"
     assert "cannot connect" in gone["reason"]

@@ -1,5 +1,5 @@
-"""The stub serves what the README lists, through hal0d over real sockets: every endpoint of the
-Endpoints table with a correctly shaped answer, bodies as large as hal0d accepts, the same
+"""The stub serves what docs/endpoints.md lists, through hal0d over real sockets: every endpoint
+of the Endpoints table with a correctly shaped answer, bodies as large as hal0d accepts, the same
 misbehaviour per model streamed or not, and its own errors in the OpenAI envelope."""
 
 from __future__ import annotations

@@ -11,13 +11,14 @@ from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hal0d import __version__, access
-from hal0d.appkeys import EVENTS, LIFECYCLE, RECORDER, RUNTIME, SLOTS
+from hal0d.appkeys import EVENTS, LIFECYCLE, RECORDER, RUNTIME, SLOTS, VIEWS
 from hal0d.errors import Conflict, InvalidRequest, NoRoute
 from hal0d.lifecycle.manager import LifecycleManager
 from hal0d.lifecycle.runner import UnloadReason
 from hal0d.lifecycle.slots import Slot, SlotState
 from hal0d.observability import events as feed
 from hal0d.observability.requestinfo import INFO
+from hal0d.observability.tally import HOUR_S
 
 MAX_HISTORY_ROWS = 1000
 # A comment this often keeps a quiet feed's connection from looking dead to proxies and readers.
@@ -61,8 +62,7 @@ def loadable(slot: Slot) -> bool:
 
 
 async def slots(request: web.Request) -> web.Response:
-    lifecycle = request.app[LIFECYCLE]
-    return json({"slots": [lifecycle.slot_view(slot) for slot in request.app[SLOTS]]})
+    return json({"slots": [request.app[VIEWS](slot) for slot in request.app[SLOTS]]})
 
 
 async def events(request: web.Request) -> web.StreamResponse:
@@ -83,7 +83,7 @@ async def events(request: web.Request) -> web.StreamResponse:
     # Subscribing and taking the snapshot in one step: every later change is in the queue.
     subscriber = hub.subscribe()
     hello = feed.frame("hello", {"ts": time.time(), "slots": [
-        request.app[LIFECYCLE].slot_view(slot) for slot in request.app[SLOTS]
+        request.app[VIEWS](slot) for slot in request.app[SLOTS]
     ]})
     try:
         await response.write(hello)
@@ -107,13 +107,17 @@ async def events(request: web.Request) -> web.StreamResponse:
 
 
 async def status(request: web.Request) -> web.Response:
-    """The status page's header: version, uptime, requests served, the last hour's failures."""
-    tally = request.app[RECORDER].tally
+    """The status page's header: version, uptime, requests served since start, and when the
+    last hour's failures happened (from the history: they outlive a restart)."""
+    recorder = request.app[RECORDER]
+    tally = recorder.tally
+    await recorder.history.flush()  # the rows of requests that already ended, still queued
+    error_times = await recorder.history.failed_since(time.time() - HOUR_S)
     return json({
         "version": __version__,
         "uptime_s": round(time.time() - tally.started, 1),
         "requests": tally.served,
-        "error_times": tally.error_times(),
+        "error_times": error_times,
     })
 
 

@@ -273,6 +273,8 @@ class LifecycleManager:
         if runner.config.on_demand:
             self.tell(runner, Event.LOAD_FAILED, f"load failed: {cause}")
         else:
+            # Before the state is ERROR (where leases are granted): nothing of ours listens.
+            runner.slot.refuse_loads(cause, runner.retry_in_s)
             self.tell(runner, Event.START_FAILED,
                       f"{cause}; retrying in {runner.retry_in_s:g} s")
 

@@ -15,7 +15,9 @@ Semantics worth knowing:
 * READY means in_flight == 0 and SERVING means in_flight > 0 (machine.UP).
 * Leases are granted in READY, SERVING and ERROR. ERROR is still tried because the probe may be
   stale; a lease granted in ERROR leaves the state alone, and releasing the last one leaves it
-  in ERROR. Releasing the last lease in STARTING, STOPPING or OFFLINE leaves those alone too.
+  in ERROR. Not so after a failed start (``load_refused`` set in ERROR): no process of hal0d's
+  listens there, and whatever else does must not answer for the slot. Releasing the last
+  lease in STARTING, STOPPING or OFFLINE leaves those alone too.
 * In STARTING, STOPPED and STOPPING, callers wait in the same FIFO queue and go, in order, once
   the slot is READY (or ERROR). A waiter that finds the slot STOPPED asks for a load
   (``demand``, set by the manager on an on-demand slot); while such a slot loads, a wait is
@@ -63,6 +65,8 @@ log = structlog.get_logger(__name__)
 _GRANTABLE: Final = frozenset({SlotState.READY, SlotState.SERVING, SlotState.ERROR})
 # The states in which a request waits for a model to be (re)loaded rather than for capacity.
 LOADING: Final = frozenset({SlotState.STOPPED, SlotState.STARTING, SlotState.STOPPING})
+# The states in which a failed start or load refuses requests until its backoff has passed.
+_REFUSING: Final = frozenset({SlotState.STOPPED, SlotState.ERROR})
 
 
 class SlotLimits(Protocol):
@@ -196,7 +200,8 @@ class Slot:
         return _LeaseContext(self)
 
     def _can_grant(self) -> bool:
-        return self.state in _GRANTABLE and self.in_flight < self.config.max_concurrent
+        return (self.state in _GRANTABLE and self.in_flight < self.config.max_concurrent
+                and not (self.state is SlotState.ERROR and self.load_refused is not None))
 
     def _counts(self) -> None:
         if self.on_counts is not None:
@@ -254,7 +259,7 @@ class Slot:
         if not self._waiters and self._can_grant():
             self._take()
             return
-        if self.state is SlotState.STOPPED and self.load_refused is not None:
+        if self.state in _REFUSING and self.load_refused is not None:
             not_before, cause = self.load_refused
             if time.monotonic() < not_before:
                 raise SlotLoadFailed(

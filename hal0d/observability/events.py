@@ -133,6 +133,34 @@ class EventHub:
 SlotView = Callable[[Slot], dict[str, Any]]
 
 
+class SlotViews:
+    """A slot's view as every reader gets it (/api/slots, the feed's `hello` and `slot` events):
+    the lifecycle manager's view plus, while the slot loads, its load's phase (`load`: phase,
+    elapsed_s, ts), which the manager tells only as events. So `hal0d status` and a page opened
+    mid-load show "probing 12s", not a bare "starting"."""
+
+    def __init__(self, view: SlotView) -> None:
+        self.view = view
+        self.loads: dict[str, dict[str, Any]] = {}
+
+    def __call__(self, slot: Slot) -> dict[str, Any]:
+        view = self.view(slot)
+        view["load"] = self.loads.get(slot.name)
+        return view
+
+    # LifecycleObserver (lifecycle/manager.py)
+    def load_phase(self, slot: str, phase: LoadPhase, elapsed_s: float,
+                   reason: str | None) -> None:
+        if str(phase) in ("ready", "failed"):
+            self.loads.pop(slot, None)
+        else:
+            self.loads[slot] = {"phase": str(phase), "elapsed_s": round(elapsed_s, 1),
+                                "ts": time.time()}
+
+    def unloaded(self, slot: str, reason: UnloadReason, loaded_s: float | None) -> None:
+        self.loads.pop(slot, None)
+
+
 class SlotFeed:
     """Publishes `slot`, `load`, `unload` and `request` events on a hub.
 

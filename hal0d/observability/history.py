@@ -93,6 +93,7 @@ _SELECT_RECENT_OF_KEY: Final = (
     f"SELECT id, {', '.join(COLUMNS)} FROM requests WHERE key = ? "
     "ORDER BY ts DESC, id DESC LIMIT ?"
 )
+_SELECT_FAILED_SINCE: Final = "SELECT ts FROM requests WHERE ts >= ? AND ok = 0 ORDER BY ts, id"
 _BOOLEAN_COLUMNS: Final = ("stream", "ok")
 
 
@@ -219,6 +220,11 @@ class HistoryWriter:
         """Newest rows first, as the admin API shows them; only the named key's with `key`."""
         return await self._run(self._select_recent, max(0, limit), key)
 
+    async def failed_since(self, since: float) -> list[float]:
+        """When the failed requests from `since` (unix time) on ended, oldest first: the
+        status page's "errors, last hour", which a restart must not forget."""
+        return await self._run(self._select_failed_since, since)
+
     # -- the writer task ---------------------------------------------------------------------
 
     async def _write_loop(self) -> None:
@@ -320,6 +326,10 @@ class HistoryWriter:
                 item[column] = bool(item[column])
             out.append(item)
         return out
+
+    def _select_failed_since(self, since: float) -> list[float]:
+        rows = self._db().execute(_SELECT_FAILED_SINCE, (since,)).fetchall()
+        return [float(row[0]) for row in rows]
 
     def _close_conn(self) -> None:
         if self._conn is not None:

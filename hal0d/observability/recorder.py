@@ -66,7 +66,7 @@ class Recorder:
         return metrics
 
     def record(self, info: RequestInfo) -> None:
-        self.tally.add(info.ts, info.ok)
+        self.tally.add()
         record = RequestRecord(**{name: getattr(info, name) for name in COLUMNS})
         total_ms = record.total_ms or 0.0
         self.history.submit(record)
