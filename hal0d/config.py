@@ -97,6 +97,9 @@ class SlotConfig:
     # The Anthropic Messages surface for this slot's models: "translate" (to chat completions),
     # "native" (relayed raw to the upstream's own /v1/messages), "auto" (native when it has one).
     anthropic: str = "translate"
+    # The Responses API for this slot's models: "native" (relayed raw to the upstream's own
+    # /v1/responses), "translate" (to chat completions), "auto" (native when it has one).
+    responses: str = "native"
 
     @property
     def on_demand(self) -> bool:
@@ -225,8 +228,10 @@ _SLOT: dict[str, _Range] = {
     "group": (str, None, None),
     "memory_mib": (int, 1, 1 << 30),
     "anthropic": (str, None, None),
+    "responses": (str, None, None),
 }
 ANTHROPIC_MODES = ("translate", "native", "auto")
+RESPONSES_MODES = ("native", "translate", "auto")
 _GROUP: dict[str, _Range] = {
     "max_loaded": (int, 1, 4096),
     "memory_mib": (int, 1, 1 << 30),
@@ -332,6 +337,9 @@ def _check_slots(raw: Any, problems: list[str]) -> tuple[SlotConfig, ...]:
         if good.get("anthropic", ANTHROPIC_MODES[0]) not in ANTHROPIC_MODES:
             problems.append(f"{path}.anthropic: {good['anthropic']!r} is not one of "
                             f"{ANTHROPIC_MODES!r}")
+        if good.get("responses", RESPONSES_MODES[0]) not in RESPONSES_MODES:
+            problems.append(f"{path}.responses: {good['responses']!r} is not one of "
+                            f"{RESPONSES_MODES!r}")
         if "api_key" in good and "api_key_env" in good:
             problems.append(f"{path}: set api_key or api_key_env, not both")
         for model in good.get("models") or ():

@@ -22,7 +22,7 @@ from hal0d.lifecycle.slots import SlotTable
 from hal0d.observability.events import SlotFeed
 from hal0d.observability.history import HistoryWriter
 from hal0d.observability.recorder import Recorder
-from hal0d.transport.anthropic_mode import AnthropicModes
+from hal0d.transport.anthropic_mode import AnthropicModes, ResponsesModes
 from hal0d.transport.tokens import TokenCounter
 from hal0d.transport.upstream import UpstreamClient
 
@@ -61,7 +61,7 @@ async def dispatch_context(app: web.Application) -> AsyncIterator[None]:
     app[SLOTS] = table
     dispatch = Dispatch(runtime=app[RUNTIME], slots=table, upstreams=upstreams,
                         tokens=TokenCounter(upstreams), anthropic_modes=AnthropicModes(),
-                        streams=set())
+                        responses_modes=ResponsesModes(), streams=set())
     app[DISPATCH] = dispatch
     lifecycle = LifecycleManager(table, config.slots, upstreams, groups=config.groups,
                                  end_streams=dispatch.end_streams)

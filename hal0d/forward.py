@@ -44,7 +44,7 @@ from hal0d.lifecycle.routing import Route, RuntimeRef
 from hal0d.lifecycle.slots import Lease, SlotTable
 from hal0d.observability.requestinfo import INFO, RequestInfo
 from hal0d.protocol.transform import Transform
-from hal0d.transport.anthropic_mode import AnthropicModes
+from hal0d.transport.anthropic_mode import AnthropicModes, ResponsesModes
 from hal0d.transport.relay import Outcome, client_gone, relay
 from hal0d.transport.stallguard import StallGuard, guard_active
 from hal0d.transport.tap import StreamTap
@@ -61,6 +61,7 @@ class Dispatch:
     upstreams: UpstreamClient
     tokens: TokenCounter
     anthropic_modes: AnthropicModes
+    responses_modes: ResponsesModes
     # The stall guards of the streams being relayed now: a shutdown past its grace ends them,
     # a forced unload ends a slot's.
     streams: set[StallGuard]
@@ -213,6 +214,11 @@ class Forward:
         """How the slot serves the Anthropic API (transport/anthropic_mode.py), asked of its
         upstream once, under the lease."""
         return await self.dispatch.anthropic_modes.mode(self.dispatch.upstreams, self.route.slot)
+
+    async def responses_mode(self) -> str:
+        """How the slot serves the Responses API (native or translated), asked of its upstream
+        once, under the lease."""
+        return await self.dispatch.responses_modes.mode(self.dispatch.upstreams, self.route.slot)
 
 
 def release_upstream(upstream: aiohttp.ClientResponse) -> None:
