@@ -34,8 +34,26 @@ run: $(RUN_STAMP)
 # otherwise those tests skip and say how to run them.
 BROWSER_PACKAGES := chromium chromium-driver
 
-test: $(STAMP) browser
+test: $(STAMP) browser npm-test-tools
 	$(BIN)/python -m pytest -q
+
+# The npm clients some tests drive (the Codex CLI: tests/test_codex_cli.py), installed into the
+# git-ignored .npm-test/ when npm is there and the list changed; without npm those tests skip
+# and say so. One package a word; the list is remembered in .npm-test/.packages.
+NPM_TEST_DIR := .npm-test
+NPM_TEST_PACKAGES := @openai/codex@0.171.0
+
+.PHONY: npm-test-tools
+npm-test-tools:
+	@if ! command -v npm >/dev/null 2>&1; then \
+	  echo "make test: no npm; the tests that drive npm clients will skip"; \
+	elif [ "$$(cat $(NPM_TEST_DIR)/.packages 2>/dev/null)" != "$(NPM_TEST_PACKAGES)" ]; then \
+	  echo "make test: npm install $(NPM_TEST_PACKAGES) into $(NPM_TEST_DIR)/"; \
+	  mkdir -p $(NPM_TEST_DIR) && npm install --prefix $(NPM_TEST_DIR) --no-save --no-audit \
+	    --no-fund --loglevel=error $(NPM_TEST_PACKAGES) >/dev/null \
+	    && echo "$(NPM_TEST_PACKAGES)" > $(NPM_TEST_DIR)/.packages \
+	    || echo "make test: npm could not install them; those tests will skip"; \
+	fi
 
 .PHONY: browser
 browser:

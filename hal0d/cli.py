@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     stub.add_argument("--anthropic-native", action="store_true",
                       help="also serve the Anthropic Messages API (/v1/messages, count_tokens) "
                       "natively, as llama-server does")
+    stub.add_argument("--chat-only", action="store_true",
+                      help="serve no Responses API (/v1/responses answers 404), as "
+                      "llama-cpp-python's server")
     add_client_commands(commands)
     return parser
 
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_stub(args.host, args.port, args.log, args.delay,
                         startup_delay=args.startup_delay, fail_start=args.fail_start,
-                        anthropic_native=args.anthropic_native)
+                        anthropic_native=args.anthropic_native, chat_only=args.chat_only)
     if args.command == "print-config":
         config = configuration.Config() if args.defaults else load_or_report(args.config)
         if config is None:

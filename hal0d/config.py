@@ -98,6 +98,9 @@ class SlotConfig:
     # The Anthropic Messages surface for this slot's models: "translate" (to chat completions),
     # "native" (relayed raw to the upstream's own /v1/messages), "auto" (native when it has one).
     anthropic: str = "translate"
+    # The Responses API for this slot's models: "native" (relayed raw to the upstream's own
+    # /v1/responses), "translate" (to chat completions), "auto" (native when it has one).
+    responses: str = "native"
     # "openai": an OpenAI-compatible server; "hal0d": another hal0d, whose models' states are
     # followed (lifecycle/remote.py) so a route's prefer_loaded knows what is loaded there.
     kind: str = "openai"
@@ -247,10 +250,12 @@ _SLOT: dict[str, _Range] = {
     "group": (str, None, None),
     "memory_mib": (int, 1, 1 << 30),
     "anthropic": (str, None, None),
+    "responses": (str, None, None),
     "kind": (str, None, None),
 }
 SLOT_KINDS = ("openai", "hal0d")
 ANTHROPIC_MODES = ("translate", "native", "auto")
+RESPONSES_MODES = ("native", "translate", "auto")
 _GROUP: dict[str, _Range] = {
     "max_loaded": (int, 1, 4096),
     "memory_mib": (int, 1, 1 << 30),
@@ -395,6 +400,9 @@ def _check_slots(raw: Any, problems: list[str], base_dir: Path) -> tuple[SlotCon
         if good.get("anthropic", ANTHROPIC_MODES[0]) not in ANTHROPIC_MODES:
             problems.append(f"{path}.anthropic: {good['anthropic']!r} is not one of "
                             f"{ANTHROPIC_MODES!r}")
+        if good.get("responses", RESPONSES_MODES[0]) not in RESPONSES_MODES:
+            problems.append(f"{path}.responses: {good['responses']!r} is not one of "
+                            f"{RESPONSES_MODES!r}")
         if good.get("kind", SLOT_KINDS[0]) not in SLOT_KINDS:
             problems.append(f"{path}.kind: {good['kind']!r} is not one of {SLOT_KINDS!r}")
         if "api_key" in good and "api_key_env" in good:

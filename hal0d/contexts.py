@@ -23,7 +23,7 @@ from hal0d.lifecycle.slots import SlotTable
 from hal0d.observability.events import SlotFeed, SlotViews
 from hal0d.observability.history import HistoryWriter
 from hal0d.observability.recorder import Recorder
-from hal0d.transport.anthropic_mode import AnthropicModes
+from hal0d.transport.anthropic_mode import AnthropicModes, ResponsesModes
 from hal0d.transport.tokens import TokenCounter
 from hal0d.transport.upstream import UpstreamClient
 
@@ -65,7 +65,8 @@ async def dispatch_context(app: web.Application) -> AsyncIterator[None]:
     remote = RemoteModels(upstreams)
     dispatch = Dispatch(runtime=app[RUNTIME], slots=table, upstreams=upstreams,
                         tokens=TokenCounter(upstreams), anthropic_modes=AnthropicModes(),
-                        streams=set(), on_failover=recorder.prom.failover, remote=remote)
+                        responses_modes=ResponsesModes(), streams=set(),
+                        on_failover=recorder.prom.failover, remote=remote)
     app[DISPATCH] = dispatch
     lifecycle = LifecycleManager(table, config.slots, upstreams, groups=config.groups,
                                  end_streams=dispatch.end_streams)

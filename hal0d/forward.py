@@ -66,7 +66,7 @@ from hal0d.lifecycle.slots import Lease, SlotTable
 from hal0d.logs import get_logger
 from hal0d.observability.requestinfo import INFO, RequestInfo
 from hal0d.protocol.transform import Transform
-from hal0d.transport.anthropic_mode import AnthropicModes
+from hal0d.transport.anthropic_mode import AnthropicModes, ResponsesModes
 from hal0d.transport.relay import Outcome, client_gone, relay
 from hal0d.transport.stallguard import StallGuard, guard_active
 from hal0d.transport.tap import StreamTap
@@ -104,6 +104,7 @@ class Dispatch:
     upstreams: UpstreamClient
     tokens: TokenCounter
     anthropic_modes: AnthropicModes
+    responses_modes: ResponsesModes
     # The stall guards of the streams being relayed now: a shutdown past its grace ends them,
     # a forced unload ends a slot's.
     streams: set[StallGuard]
@@ -165,15 +166,18 @@ class Dispatch:
         if self.on_failover is not None:
             self.on_failover(route, slot, reason)
 
-    def forward(self, request: web.Request, model: str, *, stream: bool) -> Forward:
-        """The way to the first slot of the model's plan alone (no hand-on), resolved now
-        (NoRoute, 404); `async with` it to take the slot and release everything after."""
+    def forward(self, request: web.Request, model: str, *, stream: bool,
+                slot: str | None = None) -> Forward:
+        """The way to one slot of the model's plan alone (no hand-on): `slot` when the plan has
+        it (the one that holds a stored answer), else its first; resolved now (NoRoute, 404).
+        `async with` it to take the slot and release everything after."""
         info = request[INFO]
         info.model, info.stream = model, stream  # recorded even when no slot serves it
         plan = self.runtime.current.router.plan(model)
         if (key := request.get(KEY)) is not None:
             key.check_model(model, plan.model)
-        return Forward(self, request, plan.first, stream=stream, route_config=plan.route,
+        route = next((r for r in plan.routes if r.slot.name == slot), plan.first)
+        return Forward(self, request, route, stream=stream, route_config=plan.route,
                        hands_on=False)
 
     def end_streams(self, slot: str, reason: str) -> int:
@@ -371,6 +375,11 @@ class Forward:
         """How the slot serves the Anthropic API (transport/anthropic_mode.py), asked of its
         upstream once, under the lease."""
         return await self.dispatch.anthropic_modes.mode(self.dispatch.upstreams, self.route.slot)
+
+    async def responses_mode(self) -> str:
+        """How the slot serves the Responses API (native or translated), asked of its upstream
+        once, under the lease."""
+        return await self.dispatch.responses_modes.mode(self.dispatch.upstreams, self.route.slot)
 
 
 def release_upstream(upstream: aiohttp.ClientResponse) -> None:

@@ -17,6 +17,10 @@ It misbehaves on demand through the model name, on every endpoint, streamed or n
                 content until max_tokens)
     chat        content only          think-only  reasoning_content only
     tool        calls the first tool of the request (arguments streamed in fragments)
+    shell       an agent's turn: asks for a shell command (SHELL_COMMAND) through the request's
+                shell tool (Codex's exec_command, shell_command, shell or local_shell; else the
+                first tool), and once the conversation ends with that tool's result, answers
+                "The command printed: <the result>"
     stall       streamed: a few tokens (or audio frames), then silence with the connection open;
                 not streamed: no answer at all, the connection left open
     chatty      streamed: content (or audio) forever, finish_reason always null;
@@ -50,7 +54,7 @@ from typing import Any
 import orjson
 from aiohttp import hdrs, web
 
-MODELS = ("reasoning", "chat", "think-only", "tool", "stall", "chatty", "broken")
+MODELS = ("reasoning", "chat", "think-only", "tool", "stall", "chatty", "broken", "shell")
 REASONING_TEXT = "The user greets me. A short friendly answer fits best here."
 CONTENT_TEXT = "Hello! I am the hal0d stub upstream. How can I help you today?"
 LONG_WORDS = ["and", "the", "model", "keeps", "talking", "about", "nothing", "in", "particular"]
@@ -172,6 +176,9 @@ def plan(model: str, body: dict[str, Any]) -> Iterator[tuple[str, str]]:
         yield from (("reasoning_content", w) for w in words(REASONING_TEXT))
     if model == "think-only":
         return
+    if model == "shell":
+        yield from (("content", w) for w in words(SHELL_ANSWER + (shell_result(body) or "")))
+        return
     if model == "reasoning" and last_user_text(body.get("messages")).strip() == "long":
         yield from (("content", w) for w in itertools.cycle(words(" ".join(LONG_WORDS))))
     if model == "chatty":
@@ -255,6 +262,10 @@ async def stream_tokens(request: web.Request, gen: Generation, legacy: bool) -> 
     if gen.model == "tool" and not legacy:
         await stream_tool_call(response, gen, delay)
         finish = "tool_calls"
+    elif gen.model == "shell" and not legacy and shell_result(body) is None:
+        name, arguments = shell_call(body)
+        await stream_tool_call(response, gen, delay, name, fragments(orjson.dumps(arguments)))
+        finish = "tool_calls"
     else:
         for kind, text in plan(gen.model, body):
             if gen.completion_tokens >= gen.max_tokens and gen.model != "chatty":
@@ -286,6 +297,38 @@ async def stream_tokens(request: web.Request, gen: Generation, legacy: bool) -> 
     return response
 
 
+# What the `shell` model asks to run: its output (hal0d-42) is not in the command's text, so an
+# answer that quotes it proves the command ran; it also leaves a file behind, in the agent's
+# working directory.
+SHELL_COMMAND = "echo hal0d-$((6*7)) | tee hal0d-shell.txt"
+SHELL_OUTPUT = "hal0d-42"
+SHELL_ANSWER = "The command printed: "
+
+
+def shell_result(body: dict[str, Any]) -> str | None:
+    """The tool result the conversation ends with, if it does."""
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages and isinstance(messages[-1], dict):
+        last = messages[-1]
+        if last.get("role") == "tool":
+            return message_text(last.get("content")).strip()
+    return None
+
+
+def shell_call(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The shell tool the request offers, and the arguments that run SHELL_COMMAND with it."""
+    names = [tool["function"]["name"] for tool in body.get("tools") or ()
+             if isinstance(tool, dict) and isinstance(tool.get("function"), dict)
+             and isinstance(tool["function"].get("name"), str)]
+    argv = ["bash", "-lc", SHELL_COMMAND]
+    for name, arguments in (("exec_command", {"cmd": SHELL_COMMAND}),
+                            ("shell_command", {"command": SHELL_COMMAND}),
+                            ("shell", {"command": argv}), ("local_shell", {"command": argv})):
+        if name in names:
+            return name, arguments
+    return (names[0] if names else "exec_command"), {"cmd": SHELL_COMMAND}
+
+
 def first_tool_name(body: dict[str, Any]) -> str:
     tools = body.get("tools")
     if isinstance(tools, list) and tools and isinstance(tools[0], dict):
@@ -295,14 +338,22 @@ def first_tool_name(body: dict[str, Any]) -> str:
     return "lookup"
 
 
-async def stream_tool_call(response: web.StreamResponse, gen: Generation, delay: float) -> None:
-    name = first_tool_name(gen.body)
+def fragments(arguments: bytes, size: int = 16) -> list[str]:
+    text = arguments.decode()
+    return [text[start:start + size] for start in range(0, len(text), size)]
+
+
+async def stream_tool_call(response: web.StreamResponse, gen: Generation, delay: float,
+                           name: str | None = None,
+                           pieces: Iterable[str] = ('{"query"', ': "weather', ' in Paris"}'),
+                           ) -> None:
+    name = name or first_tool_name(gen.body)
     first = {"index": 0, "id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
              "function": {"name": name, "arguments": ""}}
     await response.write(
         gen.chunk({"index": 0, "delta": {"tool_calls": [first]}, "finish_reason": None})
     )
-    for fragment in ('{"query"', ': "weather', ' in Paris"}'):
+    for fragment in pieces:
         await _pause(delay)
         gen.completion_tokens += 1
         delta = {"tool_calls": [{"index": 0, "function": {"arguments": fragment}}]}
@@ -324,14 +375,16 @@ def generate_whole(gen: Generation) -> tuple[list[str], list[str], str]:
 def complete_chat(gen: Generation) -> dict[str, Any]:
     finish = "stop"
     message: dict[str, Any] = {"role": "assistant"}
-    if gen.model == "tool":
+    if gen.model == "tool" or (gen.model == "shell" and shell_result(gen.body) is None):
+        if gen.model == "tool":
+            name, arguments = first_tool_name(gen.body), '{"query": "weather in Paris"}'
+        else:
+            name, shell_arguments = shell_call(gen.body)
+            arguments = orjson.dumps(shell_arguments).decode()
         message["content"] = None
         message["tool_calls"] = [{
             "id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-            "function": {
-                "name": first_tool_name(gen.body),
-                "arguments": '{"query": "weather in Paris"}',
-            },
+            "function": {"name": name, "arguments": arguments},
         }]
         gen.completion_tokens = 3
         finish = "tool_calls"
@@ -747,6 +800,10 @@ async def stream_response(request: web.Request, gen: ResponseGeneration) -> web.
 @logged("responses")
 async def responses(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
+    if "input" not in body:
+        # The body is checked before the model, as real servers validate it: an empty request
+        # is a 400 (which is how hal0d's `responses = "auto"` tells the endpoint is there).
+        raise bad_request("'input' is required")
     model = str(body.get("model", ""))
     if model not in MODELS:
         return web.json_response(
@@ -947,10 +1004,12 @@ async def models(request: web.Request) -> web.Response:
 
 
 def make_stub_app(
-    log_path: Path | None = None, delay: float = 0.02, *, anthropic_native: bool = False
+    log_path: Path | None = None, delay: float = 0.02, *, anthropic_native: bool = False,
+    chat_only: bool = False,
 ) -> web.Application:
     """`anthropic_native`: also serve /v1/messages (and count_tokens) as llama-server does;
-    without it those paths answer 404, like llama-cpp-python's server."""
+    without it those paths answer 404, like llama-cpp-python's server. `chat_only`: no
+    /v1/responses (a 404), as llama-cpp-python's server and older vLLM."""
     app = web.Application(middlewares=[json_errors], client_max_size=MAX_BODY_BYTES)
     app[LOG_KEY] = StubLog(log_path)
     app[DELAY_KEY] = delay
@@ -963,9 +1022,10 @@ def make_stub_app(
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/v1/images/generations", images)
     app.router.add_post("/v1/rerank", rerank)
-    app.router.add_post("/v1/responses", responses)
-    app.router.add_get("/v1/responses/{id}", stored_response)
-    app.router.add_delete("/v1/responses/{id}", stored_response)
+    if not chat_only:
+        app.router.add_post("/v1/responses", responses)
+        app.router.add_get("/v1/responses/{id}", stored_response)
+        app.router.add_delete("/v1/responses/{id}", stored_response)
     if anthropic_native:
         app.router.add_post("/v1/messages", native_messages)
         app.router.add_post("/v1/messages/count_tokens", native_count_tokens)
@@ -988,11 +1048,13 @@ def run_stub(
     startup_delay: float = 0.0,
     fail_start: str | None = None,
     anthropic_native: bool = False,
+    chat_only: bool = False,
 ) -> int:
     """Serve until stopped. `startup_delay`: seconds before listening, as a model server loads its
     weights first. `fail_start`: after the delay, print this line and exit 1 instead of serving,
     as a model server does when its model file is missing or does not fit. `anthropic_native`:
-    also serve the Anthropic Messages API, as llama-server does."""
+    also serve the Anthropic Messages API, as llama-server does; `chat_only`: serve no
+    Responses API, as llama-cpp-python's server."""
     if startup_delay > 0:
         print(f"stub: loading for {startup_delay:g} s", flush=True)
         time.sleep(startup_delay)
@@ -1000,7 +1062,7 @@ def run_stub(
         print(fail_start, file=sys.stderr, flush=True)
         return 1
     web.run_app(
-        make_stub_app(log_path, delay, anthropic_native=anthropic_native),
+        make_stub_app(log_path, delay, anthropic_native=anthropic_native, chat_only=chat_only),
         host=host,
         port=port,
         handler_cancellation=True,

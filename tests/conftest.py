@@ -32,7 +32,7 @@ from hal0d.lifecycle.process import PRCTL
 from hal0d_stub.app import make_stub_app
 
 ROLE_CHUNK = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}\n\n'
-STUB_MODELS = ("reasoning", "chat", "think-only", "tool", "stall", "chatty", "broken")
+STUB_MODELS = ("reasoning", "chat", "think-only", "tool", "stall", "chatty", "broken", "shell")
 
 
 T = TypeVar("T")

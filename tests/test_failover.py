@@ -371,3 +371,24 @@ database = "{tmp_path / 'box2.sqlite3'}"
     assert (await views(http, box1))["one"]["state"] == "stopped"
     assert "start rid=" in (tmp_path / "box2.log").read_text()  # box2's process answered
     assert not (tmp_path / "local.log").exists()  # the local one was never started
+
+
+async def test_a_responses_answer_is_handed_on_and_its_stored_copy_read_from_the_slot_that_made_it(
+    start_hal0d: ServerFactory, stub: Stub, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    import openai
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    hal0d = await start_routed(start_hal0d, route_config(dead, stub.url, tmp_path), tmp_path)
+    client = openai.AsyncOpenAI(base_url=str(hal0d.make_url("/v1")), api_key="unused",
+                                max_retries=0)
+    made = await client.responses.create(model="qwen", input="hi")
+    assert made.status == "completed" and made.output_text
+    row = await last_row(http, hal0d)
+    assert (row["endpoint"], row["slot"], row["failover"]) == (
+        "/v1/responses", "two", "one=connect_refused")
+    # GET goes to the slot that holds the answer, not to the route's first (dead) slot.
+    again = await client.responses.retrieve(made.id)
+    assert again.id == made.id
+    row = await last_row(http, hal0d)
+    assert (row["endpoint"], row["slot"], row["attempts"]) == ("/v1/responses/{id}", "two", 1)

@@ -24,6 +24,8 @@ PURE_MODULES = (
     "hal0d.openai.transform",
     "hal0d.openai.responses",
     "hal0d.openai.owners",
+    "hal0d.openai.responses_request",
+    "hal0d.openai.responses_bridge",
     "hal0d.anthropic.native",
 )
 SURFACE_BLIND_MODULES = ("hal0d.transport.relay", "hal0d.transport.stallguard")

@@ -273,11 +273,11 @@ async def test_llm_prefix_serves_responses_too(
 def test_owners_are_an_lru_bounded_at_its_capacity() -> None:
     owners = ResponseOwners(capacity=3)
     for name in ("a", "b", "c"):
-        owners.remember(name, "chat")
-    assert owners.owner("a") == "chat"  # used: now the most recent
-    owners.remember("d", "chat")
+        owners.remember(name, "chat", "llm")
+    assert owners.owner("a") == ("chat", "llm")  # used: now the most recent
+    owners.remember("d", "chat", "llm")
     assert len(owners) == 3
-    assert owners.owner("b") is None and owners.owner("a") == "chat"
+    assert owners.owner("b") is None and owners.owner("a") == ("chat", "llm")
 
 
 async def test_stub_answers_get_for_a_response_it_kept(stub: Stub) -> None:

@@ -1,0 +1,441 @@
+"""The Responses bridge: a chat completion stream in, the Responses API's events out (pure), for a
+slot whose upstream has no /v1/responses (`responses = "translate"`; the request's side is
+responses_request.py).
+
+Sans-I/O like the Anthropic translator (hal0d/anthropic/stream.py): `Bridge` takes parsed
+chat.completion.chunk dicts and returns events, `BridgeTransform` is the relay's Transform
+around it (SSE bytes in, SSE frames out, `data: [DONE]` consumed).
+
+    IDLE ──first chunk──► STREAMING ──finish_reason──► STOPPING ──usage chunk or end──► DONE
+     │                        │                            (response.completed, or
+     │                        │                             response.incomplete for "length")
+     └───────── end without a finish_reason, a malformed chunk, a break ──► FAILED
+                (`error`, then response.failed)       a stall trip ──► DONE (response.incomplete)
+
+What a Responses client (the openai SDK's accumulator, the Codex CLI) holds it to, and the
+bridge guarantees: `response.created` then `response.in_progress` first, one id throughout;
+output items one at a time, each `response.output_item.added` before its content events and
+closed by `response.output_item.done` before the next opens, `output_index` counting from 0;
+`content_index` on every part event; `sequence_number` from 0 on every event; the terminal
+event carries the whole output and the usage.
+
+    chat delta                 Responses output item and its events
+    reasoning_content          reasoning (response.reasoning_text.delta / .done)
+    content                    message with one output_text part (response.output_text.delta)
+    tool_calls of a function   function_call (response.function_call_arguments.delta / .done)
+      of a custom tool         custom_tool_call, its `input` out of the call's {"input": ...}
+      of local_shell           local_shell_call, its exec action out of the call's arguments
+                               (these two are whole when their call ends: added, then done)
+
+A stall trip ends the stream as the native path does (hal0d/openai/responses.py): the guard's
+notice as the open message's last text delta, then `response.incomplete` with
+`incomplete_details.reason = "max_output_tokens"` and the cause under `x_hal0_stall`.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from hal0d.errors import ErrorCode, upstream_message
+from hal0d.openai.responses_request import (
+    FUNCTION,
+    INCOMPLETE_REASONS,
+    ChatRequest,
+    call_item,
+    message_item,
+    new_item_id,
+    new_response_id,
+    reasoning_item,
+    response_object,
+    usage_of,
+)
+from hal0d.protocol.sse import Decoder, encode
+from hal0d.protocol.transform import STALL_KEY, StallTrip, TransformFailed
+
+__all__ = ["Bridge", "BridgeTransform", "Event", "MalformedChunk", "State", "encode_events"]
+
+Event = tuple[str, dict[str, Any]]
+_REASONING, _MESSAGE, _CALL = "reasoning", "message", "call"
+
+
+class State(enum.Enum):
+    IDLE = "idle"
+    STREAMING = "streaming"
+    STOPPING = "stopping"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class MalformedChunk(ValueError):
+    """The upstream sent something that is not a usable chat.completion.chunk."""
+
+
+@dataclass(slots=True)
+class _Open:
+    """The output item being streamed."""
+
+    kind: str  # _REASONING, _MESSAGE or _CALL
+    item_id: str
+    index: int
+    text: str = ""  # the text, the reasoning, or a call's arguments so far
+    key: object = None  # a call's chat index (or id)
+    call_id: str = ""
+    name: str = ""  # a call's chat function name
+    announced: bool = False  # a function call's output_item.added is out
+
+
+@dataclass(slots=True)
+class _Read:
+    content: str | None = None
+    reasoning: str | None = None
+    tools: list[tuple[object, str | None, str | None, str]] = field(default_factory=list)
+    finish: str | None = None
+    usage: dict[str, Any] | None = None
+
+
+class Bridge:
+    """One chat stream's Responses events."""
+
+    def __init__(self, request: ChatRequest, model: str, *, response_id: str | None = None,
+                 created_at: int | None = None) -> None:
+        self.request = request
+        self.model = model
+        self.response_id = response_id or new_response_id()
+        self.created_at = created_at if created_at is not None else int(time.time())
+        self.state = State.IDLE
+        self._sequence = 0
+        self._output: list[dict[str, Any]] = []
+        self._open: _Open | None = None
+        self._finish: str | None = None
+        self._fragments = 0
+        self._reasoning_fragments = 0
+        self._usage: dict[str, Any] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.state in (State.DONE, State.FAILED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._finish
+
+    def feed(self, chunk: Any) -> list[Event]:
+        """One parsed upstream chunk; MalformedChunk before any state changes."""
+        if self.done:
+            return []
+        read = _read(chunk)
+        generated = bool(read.content or read.reasoning or read.tools)
+        if generated and self.state is State.STOPPING:
+            raise MalformedChunk("upstream sent output after its finish_reason")
+        events = self._opening()
+        if read.usage is not None:
+            self._usage = read.usage
+        if read.reasoning:
+            self._reasoning_fragments += 1
+            self._reason(events, read.reasoning)
+        if read.content:
+            self._write(events, read.content)
+        for key, call_id, name, arguments in read.tools:
+            self._call(events, key, call_id, name, arguments)
+        if generated:
+            self._fragments += 1
+        if read.finish is not None and self.state is State.STREAMING:
+            self._finish = read.finish
+            self._close(events)
+            self.state = State.STOPPING
+        if read.usage is not None and self.state is State.STOPPING:
+            events += self._terminal()
+        return events
+
+    def finish(self) -> list[Event]:
+        """The upstream ended the stream ([DONE] or a clean end of the body)."""
+        if self.done:
+            return []
+        if self.state is State.STOPPING:
+            return self._terminal()
+        return self.failed("the upstream ended the stream without a finish_reason",
+                         ErrorCode.UPSTREAM_INCOMPLETE)
+
+    def failed(self, message: str, code: str = ErrorCode.UPSTREAM_BROKEN) -> list[Event]:
+        """An `error` event (with the `error` object the openai SDK raises on), then
+        `response.failed`: a cut answer never reads as a whole one."""
+        if self.done:
+            return []
+        events = self._opening()
+        error = {"message": message, "type": "upstream_error", "code": f"dispatch.{code}"}
+        events.append(self._event("error", code=code, message=message, param=None, error=error))
+        response = self._response("failed")
+        response["error"] = {"code": "server_error", "message": message}
+        events.append(self._event("response.failed", response=response))
+        self.state = State.FAILED
+        return events
+
+    def stalled(self, trip: StallTrip) -> list[Event]:
+        """The guard's notice in the open (or a new) message, then `response.incomplete`."""
+        if self.done:
+            return []
+        events = self._opening()
+        if self._open is not None and self._open.kind != _MESSAGE:
+            self._close(events, status="incomplete")
+        self._write(events, "\n\n" + trip.notice() if self._fragments else trip.notice())
+        response = self._response("incomplete", with_open=True)
+        response["incomplete_details"] = {"reason": "max_output_tokens"}
+        response[STALL_KEY] = trip.details()
+        events.append(self._event("response.incomplete", response=response))
+        self.state = State.DONE
+        return events
+
+    # The events of each kind of output.
+
+    def _opening(self) -> list[Event]:
+        if self.state is not State.IDLE:
+            return []
+        self.state = State.STREAMING
+        return [self._event("response.created", response=self._response("in_progress")),
+                self._event("response.in_progress", response=self._response("in_progress"))]
+
+    def _reason(self, events: list[Event], text: str) -> None:
+        current = self._ensure(events, _REASONING)
+        current.text += text
+        events.append(self._event("response.reasoning_text.delta", item_id=current.item_id,
+                                  output_index=current.index, content_index=0, delta=text))
+
+    def _write(self, events: list[Event], text: str) -> None:
+        current = self._ensure(events, _MESSAGE)
+        current.text += text
+        events.append(self._event("response.output_text.delta", item_id=current.item_id,
+                                  output_index=current.index, content_index=0, delta=text,
+                                  logprobs=[]))
+
+    def _ensure(self, events: list[Event], kind: str) -> _Open:
+        """The open item when it is of `kind`; else the open one closed and a new one added."""
+        if self._open is not None and self._open.kind == kind:
+            return self._open
+        self._close(events)
+        prefix = "rs" if kind == _REASONING else "msg"
+        current = self._open = _Open(kind, new_item_id(prefix), len(self._output))
+        if kind == _REASONING:
+            item: dict[str, Any] = {"id": current.item_id, "type": "reasoning", "summary": [],
+                                    "content": [], "status": "in_progress"}
+            part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
+        else:
+            item = {"id": current.item_id, "type": "message", "role": "assistant",
+                    "status": "in_progress", "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        events.append(self._event("response.output_item.added", output_index=current.index,
+                                  item=item))
+        events.append(self._event("response.content_part.added", item_id=current.item_id,
+                                  output_index=current.index, content_index=0, part=part))
+        return current
+
+    def _call(self, events: list[Event], key: object, call_id: str | None, name: str | None,
+              arguments: str) -> None:
+        current = self._open
+        if key is None and current is not None and current.kind == _CALL:
+            key = current.key  # a continuation that names neither its index nor its id
+        if current is None or current.kind != _CALL or current.key != key:
+            if not name:
+                raise MalformedChunk("upstream chunk: a new tool call has no function name")
+            self._close(events)
+            current = self._open = _Open(_CALL, new_item_id("fc"), len(self._output), key=key,
+                                         call_id=call_id or new_item_id("call"), name=name)
+            if self.request.tools.of(name).kind == FUNCTION:
+                item = dict(self._call_item(current), arguments="", status="in_progress")
+                events.append(self._event("response.output_item.added",
+                                          output_index=current.index, item=item))
+                current.announced = True
+        if arguments:
+            current.text += arguments
+            if current.announced:
+                events.append(self._event("response.function_call_arguments.delta",
+                                          item_id=current.item_id, output_index=current.index,
+                                          delta=arguments))
+
+    def _call_item(self, current: _Open) -> dict[str, Any]:
+        return call_item(self.request.tools, current.call_id, current.name, current.text,
+                         current.item_id)
+
+    def _close(self, events: list[Event], status: str = "completed") -> None:
+        current, self._open = self._open, None
+        if current is None:
+            return
+        where = {"item_id": current.item_id, "output_index": current.index}
+        if current.kind == _CALL:
+            item = dict(self._call_item(current), status=status)
+            if current.announced:
+                events.append(self._event("response.function_call_arguments.done", **where,
+                                          name=item["name"], arguments=current.text))
+            else:
+                events.append(self._event("response.output_item.added",
+                                          output_index=current.index,
+                                          item=dict(item, status="in_progress")))
+                if item["type"] == "custom_tool_call":
+                    events.append(self._event("response.custom_tool_call_input.delta", **where,
+                                              delta=item["input"]))
+                    events.append(self._event("response.custom_tool_call_input.done", **where,
+                                              input=item["input"]))
+        elif current.kind == _REASONING:
+            item = dict(reasoning_item(current.item_id, current.text), status=status)
+            events.append(self._event("response.reasoning_text.done", **where, content_index=0,
+                                      text=current.text))
+            events.append(self._event("response.content_part.done", **where, content_index=0,
+                                      part=item["content"][0]))
+        else:
+            item = message_item(current.item_id, current.text, status)
+            events.append(self._event("response.output_text.done", **where, content_index=0,
+                                      text=current.text, logprobs=[]))
+            events.append(self._event("response.content_part.done", **where, content_index=0,
+                                      part=item["content"][0]))
+        events.append(self._event("response.output_item.done", output_index=current.index,
+                                  item=item))
+        self._output.append(item)
+
+    def _terminal(self) -> list[Event]:
+        reason = INCOMPLETE_REASONS.get(self._finish or "")
+        response = self._response("incomplete" if reason else "completed")
+        if reason:
+            response["incomplete_details"] = {"reason": reason}
+        self.state = State.DONE
+        kind = "response.incomplete" if reason else "response.completed"
+        return [self._event(kind, response=response)]
+
+    def _response(self, status: str, *, with_open: bool = False) -> dict[str, Any]:
+        output = list(self._output)
+        if with_open and self._open is not None and self._open.kind == _MESSAGE:
+            output.append(message_item(self._open.item_id, self._open.text, "incomplete"))
+        usage = self._usage_now() if status != "in_progress" else None
+        return response_object(self.response_id, self.model, status, echo=self.request.echo,
+                               output=output, created_at=self.created_at, usage=usage)
+
+    def _usage_now(self) -> dict[str, Any]:
+        """The upstream's counts when it sent them; else the generated chunks (about one token
+        each) and no prompt count."""
+        usage = self._usage or {}
+        prompt, generated = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        details = usage.get("completion_tokens_details")
+        reasoning = details.get("reasoning_tokens") if isinstance(details, dict) else None
+        return usage_of(prompt if type(prompt) is int else 0,
+                        generated if type(generated) is int else self._fragments,
+                        reasoning if type(reasoning) is int else self._reasoning_fragments)
+
+    def _event(self, kind: str, **fields: Any) -> Event:
+        payload = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return kind, payload
+
+
+def _read(chunk: Any) -> _Read:
+    """What one chunk says, every field checked; raises MalformedChunk."""
+    if not isinstance(chunk, dict):
+        raise MalformedChunk("upstream chunk is not a JSON object")
+    read = _Read()
+    choices = chunk.get("choices")
+    if choices is not None and not isinstance(choices, list):
+        raise MalformedChunk("upstream chunk: choices is not a list")
+    if choices:
+        _read_choice(choices[0], read)
+    elif "error" in chunk or chunk.get("object") == "error":
+        message = upstream_message(chunk) or "no message"
+        raise MalformedChunk(f"upstream reported an error: {message}")
+    usage = chunk.get("usage")
+    if usage is not None:
+        if not isinstance(usage, dict):
+            raise MalformedChunk("upstream chunk: usage is not an object")
+        read.usage = usage
+    return read
+
+
+def _read_choice(choice: Any, read: _Read) -> None:
+    if not isinstance(choice, dict):
+        raise MalformedChunk("upstream chunk: choices[0] is not an object")
+    delta = choice.get("delta") or {}
+    if not isinstance(delta, dict):
+        raise MalformedChunk("upstream chunk: delta is not an object")
+    content = delta.get("content")
+    reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+    if not _is_str(content) or not _is_str(reasoning):
+        raise MalformedChunk("upstream chunk: delta content or reasoning is not a string")
+    read.content, read.reasoning = content, reasoning
+    for call in delta.get("tool_calls") or ():
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict | None):
+            raise MalformedChunk("upstream chunk: a tool call's function is not an object")
+        assert isinstance(call, dict)
+        function = function or {}
+        index, call_id = call.get("index"), call.get("id")
+        name, arguments = function.get("name"), function.get("arguments")
+        if not (_is_str(call_id) and _is_str(name) and _is_str(arguments)):
+            raise MalformedChunk("upstream chunk: tool call id, name or arguments is not a string")
+        key = index if index is not None else call_id
+        read.tools.append((key, call_id, name, arguments or ""))
+    finish = choice.get("finish_reason")
+    if not _is_str(finish):
+        raise MalformedChunk("upstream chunk: finish_reason is not a string")
+    read.finish = finish
+
+
+def _is_str(value: object) -> bool:
+    return value is None or isinstance(value, str)
+
+
+def encode_events(events: list[Event]) -> bytes:
+    return b"".join([encode(name, orjson.dumps(payload)) for name, payload in events])
+
+
+class BridgeTransform:
+    """The relay's Transform for a translated Responses stream."""
+
+    def __init__(self, bridge: Bridge) -> None:
+        self.bridge = bridge
+        self.decoder = Decoder()
+
+    def start(self) -> bytes:
+        return b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        bridge = self.bridge
+        events: list[Event] = []
+        for event in self.decoder.feed(chunk):
+            if bridge.done:
+                break
+            if event.invalid_utf8:
+                raise self._failed(events, "upstream sent text that is not UTF-8")
+            if event.data == "[DONE]":
+                events += self._finish()
+                continue
+            try:
+                events += bridge.feed(orjson.loads(event.data))
+            except orjson.JSONDecodeError:
+                raise self._failed(events, "upstream sent a chunk that is not JSON") from None
+            except MalformedChunk as exc:
+                raise self._failed(events, f"upstream sent a malformed chunk: {exc}") from None
+        return encode_events(events) if events else b""
+
+    def _failed(self, done: list[Event], message: str) -> TransformFailed:
+        """What the good events of this read became, then the failure: nothing is lost."""
+        code = ErrorCode.UPSTREAM_MALFORMED
+        return TransformFailed(code, encode_events(done + self.bridge.failed(message, code)))
+
+    def _finish(self) -> list[Event]:
+        events = self.bridge.finish()
+        if self.bridge.state is State.FAILED:
+            raise TransformFailed(ErrorCode.UPSTREAM_INCOMPLETE, encode_events(events))
+        return events
+
+    def complete(self) -> bool:
+        return self.bridge.done
+
+    def end(self) -> bytes:
+        self.decoder.close()
+        return encode_events(self._finish())
+
+    def stalled(self, trip: StallTrip) -> bytes:
+        return encode_events(self.bridge.stalled(trip))
+
+    def broken(self, message: str) -> bytes:
+        return encode_events(self.bridge.failed(message))
