@@ -142,6 +142,30 @@ class LoggingConfig:
     format: str = "auto"
 
 
+@dataclass(frozen=True, slots=True)
+class OllamaConfig:
+    """The `[ollama]` section: a second listener that speaks Ollama's API (off unless set)."""
+
+    listen: str | None = None  # "host:port", e.g. "127.0.0.1:11434"
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """(host, port) of `listen` (an IPv6 host without its brackets), None when off."""
+        return None if self.listen is None else split_address(self.listen)
+
+
+def split_address(listen: str) -> tuple[str, int] | None:
+    """`host:port` (`[::1]:11434` for IPv6) as (host, port); None when it is no such thing."""
+    host, colon, port = listen.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        return None  # an IPv6 address needs its brackets before the port
+    return (host, int(port)) if host and " " not in host else None
+
+
 KEY_SCOPES = ("inference", "read", "admin")
 KEY_SECRET_SOURCES = ("key", "key_env", "key_file")
 
@@ -175,6 +199,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     keys: tuple[KeyConfig, ...] = ()
+    ollama: OllamaConfig = field(default_factory=OllamaConfig)
     # The folder relative paths (the metrics database) resolve against.
     base_dir: Path = field(default_factory=Path.cwd, compare=False)
 
@@ -250,6 +275,9 @@ _METRICS: dict[str, _Range] = {
 _LOGGING: dict[str, _Range] = {
     "level": (str, None, None),
     "format": (str, None, None),
+}
+_OLLAMA: dict[str, _Range] = {
+    "listen": (str, None, None),
 }
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 _LOG_FORMATS = ("auto", "console", "json", "journald", "logfmt")
@@ -576,7 +604,8 @@ def _allowed_names(server: dict[str, Any], problems: list[str]) -> None:
 def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     """Validate a decoded TOML document; raise ConfigError listing every problem."""
     problems: list[str] = []
-    known = {"server", "dispatcher", "slots", "groups", "models", "metrics", "logging", "keys"}
+    known = {"server", "dispatcher", "slots", "groups", "models", "metrics", "logging", "keys",
+             "ollama"}
     for key in raw:
         if key not in known:
             problems.append(f"{key}: unknown section (known: {', '.join(sorted(known))})")
@@ -592,6 +621,7 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         problems.append(f"logging.level: {logging_['level']!r} is not one of {_LOG_LEVELS}")
     if logging_.get("format", "auto") not in _LOG_FORMATS:
         problems.append(f"logging.format: {logging_['format']!r} is not one of {_LOG_FORMATS}")
+    ollama = _check_ollama(raw.get("ollama", {}), server, problems)
     slots = _check_slots(raw.get("slots", []), problems)
     raw_slots = raw.get("slots", [])
     groups = _check_groups(raw.get("groups", {}), slots, problems,
@@ -611,8 +641,27 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         metrics=MetricsConfig(**metrics),
         logging=LoggingConfig(**logging_),
         keys=keys,
+        ollama=OllamaConfig(**ollama),
         base_dir=base_dir,
     )
+
+
+def _check_ollama(raw: Any, server: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    """[ollama] listen: host:port, on a port of its own (not [server].port)."""
+    good = _check_table(raw, _OLLAMA, "ollama", problems)
+    listen = good.get("listen")
+    if listen is None:
+        return good
+    address = split_address(listen)
+    if address is None:
+        problems.append(f"ollama.listen: {listen!r} is not host:port (e.g. \"127.0.0.1:11434\", "
+                        "\"[::1]:11434\")")
+        del good["listen"]
+    elif address[1] == server.get("port", ServerConfig().port):
+        problems.append(f"ollama.listen: port {address[1]} is [server].port's; the Ollama API "
+                        "needs a port of its own")
+        del good["listen"]
+    return good
 
 
 def load(path: str | Path) -> Config:
@@ -665,6 +714,8 @@ def to_dict(config: Config) -> dict[str, Any]:
     doc["slots"] = [slot_table(slot, table(slot)) for slot in config.slots]
     if config.keys:
         doc["keys"] = [table(key) for key in config.keys]
+    if config.ollama.listen is not None:
+        doc["ollama"] = table(config.ollama)
     return doc
 
 
