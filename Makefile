@@ -34,8 +34,23 @@ run: $(RUN_STAMP)
 # otherwise those tests skip and say how to run them.
 BROWSER_PACKAGES := chromium chromium-driver
 
-test: $(STAMP) browser
+test: $(STAMP) browser npm-test
 	$(BIN)/python -m pytest -q
+
+# The ollama npm package, for the test that streams a chat with it (tests/test_ollama_api.py),
+# in a folder of the project's own (.npm-test, git-ignored); without npm that test skips.
+NPM_TEST := .npm-test
+NPM_OLLAMA := ollama@^0.6
+
+.PHONY: npm-test
+npm-test:
+	@if ! command -v npm >/dev/null 2>&1; then \
+	  echo "make test: no npm; the ollama npm package's test will skip (apt-get install npm)"; \
+	elif [ ! -d $(NPM_TEST)/node_modules/ollama ]; then \
+	  echo "make test: installing the ollama npm package in $(NPM_TEST)"; \
+	  npm install --silent --no-audit --no-fund --prefix $(NPM_TEST) $(NPM_OLLAMA) \
+	    || echo "make test: npm could not install $(NPM_OLLAMA)"; \
+	fi
 
 .PHONY: browser
 browser:
@@ -57,7 +72,8 @@ typecheck: $(STAMP)
 	$(BIN)/mypy hal0d hal0d_stub
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis \
+	  $(NPM_TEST)
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
 # `make install` (as root): hal0d in a virtualenv of its own under $(PREFIX)/lib/hal0d, the

@@ -168,7 +168,7 @@ def is_model_call(request: web.Request, ollama: bool) -> bool:
     return is_dispatch_request(request.method, request.path)
 
 
-async def answer(  # long: the checks in their order, then the errors in the surface's envelope
+async def answer(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
     info: RequestInfo, on_ollama: bool = False,
 ) -> web.StreamResponse:
@@ -179,10 +179,11 @@ async def answer(  # long: the checks in their order, then the errors in the sur
     try:
         listening = runtime.config.ollama.address if on_ollama else None
         access.admit(request, server, listening[0] if listening else None)
-        if ollama and not isinstance(request.match_info.route.resource, OllamaResource):
-            raise NoRoute(f"no such endpoint on the Ollama API: {request.method} {request.path}")
         if (preflight := access.preflight(request, server)) is not None:
             return preflight
+        if ollama and not isinstance(request.match_info.route.resource, OllamaResource | None):
+            # One of hal0d's own routes (its page, /api/slots): not on the Ollama listener.
+            raise NoRoute(f"no such endpoint on the Ollama API: {request.method} {request.path}")
         key = access.check(request, runtime.keys, server, ollama=ollama)
         if key is not None:
             request[KEY] = key
