@@ -200,6 +200,7 @@ class LifecycleManager:
         if runner.retry is not None:
             runner.retry.cancel()
             runner.retry = None
+        runner.keep_alive_s = None  # a new load (after a crash too): keep_alive was the last one's
         runner.job = self._spawn(self._start(runner))
 
     async def _start(self, runner: Runner) -> None:
