@@ -37,11 +37,11 @@ BROWSER_PACKAGES := chromium chromium-driver
 test: $(STAMP) browser npm-test-tools
 	$(BIN)/python -m pytest -q
 
-# The npm clients some tests drive (the Codex CLI: tests/test_codex_cli.py), installed into the
-# git-ignored .npm-test/ when npm is there and the list changed; without npm those tests skip
-# and say so. One package a word; the list is remembered in .npm-test/.packages.
+# The npm clients some tests drive (the Codex CLI: tests/test_codex_cli.py; the ollama package:
+# tests/test_ollama_api.py), installed into the git-ignored .npm-test/ when npm is there and the
+# list changed; without npm those tests skip and say so. One package a word; the list is remembered in .npm-test/.packages.
 NPM_TEST_DIR := .npm-test
-NPM_TEST_PACKAGES := @openai/codex@0.171.0
+NPM_TEST_PACKAGES := @openai/codex@0.171.0 ollama@^0.6
 
 .PHONY: npm-test-tools
 npm-test-tools:
@@ -80,7 +80,8 @@ typecheck: $(STAMP)
 	$(BIN)/mypy hal0d hal0d_stub
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis \
+	  $(NPM_TEST_DIR)
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
 # `make install` (as root): hal0d in a virtualenv of its own under $(PREFIX)/lib/hal0d, the

@@ -30,7 +30,7 @@ from aiohttp import hdrs, web
 
 from hal0d.config import ServerConfig
 from hal0d.errors import Forbidden, Unauthorized
-from hal0d.keys import ADMIN, INFERENCE, READ, Key, KeyRing, scope_of
+from hal0d.keys import ADMIN, INFERENCE, READ, Key, KeyRing, ollama_scope_of, scope_of
 from hal0d.logs import get_logger
 
 log = get_logger()
@@ -74,10 +74,13 @@ def is_ip(name: str) -> bool:
     return True
 
 
-def host_allowed(host: str | None, server: ServerConfig) -> bool:
+def host_allowed(host: str | None, server: ServerConfig, listening: str | None = None) -> bool:
+    """`listening`: the address of the listener the request came in on ([server].host's when
+    None; the Ollama listener has its own)."""
     if host is None:
         return True  # HTTP/1.0 without Host: no browser sends that
-    return _name_allowed(host_name(host), server.host.strip("[]").lower(), server.allowed_hosts)
+    listening = server.host if listening is None else listening
+    return _name_allowed(host_name(host), listening.strip("[]").lower(), server.allowed_hosts)
 
 
 @functools.lru_cache(maxsize=256)
@@ -122,10 +125,11 @@ def _refuse_host(host: str) -> Forbidden:
                      "rebinds its name to this machine sends its own)")
 
 
-def admit(request: web.Request, server: ServerConfig) -> None:
-    """The Host and Origin checks (see the module's docstring); Forbidden when refused."""
+def admit(request: web.Request, server: ServerConfig, listening: str | None = None) -> None:
+    """The Host and Origin checks (see the module's docstring); Forbidden when refused.
+    `listening`: as host_allowed's."""
     host = request.headers.get(hdrs.HOST)
-    if not host_allowed(host, server):
+    if not host_allowed(host, server, listening):
         raise _refuse_host(host or "")
     origin = request.headers.get(hdrs.ORIGIN)
     if origin is not None and not origin_allowed(origin, request, server):
@@ -166,13 +170,15 @@ SCOPE_WORK: Final = {INFERENCE: "call models", READ: "read hal0d's state",
                      ADMIN: "load or unload slots"}
 
 
-def check(request: web.Request, ring: KeyRing, server: ServerConfig) -> Key | None:
-    """The key the request came in with when its path needs one (hal0d.keys.scope_of): 401
-    without a key or with an unknown one, 403 when the key lacks the scope. None when keys are
-    not set or the path needs none."""
+def check(request: web.Request, ring: KeyRing, server: ServerConfig, *,
+          ollama: bool = False) -> Key | None:
+    """The key the request came in with when its path needs one (hal0d.keys.scope_of, or
+    ollama_scope_of for the Ollama listener's API): 401 without a key or with an unknown one,
+    403 when the key lacks the scope. None when keys are not set or the path needs none."""
     if not ring:
         return None
-    scope = scope_of(request.method, request.path, server.protect_metrics)
+    scope = (ollama_scope_of(request.method, request.path) if ollama
+             else scope_of(request.method, request.path, server.protect_metrics))
     if scope is None:
         return None
     presented = presented_key(request)

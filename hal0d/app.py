@@ -17,24 +17,40 @@ from collections.abc import Awaitable, Callable
 
 import orjson
 import structlog
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from hal0d import access
-from hal0d.appkeys import EVENTS, HEADS, KEY_LIMITS, RECORDER, RESPONSE_OWNERS, RUNTIME
+from hal0d.appkeys import (
+    EVENTS,
+    HEADS,
+    KEY_LIMITS,
+    OLLAMA_PORT,
+    OLLAMA_THINKERS,
+    RECORDER,
+    RESPONSE_OWNERS,
+    RUNTIME,
+)
 from hal0d.config import Config
 from hal0d.connections import HeadWatch
 from hal0d.contexts import dispatch_context, recorder_context
 from hal0d.errors import ErrorCode, Hal0Error, MethodNotAllowed, NoRoute
 from hal0d.handlers import admin, anthropic, openai, page, responses
+from hal0d.handlers import ollama as ollama_handlers
 from hal0d.keys import KEY, KeyLimits
 from hal0d.lifecycle.routing import Runtime, RuntimeRef
 from hal0d.logs import get_logger
 from hal0d.observability.events import EventHub
-from hal0d.observability.recorder import UNLOGGED_PATHS, done_fields, is_dispatch_request
+from hal0d.observability.recorder import (
+    UNLOGGED_PATHS,
+    done_fields,
+    is_dispatch_request,
+    is_ollama_model_call,
+)
 from hal0d.observability.requestinfo import INFO, RequestInfo
 from hal0d.openai.owners import ResponseOwners
 
 log = get_logger()
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 REQUEST_ID_HEADER = "X-Request-Id"
 
@@ -43,8 +59,11 @@ def is_anthropic_path(path: str) -> bool:
     return path.startswith(("/llm/v1/messages", "/v1/messages"))
 
 
-def error_response(exc: Hal0Error, path: str) -> web.Response:
-    body = exc.anthropic_body() if is_anthropic_path(path) else exc.openai_body()
+def error_response(exc: Hal0Error, path: str, *, ollama: bool = False) -> web.Response:
+    if ollama:
+        body = exc.ollama_body()
+    else:
+        body = exc.anthropic_body() if is_anthropic_path(path) else exc.openai_body()
     return web.Response(
         body=orjson.dumps(body), status=exc.status, headers=exc.headers(),
         content_type="application/json",
@@ -83,6 +102,39 @@ def endpoint_of(request: web.Request) -> str:
     return template
 
 
+class OllamaResource(web.PlainResource):
+    """A path of the Ollama API: it matches only the requests that came in on the Ollama
+    listener's port, so Ollama's `/` and `/api/...` live beside hal0d's own in one application
+    (one lifecycle, one recorder, one upstream session) without shadowing them."""
+
+    def __init__(self, path: str, port: int) -> None:
+        super().__init__(path)
+        self.port = port
+
+    async def resolve(self, request: web.Request) -> tuple[web.UrlMappingMatchInfo | None,
+                                                            set[str]]:
+        if local_port(request) != self.port:
+            return None, set()
+        return await super().resolve(request)
+
+
+def local_port(request: web.Request) -> int | None:
+    """The port of the listener the request came in on."""
+    sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    return sockname[1] if isinstance(sockname, tuple) and len(sockname) >= 2 else None
+
+
+def on_ollama_listener(request: web.Request) -> bool:
+    port = request.app.get(OLLAMA_PORT)
+    return port is not None and local_port(request) == port
+
+
+def ollama_api(request: web.Request, on_ollama: bool) -> bool:
+    """Whether the request is for the Ollama API: anything on its listener but /v1/, which that
+    listener serves as hal0d's OpenAI surface (Ollama serves /v1 too)."""
+    return on_ollama and not request.path.startswith("/v1/")
+
+
 @web.middleware
 async def request_lifecycle(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -95,8 +147,9 @@ async def request_lifecycle(
     request[INFO] = info
     request.app[HEADS].served(request.protocol)
     structlog.contextvars.bind_contextvars(request_id=request_id)
+    on_ollama = on_ollama_listener(request)
     try:
-        response = await answer(request, handler, info)
+        response = await answer(request, handler, info, on_ollama)
         await send(request, response, info)
         return response
     except asyncio.CancelledError:
@@ -106,26 +159,37 @@ async def request_lifecycle(
     finally:
         structlog.contextvars.unbind_contextvars("request_id")
         info.end()
-        finish(request, info)
+        finish(request, info, ollama_api(request, on_ollama))
+
+
+def is_model_call(request: web.Request, ollama: bool) -> bool:
+    if ollama:
+        return is_ollama_model_call(request.method, request.path)
+    return is_dispatch_request(request.method, request.path)
 
 
 async def answer(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
-    info: RequestInfo,
+    info: RequestInfo, on_ollama: bool = False,
 ) -> web.StreamResponse:
     """The handler's answer, or the error it raised in its surface's envelope."""
     runtime = request.app[RUNTIME].current
     server = runtime.config.server
+    ollama = ollama_api(request, on_ollama)
     try:
-        access.admit(request, server)
+        listening = runtime.config.ollama.address if on_ollama else None
+        access.admit(request, server, listening[0] if listening else None)
         if (preflight := access.preflight(request, server)) is not None:
             return preflight
-        key = access.check(request, runtime.keys, server)
+        if ollama and not isinstance(request.match_info.route.resource, OllamaResource | None):
+            # One of hal0d's own routes (its page, /api/slots): not on the Ollama listener.
+            raise NoRoute(f"no such endpoint on the Ollama API: {request.method} {request.path}")
+        key = access.check(request, runtime.keys, server, ollama=ollama)
         if key is not None:
             request[KEY] = key
             info.key = key.name
         # A key's limits count its model calls, never the page's polls.
-        counted = key if is_dispatch_request(request.method, request.path) else None
+        counted = key if is_model_call(request, ollama) else None
         with request.app[KEY_LIMITS].admitted(counted):
             response = await handler(request)
         if not info.status:
@@ -134,17 +198,18 @@ async def answer(
     except Hal0Error as exc:
         info.status = exc.status
         info.fail(exc.error_code)
-        return error_response(exc, request.path)
+        return error_response(exc, request.path, ollama=ollama)
     except web.HTTPException as exc:
         error = translate_http_exception(exc, request)
         info.status = error.status
         info.fail(error.error_code)
-        return error_response(error, request.path)
+        return error_response(error, request.path, ollama=ollama)
     except Exception:
         log.exception("request.failed", path=request.path)
         info.status = 500
         info.fail(ErrorCode.INTERNAL)
-        return error_response(Hal0Error("internal error in hal0d; see its log"), request.path)
+        return error_response(Hal0Error("internal error in hal0d; see its log"), request.path,
+                              ollama=ollama)
 
 
 async def send(request: web.Request, response: web.StreamResponse, info: RequestInfo) -> None:
@@ -160,13 +225,13 @@ async def send(request: web.Request, response: web.StreamResponse, info: Request
         info.fail(ErrorCode.CLIENT_DISCONNECT)  # aiohttp's own finish ignores the rest
 
 
-def finish(request: web.Request, info: RequestInfo) -> None:
+def finish(request: web.Request, info: RequestInfo, ollama: bool = False) -> None:
     """The ended request's record (once the recorder runs) and its request.done line. A failure
     here costs this request's line or record, never its answer nor any other request's."""
     method, path = request.method, request.path
     try:
         recorder = request.app.get(RECORDER)
-        if recorder is not None and is_dispatch_request(method, path):
+        if recorder is not None and is_model_call(request, ollama):
             recorder.record(info)
         if path not in UNLOGGED_PATHS:
             log.info("request.done", method=method, path=path, **done_fields(info))
@@ -184,13 +249,16 @@ async def add_request_id(request: web.Request, response: web.StreamResponse) -> 
 async def warn_if_exposed(app: web.Application) -> None:
     runtime = app[RUNTIME].current
     server = runtime.config.server
-    if not access.is_loopback(server.host) and not runtime.keys:
-        log.warning(
-            "server.unprotected",
-            host=server.host,
-            hint="reachable beyond this machine with no [[keys]] or [server].api_keys: anyone "
-                 "can use it",
-        )
+    ollama = runtime.config.ollama.address
+    for host, listener in ((server.host, "server"), (ollama[0] if ollama else None, "ollama")):
+        if host is not None and not access.is_loopback(host) and not runtime.keys:
+            log.warning(
+                "server.unprotected",
+                host=host,
+                listener=listener,
+                hint="reachable beyond this machine with no [[keys]] or [server].api_keys: "
+                     "anyone can use it",
+            )
 
 
 async def close_events(app: web.Application) -> None:
@@ -208,12 +276,16 @@ def make_app(config: Config) -> web.Application:
     app.on_shutdown.append(close_events)
     app[RESPONSE_OWNERS] = ResponseOwners()
     app[KEY_LIMITS] = KeyLimits()
+    app[OLLAMA_THINKERS] = set()
     app.cleanup_ctx.append(recorder_context)
     app.cleanup_ctx.append(dispatch_context)
     app.on_response_prepare.append(add_request_id)
     app.on_startup.append(warn_if_exposed)
 
     router = app.router
+    if (ollama_address := config.ollama.address) is not None:
+        app[OLLAMA_PORT] = ollama_address[1]
+        add_ollama_routes(router, ollama_address[1])  # first: on its port, its `/` is Ollama's
     router.add_get("/healthz", admin.healthz)
     router.add_get("/readyz", admin.readyz)
     for prefix in ("/v1", "/llm/v1"):
@@ -237,3 +309,25 @@ def make_app(config: Config) -> web.Application:
     router.add_get("/api/requests", admin.requests)
     router.add_get("/metrics", admin.prometheus)
     return app
+
+
+def add_ollama_routes(router: web.UrlDispatcher, port: int) -> None:
+    """The Ollama API's paths, matched on the Ollama listener's port only (OllamaResource)."""
+    routes: list[tuple[str, tuple[str, ...], Handler]] = [
+        ("/", (hdrs.METH_GET, hdrs.METH_HEAD), ollama_handlers.running),
+        ("/api/version", (hdrs.METH_GET, hdrs.METH_HEAD), ollama_handlers.version),
+        ("/api/tags", (hdrs.METH_GET, hdrs.METH_HEAD), ollama_handlers.tags),
+        ("/api/ps", (hdrs.METH_GET,), ollama_handlers.ps),
+        ("/api/show", (hdrs.METH_POST,), ollama_handlers.show),
+        ("/api/chat", (hdrs.METH_POST,), ollama_handlers.chat),
+        ("/api/generate", (hdrs.METH_POST,), ollama_handlers.generate),
+        ("/api/embed", (hdrs.METH_POST,), ollama_handlers.embed),
+        ("/api/embeddings", (hdrs.METH_POST,), ollama_handlers.embeddings),
+        *((f"/api/{name}", (hdrs.METH_POST, hdrs.METH_DELETE), ollama_handlers.unmanaged)
+          for name in ollama_handlers.UNMANAGED),
+    ]
+    for path, methods, handler in routes:
+        resource = OllamaResource(path, port)
+        router.register_resource(resource)
+        for method in methods:
+            resource.add_route(method, handler)

@@ -42,3 +42,8 @@ RESPONSE_OWNERS = web.AppKey("response_owners", ResponseOwners)
 # What each named key is doing now (its model calls in flight and of the last minute): one for
 # the process, so a reload keeps the counts.
 KEY_LIMITS = web.AppKey("key_limits", KeyLimits)
+# The port of the Ollama listener ([ollama] listen), when it is on.
+OLLAMA_PORT = web.AppKey("ollama_port", int)
+# The served models hal0d has seen reason (bounded by the served models): /api/show says they
+# can think.
+OLLAMA_THINKERS: web.AppKey[set[str]] = web.AppKey("ollama_thinkers")

@@ -166,6 +166,30 @@ class RouteConfig:
         return self.served.get(slot, self.model)
 
 
+@dataclass(frozen=True, slots=True)
+class OllamaConfig:
+    """The `[ollama]` section: a second listener that speaks Ollama's API (off unless set)."""
+
+    listen: str | None = None  # "host:port", e.g. "127.0.0.1:11434"
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """(host, port) of `listen` (an IPv6 host without its brackets), None when off."""
+        return None if self.listen is None else split_address(self.listen)
+
+
+def split_address(listen: str) -> tuple[str, int] | None:
+    """`host:port` (`[::1]:11434` for IPv6) as (host, port); None when it is no such thing."""
+    host, colon, port = listen.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        return None  # an IPv6 address needs its brackets before the port
+    return (host, int(port)) if host and " " not in host else None
+
+
 KEY_SCOPES = ("inference", "read", "admin")
 KEY_SECRET_SOURCES = ("key", "key_env", "key_file")
 
@@ -200,6 +224,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     keys: tuple[KeyConfig, ...] = ()
     routes: tuple[RouteConfig, ...] = ()
+    ollama: OllamaConfig = field(default_factory=OllamaConfig)
     # The folder relative paths (the metrics database) resolve against.
     base_dir: Path = field(default_factory=Path.cwd, compare=False)
 
@@ -287,6 +312,9 @@ _METRICS: dict[str, _Range] = {
 _LOGGING: dict[str, _Range] = {
     "level": (str, None, None),
     "format": (str, None, None),
+}
+_OLLAMA: dict[str, _Range] = {
+    "listen": (str, None, None),
 }
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 _LOG_FORMATS = ("auto", "console", "json", "journald", "logfmt")
@@ -703,7 +731,7 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     """Validate a decoded TOML document; raise ConfigError listing every problem."""
     problems: list[str] = []
     known = {"server", "dispatcher", "slots", "groups", "models", "metrics", "logging", "keys",
-             "routes"}
+             "routes", "ollama"}
     for key in raw:
         if key not in known:
             problems.append(f"{key}: unknown section (known: {', '.join(sorted(known))})")
@@ -719,6 +747,7 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         problems.append(f"logging.level: {logging_['level']!r} is not one of {_LOG_LEVELS}")
     if logging_.get("format", "auto") not in _LOG_FORMATS:
         problems.append(f"logging.format: {logging_['format']!r} is not one of {_LOG_FORMATS}")
+    ollama = _check_ollama(raw.get("ollama", {}), server, problems)
     slots = _check_slots(raw.get("slots", []), problems, base_dir)
     raw_slots = raw.get("slots", [])
     groups = _check_groups(raw.get("groups", {}), slots, problems,
@@ -741,8 +770,27 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         logging=LoggingConfig(**logging_),
         keys=keys,
         routes=routes,
+        ollama=OllamaConfig(**ollama),
         base_dir=base_dir,
     )
+
+
+def _check_ollama(raw: Any, server: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    """[ollama] listen: host:port, on a port of its own (not [server].port)."""
+    good = _check_table(raw, _OLLAMA, "ollama", problems)
+    listen = good.get("listen")
+    if listen is None:
+        return good
+    address = split_address(listen)
+    if address is None:
+        problems.append(f"ollama.listen: {listen!r} is not host:port (e.g. \"127.0.0.1:11434\", "
+                        "\"[::1]:11434\")")
+        del good["listen"]
+    elif address[1] == server.get("port", ServerConfig().port):
+        problems.append(f"ollama.listen: port {address[1]} is [server].port's; the Ollama API "
+                        "needs a port of its own")
+        del good["listen"]
+    return good
 
 
 def load(path: str | Path) -> Config:
@@ -797,6 +845,8 @@ def to_dict(config: Config) -> dict[str, Any]:
         doc["keys"] = [table(key) for key in config.keys]
     if config.routes:
         doc["routes"] = [table(route) for route in config.routes]
+    if config.ollama.listen is not None:
+        doc["ollama"] = table(config.ollama)
     return doc
 
 

@@ -1,4 +1,5 @@
-"""Errors hal0d answers with, and the two envelopes they are rendered in.
+"""Errors hal0d answers with, and the envelopes they are rendered in (OpenAI's and Anthropic's
+below; on the Ollama API every one is Ollama's `{"error": message}` with the same status).
 
     Hal0Error                      status  OpenAI type / code                       Anthropic type
      ├── InvalidRequest            400     invalid_request_error / request.invalid  invalid_request_error
@@ -114,6 +115,9 @@ class Hal0Error(Exception):
 
     def anthropic_body(self) -> dict[str, Any]:
         return {"type": "error", "error": {"type": self.anthropic_type, "message": self.message}}
+
+    def ollama_body(self) -> dict[str, Any]:
+        return {"error": self.message}
 
     def headers(self) -> dict[str, str]:
         if self.retry_after is None:

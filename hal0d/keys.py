@@ -9,6 +9,9 @@ decides the scope it needs:
     read        GET /api/*, /api/events, /metrics     (/metrics only with protect_metrics)
     admin       POST /api/slots/{name}/load|unload    (and any other non-GET under /api/)
 
+On the Ollama listener ([ollama] listen) every route is a model's (`inference`) but `/` and
+/api/version, which Ollama clients ask to see that a server is there.
+
 The page itself (/ and /static/*) and the probes (/healthz, /readyz) need none: they hold no data,
 and the page asks for a key before it reads /api/.
 
@@ -80,6 +83,15 @@ def scope_of(method: str, path: str, protect_metrics: bool) -> str | None:
     if path == "/metrics" and protect_metrics:
         return READ
     return None
+
+
+# The Ollama listener's routes that need no key: "is a server there, and which".
+OLLAMA_OPEN_PATHS: Final = frozenset({"/", "/api/version"})
+
+
+def ollama_scope_of(method: str, path: str) -> str | None:
+    """The scope a request on the Ollama listener needs (see the module's docstring)."""
+    return None if path in OLLAMA_OPEN_PATHS else INFERENCE
 
 
 class KeyRing:

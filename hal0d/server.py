@@ -4,7 +4,8 @@ Start: the soft open-files limit goes up to the hard one (descriptors.py: two so
 the cleanup contexts open the upstream session and the history, launch the slot processes and
 probe every other slot; then hal0d listens, with `[server].backlog` as listen(2)'s queue (the
 kernel clips it to net.core.somaxconn, and the log says when), and sends READY=1 with a STATUS
-line.
+line. With `[ollama] listen` set, the same application also listens there (a second site of
+the one runner: one lifecycle, one drain), and answers the Ollama API on that port.
 
 Stop (SIGTERM, SIGINT), in this order:
 
@@ -81,6 +82,7 @@ RESTART_KEYS: tuple[tuple[str, str], ...] = (
     ("server", "max_body_bytes"),  # the application's client_max_size
     ("server", "shutdown_grace_s"),  # aiohttp's shutdown timeout is fixed with its runner
     ("server", "keepalive_timeout_s"),  # so is its keep-alive timeout
+    ("ollama", "listen"),  # the Ollama listener's socket, taken once like [server]'s
     ("metrics", "database"),  # the history writer opens its file once
     ("metrics", "retention_days"),
     ("metrics", "ttft_samples"),
@@ -147,6 +149,26 @@ def listen(host: str, port: int, backlog: int) -> list[socket.socket]:
     return taken
 
 
+def take_sockets(config: Config, backlog: int) -> list[socket.socket] | None:
+    """The listening sockets of [server] and, when set, of [ollama] listen; None (and the
+    reason logged, `server.bind_failed`) when one cannot be had."""
+    try:
+        sockets = listen(config.server.host, config.server.port, backlog)
+    except OSError as exc:
+        log.error("server.bind_failed", host=config.server.host, port=config.server.port,
+                  error=exc.strerror or str(exc), hint=bind_hint(exc))
+        return None
+    if (ollama := config.ollama.address) is not None:
+        try:
+            sockets += listen(*ollama, backlog)
+        except OSError as exc:
+            close_all(sockets)
+            log.error("server.bind_failed", host=ollama[0], port=ollama[1], listener="ollama",
+                      error=exc.strerror or str(exc), hint=OLLAMA_BIND_HINT)
+            return None
+    return sockets
+
+
 def close_all(sockets: list[socket.socket]) -> None:
     for sock in sockets:
         sock.close()
@@ -164,6 +186,10 @@ def bind_hint(exc: OSError) -> str:
         return ("ports below 1024 need privileges (CAP_NET_BIND_SERVICE); choose another port "
                 "with --port (make run PORT=...) or [server].port")
     return "check --host/--port (make run HOST=... PORT=...) or [server].host and .port"
+
+
+OLLAMA_BIND_HINT = ("the Ollama listener's address cannot be had (another process, an Ollama "
+                    "itself, may listen there); choose another in [ollama].listen")
 
 
 def raise_open_files_limit() -> None:
@@ -242,6 +268,8 @@ class Daemon:
             keepalive_timeout=config.server.keepalive_timeout_s,
         )
         self.address = f"{config.server.host}:{config.server.port}"
+        if config.ollama.listen is not None:
+            self.address += f" (Ollama API on {config.ollama.listen})"
         self.stop_signals = 0
         self.stop_requested = asyncio.Event()
         self.grace_cut_short = asyncio.Event()
@@ -286,11 +314,8 @@ class Daemon:
         if ceiling is not None and backlog > ceiling:
             log.warning("server.backlog_clipped", requested=backlog, somaxconn=ceiling,
                         hint="raise net.core.somaxconn (sysctl) for a longer accept queue")
-        try:
-            sockets = listen(config.server.host, config.server.port, backlog)
-        except OSError as exc:
-            log.error("server.bind_failed", host=config.server.host, port=config.server.port,
-                      error=exc.strerror or str(exc), hint=bind_hint(exc))
+        sockets = take_sockets(config, backlog)
+        if sockets is None:
             return 1
         try:
             await self.runner.setup()
@@ -312,7 +337,8 @@ class Daemon:
         for sock in sockets:
             await web.SockSite(self.runner, sock, backlog=backlog).start()
         log.info("server.started", host=config.server.host, port=config.server.port,
-                 config=str(self.config_path), slots=len(config.slots))
+                 config=str(self.config_path), slots=len(config.slots),
+                 ollama=config.ollama.listen)
         systemd.ready(self.status())
 
         reloads = asyncio.create_task(self.reloads())

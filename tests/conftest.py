@@ -27,7 +27,7 @@ from aiohttp.test_utils import TestServer
 
 from hal0d import logs
 from hal0d.app import make_app
-from hal0d.config import Config, DispatcherConfig, MetricsConfig, SlotConfig
+from hal0d.config import Config, DispatcherConfig, MetricsConfig, OllamaConfig, SlotConfig
 from hal0d.lifecycle.process import PRCTL
 from hal0d_stub.app import make_stub_app
 
@@ -361,3 +361,27 @@ def logs_into_buffer(fmt: str, level: str) -> Iterator[io.StringIO]:
         root.handlers[:], _ = saved_root
         root.setLevel(saved_root[1])
         access.disabled = saved_access
+
+
+OllamaFactory = Callable[..., Awaitable[tuple[TestServer, str]]]
+
+
+@pytest.fixture
+async def start_ollama(start_hal0d: ServerFactory, tmp_path: Path) -> OllamaFactory:
+    """Start hal0d in front of `upstream` with its Ollama listener on a port of its own, served
+    as `hal0d serve` serves it: a second site of the same application's runner. Returns the
+    server and the Ollama listener's base URL; keyword arguments go to make_config (or
+    `config=`, whose [ollama] listen is set here)."""
+
+    async def start(upstream: str, **options: Any) -> tuple[TestServer, str]:
+        config = options.pop("config", None) or make_config(upstream, tmp_path=tmp_path,
+                                                            **options)
+        port = free_port()
+        config = dataclasses.replace(config, ollama=OllamaConfig(listen=f"127.0.0.1:{port}"))
+        server = await start_hal0d(upstream, config=config)
+        assert server.runner is not None
+        site = web.TCPSite(server.runner, "127.0.0.1", port)
+        await site.start()
+        return server, f"http://127.0.0.1:{port}"
+
+    return start

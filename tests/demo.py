@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 READY_WITHIN_S = 20.0
 DEMO_PORT = 8080
 DEMO_STUB_LOG = "/tmp/stub-reasoning.log"
+DEMO_OLLAMA = 'listen = "127.0.0.1:11435"'
 
 
 @dataclass
@@ -67,7 +68,9 @@ def rewrite_demo_config(port: int, stub_log: Path, stub_port: int | None = None)
     for old, new in replacements:
         assert text.count(old) == 1, f"etc/hal0d.toml no longer has exactly one {old!r}"
         text = text.replace(old, new)
-    return text
+    # The Ollama listener's port too, so the demo runs beside `make run` there as well.
+    assert text.count(DEMO_OLLAMA) == 1, f"etc/hal0d.toml no longer has one {DEMO_OLLAMA!r}"
+    return text.replace(DEMO_OLLAMA, f'listen = "127.0.0.1:{free_port()}"')
 
 
 def slot_views(port: int) -> list[dict[str, Any]] | None:

@@ -392,3 +392,22 @@ async def test_a_responses_answer_is_handed_on_and_its_stored_copy_read_from_the
     assert again.id == made.id
     row = await last_row(http, hal0d)
     assert (row["endpoint"], row["slot"], row["attempts"]) == ("/v1/responses/{id}", "two", 1)
+
+
+async def test_an_ollama_client_is_handed_on_too_and_lists_the_routes_model(
+    start_ollama: Callable[..., Awaitable[tuple[TestServer, str]]], stub: Stub, tmp_path: Path,
+    http: aiohttp.ClientSession
+) -> None:
+    import ollama
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    config = parse(tomllib.loads(route_config(dead, stub.url, tmp_path)), base_dir=tmp_path)
+    hal0d, base = await start_ollama("http://unused", config=config)
+    client = ollama.AsyncClient(host=base)
+    assert "qwen" in [model.model for model in (await client.list()).models]
+    answer = await client.chat(model="qwen", messages=[{"role": "user", "content": "hi"}],
+                               stream=False)
+    assert answer.message.content and answer.done_reason in ("stop", "length")
+    row = await last_row(http, hal0d)
+    assert (row["endpoint"], row["slot"], row["failover"]) == (
+        "/api/chat", "two", "one=connect_refused")

@@ -27,9 +27,13 @@ PURE_MODULES = (
     "hal0d.openai.responses_request",
     "hal0d.openai.responses_bridge",
     "hal0d.anthropic.native",
+    "hal0d.ollama.request",
+    "hal0d.ollama.stream",
+    "hal0d.ollama.transform",
+    "hal0d.ollama.response",
 )
 SURFACE_BLIND_MODULES = ("hal0d.transport.relay", "hal0d.transport.stallguard")
-SURFACE_PACKAGES = ("hal0d.openai", "hal0d.anthropic")
+SURFACE_PACKAGES = ("hal0d.openai", "hal0d.anthropic", "hal0d.ollama")
 # Wire-format words of a surface: OpenAI's chunk objects and its end-of-stream line.
 SURFACE_WORDS = ("chat.completion", "text_completion", "[DONE]")
 

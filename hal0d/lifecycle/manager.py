@@ -153,13 +153,29 @@ class LifecycleManager:
             runner.idle_timer = None
         if new in UP_STATES:
             runner.last_used = time.monotonic()
-        if new is SlotState.READY:
-            self._arm_idle(runner, runner.config.idle_unload_s)
+        if new is SlotState.READY and (idle_s := runner.idle_unload_s()) is not None:
+            self._arm_idle(runner, idle_s)
 
     def _arm_idle(self, runner: Runner, after_s: float) -> None:
-        if runner.config.on_demand and runner.config.idle_unload_s > 0:
+        if runner.idle_unload_s() is not None:
             runner.idle_timer = asyncio.get_running_loop().call_later(
                 max(0.0, after_s), self._idle, runner, context=no_request())
+
+    def keep_alive(self, name: str, seconds: float) -> None:
+        """This load of an on-demand slot stays idle `seconds` before it unloads (0: unloads as
+        soon as it is idle; negative: stays loaded), until it unloads; a client's keep_alive.
+        Other slots are not unloaded by hal0d's idle timer: nothing changes for them."""
+        runner = self.runners.get(name)
+        if runner is None or not runner.config.on_demand or runner.keep_alive_s == seconds:
+            return
+        runner.keep_alive_s = seconds
+        log.info("slot.keep_alive_set", slot=name, keep_alive_s=seconds)
+        if runner.slot.state is SlotState.READY:
+            if runner.idle_timer is not None:
+                runner.idle_timer.cancel()
+                runner.idle_timer = None
+            if (idle_s := runner.idle_unload_s()) is not None:
+                self._arm_idle(runner, idle_s - (time.monotonic() - runner.last_used))
 
     def _idle(self, runner: Runner) -> None:
         runner.idle_timer = None
@@ -184,6 +200,7 @@ class LifecycleManager:
         if runner.retry is not None:
             runner.retry.cancel()
             runner.retry = None
+        runner.keep_alive_s = None  # a new load (after a crash too): keep_alive was the last one's
         runner.job = self._spawn(self._start(runner))
 
     async def _start(self, runner: Runner) -> None:
@@ -340,6 +357,7 @@ class LifecycleManager:
         process stopped; told as `gone`."""
         slot, reason = runner.slot, runner.unloading
         runner.cancel_timers()
+        runner.keep_alive_s = None  # a client's keep_alive was this load's
         if start is not None and not start.done():
             start.cancel()
             await asyncio.wait({start})
@@ -651,15 +669,29 @@ class LifecycleManager:
     def _reconfigure(self, runner: Runner, after: SlotConfig) -> None:
         """Limits only. A changed idle_unload_s applies to the wait already running, counted
         from the slot's last use."""
-        idle_before = runner.config.idle_unload_s
+        idle_before = runner.idle_unload_s()
         runner.config = after
-        if idle_before != after.idle_unload_s and runner.slot.state is SlotState.READY:
+        idle_after = runner.idle_unload_s()
+        if idle_before != idle_after and runner.slot.state is SlotState.READY:
             if runner.idle_timer is not None:
                 runner.idle_timer.cancel()
                 runner.idle_timer = None
-            self._arm_idle(runner, after.idle_unload_s - (time.monotonic() - runner.last_used))
+            if idle_after is not None:
+                self._arm_idle(runner, idle_after - (time.monotonic() - runner.last_used))
 
     # -- views -------------------------------------------------------------------------------
+
+    def unloads_in(self, name: str) -> float | None:
+        """Seconds until the slot's idle timer unloads it: counted from its last use while it
+        is ready, the whole timer while it serves; None when nothing will (a slot hal0d does
+        not unload, an idle_unload_s of 0, a negative keep_alive)."""
+        runner = self.runners.get(name)
+        idle_s = runner.idle_unload_s() if runner is not None else None
+        if runner is None or idle_s is None:
+            return None
+        if runner.slot.state is SlotState.READY:
+            return max(0.0, idle_s - (time.monotonic() - runner.last_used))
+        return idle_s
 
     def slot_view(self, slot: Slot) -> dict[str, Any]:
         """A slot as /api/slots and the event feed show it."""
@@ -680,12 +712,13 @@ class LifecycleManager:
         now = time.monotonic()
         ready = runner.slot.state is SlotState.READY
         idle_unload_in = None
-        if ready and runner.config.idle_unload_s > 0:
-            idle_unload_in = max(0.0, runner.config.idle_unload_s - (now - runner.last_used))
+        if ready and (idle_s := runner.idle_unload_s()) is not None:
+            idle_unload_in = max(0.0, idle_s - (now - runner.last_used))
         return {
             "start": runner.config.start,
             "loaded_for_s": round(now - runner.loaded_at, 1) if runner.loaded_at else None,
             "idle_for_s": round(now - runner.last_used, 1) if ready else None,
             "idle_unload_in_s": None if idle_unload_in is None else round(idle_unload_in, 1),
+            "keep_alive_s": runner.keep_alive_s,
             "pid": runner.child.pid if runner.child else None,
         }

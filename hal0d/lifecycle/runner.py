@@ -96,6 +96,9 @@ class Runner:
     unloading: UnloadReason = UnloadReason.API
     drain_s: float | None = None  # the bound of the unload's drain (a reload's), None: none
     successor: SlotConfig | None = None  # a reload's config, taken on once the process is gone
+    # This load's idle timer as a client asked for it (Ollama's keep_alive), in place of
+    # idle_unload_s until the slot unloads: 0 unloads once idle, negative never.
+    keep_alive_s: float | None = None
 
     @property
     def name(self) -> str:
@@ -108,6 +111,14 @@ class Runner:
     def wanted(self) -> bool:
         """An `always` slot is wanted all the time; an on-demand one while requests are there."""
         return not self.config.on_demand or bool(self.slot.queued or self.slot.in_flight)
+
+    def idle_unload_s(self) -> float | None:
+        """How long this load may stay idle before it unloads; None: for ever."""
+        if not self.config.on_demand:
+            return None
+        if self.keep_alive_s is not None:
+            return None if self.keep_alive_s < 0 else self.keep_alive_s
+        return self.config.idle_unload_s or None
 
     def cancel_timers(self) -> None:
         for timer in (self.retry, self.idle_timer):

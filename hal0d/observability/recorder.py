@@ -29,6 +29,15 @@ def is_dispatch_request(method: str, path: str) -> bool:
     return path.startswith(("/v1/", "/llm/")) and not listing
 
 
+# The Ollama API's model calls (its model lists are not, as GET /v1/models is not).
+OLLAMA_MODEL_CALLS: Final = frozenset({"/api/chat", "/api/generate", "/api/embed",
+                                       "/api/embeddings"})
+
+
+def is_ollama_model_call(method: str, path: str) -> bool:
+    return method == "POST" and path in OLLAMA_MODEL_CALLS
+
+
 def done_fields(info: RequestInfo) -> dict[str, object]:
     """The request.done line's fields from the request's info, floats to two decimals."""
     fields = {}

@@ -1,0 +1,1 @@
+"""The Ollama API, translated to and from OpenAI chat completions and embeddings (pure)."""

@@ -1,0 +1,191 @@
+"""The Ollama translation as playbooks: Ollama requests in, OpenAI bodies out; upstream SSE in,
+Ollama NDJSON out, the same however the reads cut it (pure: no sockets, fixed clocks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hal0d.errors import ErrorCode, InvalidRequest
+from hal0d.ollama.request import (
+    KEEP_FOR_EVER,
+    go_duration,
+    parse_chat,
+    parse_generate,
+    parse_keep_alive,
+)
+from hal0d.ollama.stream import NS, Clocks, Translator
+from hal0d.ollama.transform import OllamaTransform
+from hal0d.protocol.transform import StallTrip, TransformFailed
+
+PNG = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGD4DwABBAEAwS2OUAAAAABJRU5E"
+       "rkJggg==")
+
+
+def sse(*chunks: dict[str, Any]) -> bytes:
+    return b"".join(b"data: " + orjson.dumps(chunk) + b"\n\n" for chunk in chunks) + \
+        b"data: [DONE]\n\n"
+
+
+def delta(**fields: Any) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": fields, "finish_reason": None}]}
+
+
+def finish(reason: str) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": {}, "finish_reason": reason}]}
+
+
+USAGE = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 2}}
+
+
+class FixedClock:
+    def __init__(self) -> None:
+        self.t = 10.0
+
+    def __call__(self) -> float:
+        self.t += 0.5
+        return self.t
+
+
+def transform(*, chat: bool = True, think: bool = False) -> OllamaTransform:
+    clock = FixedClock()
+    clocks = Clocks(started=9.0, opened=10.0, load_s=0.25, now=clock, wall=lambda: 0.0)
+    return OllamaTransform(Translator("m", clocks, chat=chat, think=think))
+
+
+def lines(data: bytes) -> list[dict[str, Any]]:
+    return [orjson.loads(line) for line in data.splitlines()]
+
+
+def run(body: bytes, **options: Any) -> list[dict[str, Any]]:
+    t = transform(**options)
+    return lines(t.feed(body) + t.end())
+
+
+def test_content_chunks_become_message_objects_and_a_last_done_object_with_counts() -> None:
+    out = run(sse(delta(role="assistant", content=None), delta(content="Hel"),
+                  delta(content="lo"), finish("stop"), USAGE))
+    assert [o["message"]["content"] for o in out] == ["Hel", "lo", ""]
+    assert [o["done"] for o in out] == [False, False, True]
+    last = out[-1]
+    assert (last["done_reason"], last["prompt_eval_count"], last["eval_count"]) == ("stop", 7, 2)
+    assert last["load_duration"] == 0.25 * NS
+    assert last["created_at"] == "1970-01-01T00:00:00.000000Z"
+    assert last["total_duration"] > last["eval_duration"] > 0
+
+
+def test_reasoning_is_thinking_when_asked_and_left_out_otherwise() -> None:
+    body = sse(delta(reasoning_content="hmm"), delta(content="ok"), finish("stop"))
+    assert [o["message"].get("thinking") for o in run(body, think=True)] == ["hmm", None, None]
+    assert [o["message"]["content"] for o in run(body)] == ["ok", ""]
+
+
+def test_tool_call_fragments_become_one_call_with_arguments_as_an_object() -> None:
+    first = {"index": 0, "id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": ""}}
+    body = sse(delta(tool_calls=[first]),
+               delta(tool_calls=[{"index": 0, "function": {"arguments": '{"city"'}}]),
+               delta(tool_calls=[{"index": 0, "function": {"arguments": ': "Paris"}'}}]),
+               finish("tool_calls"))
+    out = run(body)
+    assert out[0]["message"]["tool_calls"] == [
+        {"id": "call_1", "function": {"index": 0, "name": "get_weather",
+                                      "arguments": {"city": "Paris"}}}]
+    assert out[-1]["done_reason"] == "stop" and out[-1]["eval_count"] == 3
+
+
+def test_generate_speaks_response_and_a_length_finish_is_length() -> None:
+    out = run(sse(delta(content="a"), finish("length")), chat=False)
+    assert [o["response"] for o in out] == ["a", ""]
+    assert out[-1]["done_reason"] == "length"
+
+
+def test_a_stream_without_finish_reason_ends_with_an_error_line() -> None:
+    t = transform()
+    t.feed(b"data: " + orjson.dumps(delta(content="a")) + b"\n\n")
+    with pytest.raises(TransformFailed) as failed:
+        t.end()
+    assert failed.value.error_code == ErrorCode.UPSTREAM_INCOMPLETE
+    assert "error" in lines(failed.value.frame)[-1]
+
+
+def test_a_stall_ends_with_the_notice_done_length_and_x_hal0_stall_and_a_break_with_error() -> None:
+    t = transform()
+    t.feed(b"data: " + orjson.dumps(delta(content="a")) + b"\n\n")
+    last = lines(t.stalled(StallTrip("idle", 3.0, "llm", 900.0, 3.0)))[-1]
+    assert last["done"] is True and last["done_reason"] == "length"
+    assert "stall guard" in last["message"]["content"]
+    assert last["x_hal0_stall"]["reason"] == "idle"
+    broken = transform()
+    assert lines(broken.broken("upstream 'llm' broke the stream"))[0] == {
+        "error": "upstream 'llm' broke the stream"}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=400), max_size=8))
+def test_any_split_of_the_upstream_bytes_gives_the_same_objects(cuts: list[int]) -> None:
+    body = sse(delta(reasoning_content="hm"), delta(content="Hé"), delta(content="llo"),
+               finish("stop"), USAGE)
+    whole = [{k: v for k, v in o.items() if "duration" not in k} for o in run(body, think=True)]
+    t = transform(think=True)
+    out = b""
+    start = 0
+    for cut in sorted(min(c, len(body)) for c in cuts):
+        out += t.feed(body[start:cut])
+        start = max(start, cut)
+    out += t.feed(body[start:]) + t.end()
+    assert [{k: v for k, v in o.items() if "duration" not in k} for o in lines(out)] == whole
+
+
+def test_chat_request_maps_images_tools_format_options_and_tool_results() -> None:
+    req = parse_chat({
+        "model": "m", "format": {"type": "object"}, "keep_alive": "1h30m",
+        "options": {"num_predict": 64, "temperature": 0.2, "seed": 3, "num_ctx": 8192,
+                    "stop": ["\n"], "repeat_penalty": 1.1, "made_up": 1},
+        "messages": [
+            {"role": "user", "content": "what is it?", "images": [PNG]},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"function": {"name": "look", "arguments": {"at": "it"}}}]},
+            {"role": "tool", "tool_name": "look", "content": "a dot"},
+        ]})
+    body = req.payload("served")
+    assert body["model"] == "served" and body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True}
+    assert body["messages"][0]["content"][1]["image_url"]["url"].startswith(
+        "data:image/png;base64,iVBOR")
+    call = body["messages"][1]["tool_calls"][0]
+    assert orjson.loads(call["function"]["arguments"]) == {"at": "it"}
+    assert body["messages"][2] == {"role": "tool", "content": "a dot", "tool_call_id": call["id"]}
+    assert body["response_format"]["json_schema"]["schema"] == {"type": "object"}
+    assert (body["max_tokens"], body["temperature"], body["seed"], body["stop"],
+            body["repeat_penalty"]) == (64, 0.2, 3, ["\n"], 1.1)
+    assert req.ignored == ("num_ctx", "made_up") and "num_ctx" not in body
+    assert req.keep_alive_s == 5400.0
+
+
+def test_generate_request_is_a_system_and_a_user_message_and_an_empty_one_only_loads() -> None:
+    req = parse_generate({"model": "m", "prompt": "hi", "system": "be brief", "stream": False,
+                          "format": "json"})
+    body = req.payload("m")
+    assert body["messages"] == [{"role": "system", "content": "be brief"},
+                                {"role": "user", "content": "hi"}]
+    assert body["response_format"] == {"type": "json_object"} and "stream" not in body
+    assert parse_generate({"model": "m"}).load_only
+
+
+@pytest.mark.parametrize(("given", "seconds"), [
+    (0, 0.0), (300, 300.0), (-1, KEEP_FOR_EVER), ("10m", 600.0), ("1h30m", 5400.0),
+    ("1.5s", 1.5), ("300ms", 0.3), ("-1m", KEEP_FOR_EVER), ("0", 0.0), (None, None)])
+def test_keep_alive_reads_ollamas_durations(given: object, seconds: float | None) -> None:
+    assert parse_keep_alive(given) == seconds
+
+
+@pytest.mark.parametrize("bad", ["10", "ten minutes", "5 m", "", True])
+def test_a_keep_alive_that_is_no_duration_is_refused(bad: object) -> None:
+    with pytest.raises(InvalidRequest):
+        parse_keep_alive(bad)
+    assert go_duration("1h2m3s") == 3723.0
