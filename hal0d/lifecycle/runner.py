@@ -37,6 +37,7 @@ class LoadPhase(enum.StrEnum):
     PROBING = "probing"
     READY = "ready"
     FAILED = "failed"
+    WITHDRAWN = "withdrawn"  # no request waited for it any more: nothing was loaded
 
 
 class LifecycleObserver(Protocol):
@@ -96,6 +97,7 @@ class Runner:
     unloading: UnloadReason = UnloadReason.API
     drain_s: float | None = None  # the bound of the unload's drain (a reload's), None: none
     successor: SlotConfig | None = None  # a reload's config, taken on once the process is gone
+    urgent: bool = False  # the next start was asked for by the API: it waits for no batch
 
     @property
     def name(self) -> str:
