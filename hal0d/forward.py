@@ -16,9 +16,10 @@ Resolving is apart from the lease so a surface can build its upstream body from 
 served model name, the slot's limits) before it waits for the slot.
 
 Before the upstream is opened, the slot is made ready, and taking the lease is that step, the one
-place where a request waits for its slot: in the slot's FIFO queue for capacity, while the slot
-is starting for its process to answer, and for an on-demand slot that rests `stopped`, for the
-load it asks for (lifecycle/manager.py); the wait for a load is the request's `load_ms`.
+place where a request waits for its slot: in the slot's queue for capacity, in its client's
+turn (`client_of`: the key's name, else the body's user, else the one anonymous client), while
+the slot is starting for its process to answer, and for an on-demand slot that rests `stopped`,
+for the load it asks for (lifecycle/manager.py); the wait for a load is the request's `load_ms`.
 
 The path is handed what it works with as one object, `Dispatch` (the slots, the one upstream
 client, the token counter, the streams being relayed, the runtime settings): the surfaces take it
@@ -28,7 +29,7 @@ from the app once (appkeys.DISPATCH) and nothing below looks anything up in `req
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import TracebackType
@@ -41,7 +42,7 @@ from hal0d.config import DispatcherConfig, SlotConfig
 from hal0d.errors import ErrorCode
 from hal0d.lifecycle.routing import Route, RuntimeRef
 from hal0d.lifecycle.slots import Lease, SlotTable
-from hal0d.observability.requestinfo import INFO, RequestInfo
+from hal0d.observability.requestinfo import INFO, RequestInfo, client_of
 from hal0d.protocol.transform import Transform
 from hal0d.transport.anthropic_mode import AnthropicModes
 from hal0d.transport.relay import Outcome, client_gone, relay
@@ -64,10 +65,12 @@ class Dispatch:
     # a forced unload ends a slot's.
     streams: set[StallGuard]
 
-    def forward(self, request: web.Request, model: str, *, stream: bool) -> Forward:
+    def forward(self, request: web.Request, model: str, *, stream: bool,
+                payload: Mapping[str, Any] | None = None) -> Forward:
         """The way to the slot that serves `model`, resolved now (NoRoute, 404, before anything
-        is taken); `async with` it to take the slot and release everything after."""
-        return Forward(self, request, model, stream=stream)
+        is taken); `async with` it to take the slot and release everything after. `payload`,
+        the request's parsed body, names its client for the slot queue's turns."""
+        return Forward(self, request, model, stream=stream, payload=payload)
 
     def end_streams(self, slot: str, reason: str) -> int:
         """Ends the slot's streams with their surface's terminal frame; how many it ended."""
@@ -81,11 +84,11 @@ class Forward:
     """One request's way to its slot: the route, the lease, the slot's effective timeouts and,
     once opened, the upstream response. Entered once, as `async with`."""
 
-    __slots__ = ("_lease_context", "dispatch", "info", "lease", "request", "route", "stream",
-                 "timeouts", "upstream")
+    __slots__ = ("_lease_context", "client", "dispatch", "info", "lease", "request", "route",
+                 "stream", "timeouts", "upstream")
 
     def __init__(self, dispatch: Dispatch, request: web.Request, model: str, *,
-                 stream: bool) -> None:
+                 stream: bool, payload: Mapping[str, Any] | None = None) -> None:
         info = request[INFO]
         info.model, info.stream = model, stream
         runtime = dispatch.runtime.current
@@ -94,6 +97,7 @@ class Forward:
         info.served_model, info.slot = self.route.served_model, self.route.slot.name
         self.request = request
         self.info: RequestInfo = info
+        self.client = client_of(info, payload)  # whose turn it waits for in the slot's queue
         self.stream = stream
         self.timeouts: DispatcherConfig = self.route.slot.timeouts(runtime.config.dispatcher)
         self.lease: Lease | None = None
@@ -106,7 +110,7 @@ class Forward:
 
     async def __aenter__(self) -> Self:
         # The slot is made ready here and only here (see the module's docstring).
-        self._lease_context = self.dispatch.slots.lease(self.route.slot.name)
+        self._lease_context = self.dispatch.slots.lease(self.route.slot.name, self.client)
         self.lease = await self._lease_context.__aenter__()
         self.info.queue_ms = self.lease.queue_ms
         self.info.load_ms = self.lease.load_ms

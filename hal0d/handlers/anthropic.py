@@ -77,7 +77,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     raw = await read_body(request)
     body = parse_json_object(raw)
     model, stream = model_and_stream(body)
-    fwd = request.app[DISPATCH].forward(request, model, stream=stream)
+    fwd = request.app[DISPATCH].forward(request, model, stream=stream, payload=body)
     # A request to translate is checked whole before the slot is taken; a native upstream
     # (and one that may turn out native, "auto") gets what the client sent, fields it may know
     # and the translator does not included.
@@ -162,7 +162,7 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     raw = await read_body(request)
     body = parse_json_object(raw)
     model, _ = model_and_stream(body)
-    fwd = request.app[DISPATCH].forward(request, model, stream=False)
+    fwd = request.app[DISPATCH].forward(request, model, stream=False, payload=body)
     # count_tokens takes the Messages body without max_tokens; the parser requires one.
     body.setdefault("max_tokens", 1)
     body["stream"] = False

@@ -86,17 +86,19 @@ def check_fields(endpoint: str, payload: dict[str, Any]) -> None:
             )
 
 
-async def requested_model(request: web.Request, endpoint: str, body: bytes) -> tuple[str, bool]:
-    """The model name, and whether the client asked for a stream."""
+async def requested_model(request: web.Request, endpoint: str, body: bytes
+                          ) -> tuple[str, bool, dict[str, Any] | None]:
+    """The model name, whether the client asked for a stream, and the parsed body (None for a
+    multipart one)."""
     if endpoint == "audio/transcriptions":
         model = await multipart_field(request, body, "model")
         if not model:
             raise InvalidRequest("multipart field 'model' is required", field="model")
-        return model, False
+        return model, False, None
     payload = parse_json_object(body)
     model, stream = model_and_stream(payload)
     check_fields(endpoint, payload)
-    return model, stream
+    return model, stream, payload
 
 
 def model_and_stream(payload: dict[str, Any]) -> tuple[str, bool]:
@@ -114,9 +116,9 @@ def with_model(body: bytes, served_model: str) -> bytes:
 async def dispatch(request: web.Request) -> web.StreamResponse:
     endpoint = request.match_info["endpoint"]
     body = await read_body(request)
-    model, stream = await requested_model(request, endpoint, body)
+    model, stream, payload = await requested_model(request, endpoint, body)
     streaming = stream or endpoint in ALWAYS_STREAMING
-    fwd = request.app[DISPATCH].forward(request, model, stream=streaming)
+    fwd = request.app[DISPATCH].forward(request, model, stream=streaming, payload=payload)
     served_model = fwd.route.served_model
     if served_model != model:
         if endpoint == "audio/transcriptions":

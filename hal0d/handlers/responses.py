@@ -45,8 +45,9 @@ def requested(payload: dict[str, Any]) -> tuple[str, bool]:
 
 async def create(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
-    model, stream = requested(parse_json_object(body))
-    fwd = request.app[DISPATCH].forward(request, model, stream=stream)
+    payload = parse_json_object(body)
+    model, stream = requested(payload)
+    fwd = request.app[DISPATCH].forward(request, model, stream=stream, payload=payload)
     if fwd.route.served_model != model:
         body = with_model(body, fwd.route.served_model)
     owners = request.app[RESPONSE_OWNERS]
