@@ -114,6 +114,7 @@ class Forward:
         self.lease = await self._lease_context.__aenter__()
         self.info.queue_ms = self.lease.queue_ms
         self.info.load_ms = self.lease.load_ms
+        self.info.turn_ms = self.lease.turn_ms
         return self
 
     async def __aexit__(

@@ -230,4 +230,4 @@ async def test_a_database_of_the_previous_version_keeps_its_rows_and_gains_load_
     assert [row["load_ms"] for row in rows] == [812.5, None, None, None]
     with closing(sqlite3.connect(path)) as conn:
         columns = [row[1] for row in conn.execute("PRAGMA table_info(requests)")]
-    assert columns[-1] == "load_ms" and columns.count("load_ms") == 1
+    assert columns[-2:] == ["load_ms", "turn_ms"] and columns.count("load_ms") == 1

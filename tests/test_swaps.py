@@ -1,20 +1,24 @@
 """Swaps that do not thrash, over real sockets with the stub as each slot's command: a group of
 `max_loaded = 1` under `policy = "batch"` serves a loaded model's burst before it swaps, under
 `"fifo"` it swaps for every request of the other model; a request for the other model still
-gets its turn within `max_wait_s`, and a model with no work is swapped out at once."""
+gets its turn within `max_wait_s`, and a model with no work is swapped out at once. A swap
+that waits shows in /api/slots, on /api/events, in /metrics and in the history's turn_ms."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp.test_utils import TestServer
+from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
 from hal0d.config import GroupConfig, SlotConfig
+from tests.test_events import Reader
 from tests.test_loader import (
     CHAT,
     ProcessSampler,
@@ -26,6 +30,8 @@ from tests.test_loader import (
     on_demand,
     start,
     stub_pids,
+    until,
+    views,
 )
 
 LOAD_S = "0.8"  # the stub's --startup-delay: a model that loads for 0.8 s
@@ -170,3 +176,67 @@ async def test_a_model_with_nothing_queued_is_swapped_out_at_once(
     assert evicting["slot"] == "a" and "a has nothing queued or in flight" in evicting["why"]
     assert [e["event"] for e in logs if e["event"].startswith("swap.")] == [
         "swap.planned", "swap.started", "swap.done"]
+
+
+async def test_a_waiting_swap_shows_in_api_slots_the_event_feed_the_metrics_and_the_history(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    max_wait_s = 1.5
+    hal0d = await start(start_hal0d, lifecycle_config(
+        tmp_path, *two_models(tmp_path), groups=swap_group("batch", max_wait_s)))
+    assert await streamed(http, hal0d, "chat") == 200
+    reader = Reader(http, hal0d)
+    await reader.wait_for("hello", "the feed's hello")
+    stop = asyncio.Event()
+
+    async def stream_for_a() -> None:
+        while not stop.is_set():
+            assert await streamed(http, hal0d, "chat") == 200
+
+    streams = [asyncio.create_task(stream_for_a()) for _ in range(2)]
+    await asyncio.sleep(0.2)
+    for_b = asyncio.create_task(streamed(http, hal0d, "think-only"))
+
+    async def pending() -> dict[str, Any] | None:
+        return (await views(http, hal0d))["b"]["pending_swap"]
+
+    async def seen() -> bool:
+        return await pending() is not None
+
+    await until(seen, 5, "b's pending swap in /api/slots")
+    await asyncio.sleep(0.6)
+    swap = await pending()
+    assert swap is not None
+    assert (swap["waiting"], swap["victim"], swap["max_wait_s"]) == ("b", "a", max_wait_s)
+    assert re.fullmatch(r"waiting for b's turn: [01] s of 1\.5", swap["why"]), swap
+    both = await views(http, hal0d)
+    assert both["a"]["pending_swap"] == swap or both["a"]["pending_swap"]["waiting"] == "b"
+    assert (both["b"]["group_policy"], both["b"]["group_max_wait_s"]) == ("batch", max_wait_s)
+    assert await for_b == 200
+    stop.set()
+    await asyncio.gather(*streams)
+    assert (await views(http, hal0d))["b"]["pending_swap"] is None
+
+    await reader.wait_for("swap", "b's swap done", slot="b", phase="done")
+    steps = [(e["phase"], e["victim"]) for e in reader.named("swap") if e["slot"] == "b"]
+    assert steps[:3] == [("planned", "a"), ("started", "a"), ("done", "a")], steps
+    started = next(e for e in reader.named("swap") if e["slot"] == "b"
+                   and e["phase"] == "started")
+    assert started["waited_s"] >= max_wait_s and started["group"] == "gpu0"
+    assert started["policy"] == "batch" and "waited max_wait_s" in started["why"]
+
+    async with http.get(hal0d.make_url("/metrics")) as resp:
+        metrics = {(s.name, s.labels.get("group")): s.value
+                   for family in text_string_to_metric_families(await resp.text())
+                   for s in family.samples}
+    swaps = metrics[("hal0d_group_swaps_total", "gpu0")]
+    assert swaps >= 1
+    assert metrics[("hal0d_group_turn_wait_seconds_count", "gpu0")] == swaps
+    assert metrics[("hal0d_group_turn_wait_seconds_sum", "gpu0")] >= max_wait_s
+
+    async with http.get(hal0d.make_url("/api/requests?limit=50")) as resp:
+        rows = (await resp.json())["requests"]
+    [row] = [r for r in rows if r["model"] == "think-only"]
+    assert row["turn_ms"] >= max_wait_s * 1000 * 0.9, row
+    assert row["turn_ms"] <= row["load_ms"] <= row["queue_ms"], row
+    assert all(r["turn_ms"] == 0 for r in rows if r["model"] == "chat" and not r["load_ms"])

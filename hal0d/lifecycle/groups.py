@@ -79,6 +79,8 @@ class Swap:
     victim: str  # the model that makes room
     waited_s: float  # the waiting model's oldest request, so far
     why: str
+    policy: str
+    max_wait_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +97,7 @@ class PendingSwap:
         return {
             "waiting": self.slot, "victim": self.victim,
             "waited_s": round(waited, 1), "max_wait_s": self.max_wait_s,
-            "why": f"waiting for {self.victim}'s turn: {waited:.0f} s of {self.max_wait_s:g}",
+            "why": f"waiting for {self.slot}'s turn: {waited:.0f} s of {self.max_wait_s:g}",
         }
 
 
@@ -332,7 +334,9 @@ class Groups:
     def _tell(self, group: Group, phase: SwapPhase, me: Slot, victim: Member, why: str) -> None:
         since = me.oldest_waiting_since()
         waited = 0.0 if since is None else round(time.monotonic() - since, 3)
-        self._swapped(Swap(group.config.name, phase, me.name, victim.slot.name, waited, why))
+        limits = group.config
+        self._swapped(Swap(limits.name, phase, me.name, victim.slot.name, waited, why,
+                           limits.policy, limits.max_wait_s))
 
     @staticmethod
     async def _until(group: Group, deadline: float) -> None:

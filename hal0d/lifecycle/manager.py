@@ -181,6 +181,8 @@ class LifecycleManager:
             runner.slot.turn_wait(False)
         log.info(f"swap.{swap.phase}", group=swap.group, slot=swap.slot, victim=swap.victim,
                  waited_s=swap.waited_s, why=swap.why)
+        for observer in self.observers:
+            observer.swap(swap)
 
     def _arm_idle(self, runner: Runner, after_s: float) -> None:
         if runner.config.on_demand and runner.config.idle_unload_s > 0:
@@ -714,6 +716,13 @@ class LifecycleManager:
         group = self.groups.get(config.group) if config else None
         view["group_memory_mib"] = group.config.memory_mib if group else None
         view["group_max_loaded"] = group.config.max_loaded if group else None
+        if group is not None:
+            pending = group.pending
+            view["group_policy"] = group.config.policy
+            view["group_max_wait_s"] = group.config.max_wait_s
+            # A swap waiting for a batch to end, on the waiting slot's view and the victim's.
+            view["pending_swap"] = (pending.view(time.monotonic()) if pending is not None
+                                    and slot.name in (pending.slot, pending.victim) else None)
         runner = self.runners.get(slot.name)
         if runner is not None and runner.config.on_demand:
             view.update(self._lifecycle_view(runner))

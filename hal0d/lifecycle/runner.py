@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 from hal0d.config import GroupConfig, SlotConfig
+from hal0d.lifecycle.groups import Swap
 from hal0d.lifecycle.process import Child
 from hal0d.lifecycle.slots import Slot, SlotState
 from hal0d.logs import get_logger
@@ -49,6 +50,9 @@ class LifecycleObserver(Protocol):
         """A start's phase; repeated every LOAD_TICK_S while it lasts."""
 
     def unloaded(self, slot: str, reason: UnloadReason, loaded_s: float | None) -> None: ...
+
+    def swap(self, swap: Swap) -> None:
+        """A step of a swap in a group: planned, started (the victim drains), done."""
 
 
 PhaseTeller = Callable[[str, "LoadPhase", float, "str | None"], None]

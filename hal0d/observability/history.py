@@ -57,6 +57,7 @@ class RequestRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     load_ms: float | None = None  # the part of queue_ms spent waiting for a model to load
+    turn_ms: float | None = None  # of load_ms, the wait for the model's turn in its group
 
 
 COLUMNS: Final[tuple[str, ...]] = tuple(f.name for f in dataclasses.fields(RequestRecord))
@@ -78,7 +79,7 @@ _SCHEMA: Final = (
 )
 # Columns later versions added: a database an earlier version wrote gains them in place at open
 # (ALTER TABLE keeps every row; old rows read NULL there).
-_ADDED_COLUMNS: Final = ("load_ms",)
+_ADDED_COLUMNS: Final = ("load_ms", "turn_ms")
 
 _INSERT: Final = (
     f"INSERT INTO requests ({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)})"

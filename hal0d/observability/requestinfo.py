@@ -34,6 +34,7 @@ class RequestInfo:
     error_code: str | None = None
     queue_ms: float | None = None
     load_ms: float | None = None  # of queue_ms, the wait for the slot's model to load
+    turn_ms: float | None = None  # of load_ms, the wait for the model's turn in its group
     ttft_ms: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
