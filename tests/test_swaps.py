@@ -240,3 +240,64 @@ async def test_a_waiting_swap_shows_in_api_slots_the_event_feed_the_metrics_and_
     assert row["turn_ms"] >= max_wait_s * 1000 * 0.9, row
     assert row["turn_ms"] <= row["load_ms"] <= row["queue_ms"], row
     assert all(r["turn_ms"] == 0 for r in rows if r["model"] == "chat" and not r["load_ms"])
+
+
+async def test_a_load_whose_requests_left_while_it_waited_is_withdrawn_and_unloads_nothing(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    hal0d = await start(start_hal0d, lifecycle_config(
+        tmp_path, *two_models(tmp_path), groups=swap_group("batch", 30.0)))
+    assert await streamed(http, hal0d, "chat") == 200
+    [pid_a] = stub_pids(str(tmp_path))
+    stop = asyncio.Event()
+
+    async def stream_for_a() -> None:
+        while not stop.is_set():
+            assert await streamed(http, hal0d, "chat") == 200
+
+    with capture_logs() as logs:
+        streams = [asyncio.create_task(stream_for_a()) for _ in range(2)]
+        await asyncio.sleep(0.2)
+        leaving = asyncio.create_task(streamed(http, hal0d, "think-only"))
+
+        async def b_waits() -> bool:
+            return (await views(http, hal0d))["b"]["pending_swap"] is not None
+
+        await until(b_waits, 5, "b waiting for its turn")
+        leaving.cancel()  # its client leaves while b's load waits for a's batch to end
+
+        async def b_at_rest() -> bool:
+            return any(e["event"] == "slot.load_withdrawn" for e in logs)
+
+        await until(b_at_rest, 5, "b's load withdrawn")
+        stop.set()
+        await asyncio.gather(*streams)
+    assert stub_pids(str(tmp_path)) == {pid_a}  # a kept its process; b never started one
+    events = [e["event"] for e in logs]
+    assert "slot.evicting" not in events and "swap.started" not in events
+    b = (await views(http, hal0d))["b"]
+    assert (b["state"], b["queued"], b["pending_swap"]) == ("stopped", 0, None)
+    assert await streamed(http, hal0d, "think-only") == 200  # a later request loads it
+
+
+async def test_a_load_through_the_api_waits_for_no_batch(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    hal0d = await start(start_hal0d, lifecycle_config(
+        tmp_path, *two_models(tmp_path), groups=swap_group("batch", 30.0)))
+    assert await streamed(http, hal0d, "chat") == 200
+    stop = asyncio.Event()
+
+    async def stream_for_a() -> None:
+        while not stop.is_set():
+            assert await streamed(http, hal0d, "chat") == 200
+
+    streams = [asyncio.create_task(stream_for_a()) for _ in range(2)]
+    await asyncio.sleep(0.2)
+    began = time.monotonic()
+    async with http.post(hal0d.make_url("/api/slots/b/load")) as resp:
+        assert resp.status == 200 and (await resp.json())["state"] == "ready"
+    took_s = time.monotonic() - began
+    stop.set()
+    await asyncio.gather(*streams)
+    assert took_s < 10, took_s  # a's batch would have held it for 30 s

@@ -287,7 +287,7 @@ class Groups:
                         self._tell(group, SwapPhase.PLANNED, me, victim,
                                    f"{victim.slot.name} has work: swapping within "
                                    f"max_wait_s = {limits.max_wait_s:g} s")
-                    await self._until(group, wake)
+                    await self._wait_turn(group, me, victim.slot.name, wake)
                     continue
                 group.pending = None
             why = short
@@ -337,6 +337,19 @@ class Groups:
         limits = group.config
         self._swapped(Swap(limits.name, phase, me.name, victim.slot.name, waited, why,
                            limits.policy, limits.max_wait_s))
+
+    async def _wait_turn(self, group: Group, me: Slot, victim: str, wake: float) -> None:
+        """Until `victim` is to go for `me` (or is no longer evictable): the batch's end. Only
+        the batch rule is looked at again on each wake (a busy victim's counts change with every
+        request); the room, free_memory_command's included, once the wait is over."""
+        limits = group.config
+        next_wake: float | None = wake
+        while next_wake is not None:
+            await self._until(group, next_wake)
+            member = next((m for m in self._members(limits.name) if m.slot.name == victim), None)
+            if member is None or member.slot.state not in EVICTABLE:
+                return
+            next_wake = self._not_yet(limits, me, member)
 
     @staticmethod
     async def _until(group: Group, deadline: float) -> None:
