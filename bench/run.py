@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench import client, inprocess, lifecycle, procs
+from bench import client, inprocess, lifecycle, procs, swaps
 from bench.client import CHAT, MESSAGES, Endpoint, chat_body, messages_body
 
 RESULTS = procs.ROOT / "bench" / "results"
@@ -432,6 +432,8 @@ async def measure(run: Run, peers: bool, profile: bool, sections: set[str],
                 await memory_section(run, procset, upstream, baseline, "memory_baseline")
         if "lifecycle" in sections:
             await lifecycle.measure(run, procset, hal0d, upstream, say)
+        if "swaps" in sections:
+            await swaps.measure(run, procset, say)
         if profile:
             await profile_section(run, hal0d)
     finally:
@@ -630,6 +632,7 @@ def build_rows(run: Run) -> list[dict[str, Any]]:
         skipped("LiteLLM added latency / hal0d's", f">= {TARGET_LITELLM_FACTOR:g}x",
                 "LiteLLM not run")
     rows.extend(lifecycle.rows(run))
+    rows.extend(swaps.rows(run))
     return rows
 
 
@@ -699,7 +702,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument("--profile", action="store_true",
                         help="py-spy hal0d during long streams; writes bench/results/profile*")
-    parser.add_argument("--sections", default="latency,throughput,anthropic,paced,memory,lifecycle",
+    parser.add_argument("--sections",
+                        default="latency,throughput,anthropic,paced,memory,lifecycle,swaps",
                         help="comma-separated subset of the default")
     parser.add_argument("--uvloop", action="store_true",
                         help="experiment: add a hal0d-uvloop instance (bench/.peers/uvloop)")
