@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench import client, failover, inprocess, lifecycle, procs
+from bench import client, failover, inprocess, lifecycle, procs, swaps
 from bench.client import CHAT, MESSAGES, Endpoint, chat_body, messages_body
 
 RESULTS = procs.ROOT / "bench" / "results"
@@ -434,6 +434,8 @@ async def measure(run: Run, peers: bool, profile: bool, sections: set[str],
             await lifecycle.measure(run, procset, hal0d, upstream, say)
         if "failover" in sections:
             await failover.measure(run, procset, upstream, say)
+        if "swaps" in sections:
+            await swaps.measure(run, procset, say)
         if profile:
             await profile_section(run, hal0d)
     finally:
@@ -633,6 +635,7 @@ def build_rows(run: Run) -> list[dict[str, Any]]:
                 "LiteLLM not run")
     rows.extend(lifecycle.rows(run))
     rows.extend(failover.rows(run))
+    rows.extend(swaps.rows(run))
     return rows
 
 
@@ -703,7 +706,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="py-spy hal0d during long streams; writes bench/results/profile*")
     parser.add_argument("--sections",
-                        default="latency,throughput,anthropic,paced,memory,lifecycle,failover",
+                        default="latency,throughput,anthropic,paced,memory,lifecycle,failover,swaps",
                         help="comma-separated subset of the default")
     parser.add_argument("--uvloop", action="store_true",
                         help="experiment: add a hal0d-uvloop instance (bench/.peers/uvloop)")

@@ -128,12 +128,20 @@ class SlotConfig:
 @dataclass(frozen=True, slots=True)
 class GroupConfig:
     """Slots that share a device: at most `max_loaded` of them loaded at once, the sum of their
-    `memory_mib` within `memory_mib`, and each load only when `free_memory_command` reports room."""
+    `memory_mib` within `memory_mib`, and each load only when `free_memory_command` reports room.
+    `policy` says when a model waiting for room may unload a busy one: `batch` once it has
+    waited `max_wait_s` (a loaded model serves its queue first), `fifo` at once."""
 
     name: str
     max_loaded: int | None = None
     memory_mib: int | None = None
     free_memory_command: tuple[str, ...] | None = None
+    policy: str = "batch"
+    max_wait_s: float = 30.0
+
+    @property
+    def batch(self) -> bool:
+        return self.policy == POLICY_BATCH
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +293,8 @@ _GROUP: dict[str, _Range] = {
     "max_loaded": (int, 1, 4096),
     "memory_mib": (int, 1, 1 << 30),
     "free_memory_command": (list, None, None),
+    "policy": (str, None, None),
+    "max_wait_s": (float, 0.1, 3600.0),
 }
 _ROUTE: dict[str, _Range] = {
     "model": (str, None, None),
@@ -304,6 +314,9 @@ _KEY: dict[str, _Range] = {
     "max_concurrent": (int, 1, 100_000),
     "requests_per_minute": (int, 1, 1_000_000),
 }
+POLICY_BATCH = "batch"
+POLICY_FIFO = "fifo"
+GROUP_POLICIES = (POLICY_BATCH, POLICY_FIFO)
 _METRICS: dict[str, _Range] = {
     "database": (str, None, None),
     "retention_days": (int, 1, 36500),
@@ -477,6 +490,9 @@ def _check_groups(
             good["free_memory_command"] = _string_list(
                 good["free_memory_command"], f"{where}.free_memory_command", problems
             )
+        if good.get("policy", POLICY_BATCH) not in GROUP_POLICIES:
+            problems.append(f"{where}.policy: {good.pop('policy')!r} is not one of "
+                            f"{GROUP_POLICIES!r}")
         groups[name] = GroupConfig(name=name, **good)
     members: dict[str, list[tuple[int, SlotConfig]]] = {name: [] for name in groups}
     for index, slot in enumerate(slots):

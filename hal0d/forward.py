@@ -27,9 +27,10 @@ connection. An attempt's work before `async with` is apart from the lease so a s
 its upstream body from the route before it waits for the slot.
 
 Before the upstream is opened, the slot is made ready, and taking the lease is that step, the one
-place where a request waits for its slot: in the slot's FIFO queue for capacity, while the slot
-is starting for its process to answer, and for an on-demand slot that rests `stopped`, for the
-load it asks for (lifecycle/manager.py); the wait for a load is the request's `load_ms`.
+place where a request waits for its slot: in the slot's queue for capacity, in its client's
+turn (`client_of`: the key's name, else the body's user, else the one anonymous client), while
+the slot is starting for its process to answer, and for an on-demand slot that rests `stopped`,
+for the load it asks for (lifecycle/manager.py); the wait for a load is the request's `load_ms`.
 
 The path is handed what it works with as one object, `Dispatch` (the slots, the one upstream
 client, the token counter, the streams being relayed, the runtime settings): the surfaces take it
@@ -40,7 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import TracebackType
@@ -64,7 +65,7 @@ from hal0d.lifecycle.remote import KIND_HAL0D, RemoteModels
 from hal0d.lifecycle.routing import Plan, Route, RuntimeRef
 from hal0d.lifecycle.slots import Lease, SlotTable
 from hal0d.logs import get_logger
-from hal0d.observability.requestinfo import INFO, RequestInfo
+from hal0d.observability.requestinfo import INFO, RequestInfo, client_of
 from hal0d.protocol.transform import Transform
 from hal0d.transport.anthropic_mode import AnthropicModes, ResponsesModes
 from hal0d.transport.relay import Outcome, client_gone, relay
@@ -114,22 +115,25 @@ class Dispatch:
     remote: RemoteModels | None = None
 
     async def serve(self, request: web.Request, model: str, *, stream: bool,
-                    attempt: Callable[[Forward], Awaitable[T]]) -> T:
+                    attempt: Callable[[Forward], Awaitable[T]],
+                    payload: Mapping[str, Any] | None = None) -> T:
         """`attempt` on the way to each slot of the model's plan in turn (resolved now: NoRoute,
         404, and the key's Forbidden, 403, before anything is taken), until one answers: a slot
         hands the request on (HandOn) only while nothing has reached the client and another
         slot is left, so the last one's answer or error is the client's. `attempt` does its
-        slot's own preparation, then `async with fwd:` its work on the slot."""
+        slot's own preparation, then `async with fwd:` its work on the slot. `payload`, the
+        request's parsed body, names its client for the slot queues' turns."""
         info = request[INFO]
         info.model, info.stream = model, stream  # recorded even when no slot serves it
         plan = self.runtime.current.router.plan(model)
         if (key := request.get(KEY)) is not None:
             key.check_model(model, plan.model)  # 403 naming the key
         routes = self.order(plan)
+        client = client_of(info, payload)
         tried: list[str] = []
         for index, route in enumerate(routes):
             fwd = Forward(self, request, route, stream=stream, route_config=plan.route,
-                          hands_on=index + 1 < len(routes))
+                          hands_on=index + 1 < len(routes), client=client)
             info.attempts = index + 1
             try:
                 return await attempt(fwd)
@@ -167,7 +171,7 @@ class Dispatch:
             self.on_failover(route, slot, reason)
 
     def forward(self, request: web.Request, model: str, *, stream: bool,
-                slot: str | None = None) -> Forward:
+                slot: str | None = None, payload: Mapping[str, Any] | None = None) -> Forward:
         """The way to one slot of the model's plan alone (no hand-on): `slot` when the plan has
         it (the one that holds a stored answer), else its first; resolved now (NoRoute, 404).
         `async with` it to take the slot and release everything after."""
@@ -178,7 +182,7 @@ class Dispatch:
             key.check_model(model, plan.model)
         route = next((r for r in plan.routes if r.slot.name == slot), plan.first)
         return Forward(self, request, route, stream=stream, route_config=plan.route,
-                       hands_on=False)
+                       hands_on=False, client=client_of(info, payload))
 
     def end_streams(self, slot: str, reason: str) -> int:
         """Ends the slot's streams with their surface's terminal frame; how many it ended."""
@@ -195,17 +199,19 @@ class Forward:
     unreachable upstream, a 5xx or 429, an answer later than first_byte_timeout_s) is HandOn
     while nothing has reached the client."""
 
-    __slots__ = ("_first_chunk", "_lease_context", "dispatch", "hands_on", "info", "lease",
-                 "request", "route", "route_config", "stream", "timeouts", "upstream")
+    __slots__ = ("_first_chunk", "_lease_context", "client", "dispatch", "hands_on", "info",
+                 "lease", "request", "route", "route_config", "stream", "timeouts", "upstream")
 
     def __init__(self, dispatch: Dispatch, request: web.Request, route: Route, *,
-                 stream: bool, route_config: RouteConfig | None, hands_on: bool) -> None:
+                 stream: bool, route_config: RouteConfig | None, hands_on: bool,
+                 client: str) -> None:
         info = request[INFO]
         self.dispatch = dispatch
         self.route: Route = route
         info.served_model, info.slot = route.served_model, route.slot.name
         self.request = request
         self.info: RequestInfo = info
+        self.client = client  # whose turn it waits for in the slot's queue
         self.stream = stream
         self.route_config = route_config
         self.hands_on = hands_on
@@ -224,7 +230,7 @@ class Forward:
         # The slot is made ready here and only here (see the module's docstring).
         if self.hands_on and self._spills():
             raise HandOn("busy")
-        self._lease_context = self.dispatch.slots.lease(self.route.slot.name)
+        self._lease_context = self.dispatch.slots.lease(self.route.slot.name, self.client)
         try:
             self.lease = await self._lease_context.__aenter__()
         except (QueueFull, SlotLoadFailed, SlotLoading) as exc:
@@ -233,6 +239,7 @@ class Forward:
             raise
         self.info.queue_ms = self.lease.queue_ms
         self.info.load_ms = self.lease.load_ms
+        self.info.turn_ms = self.lease.turn_ms
         return self
 
     def _spills(self) -> bool:

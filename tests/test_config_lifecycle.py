@@ -55,6 +55,12 @@ GPU = '[groups.gpu0]\nmax_loaded = 1\nmemory_mib = 10240\n'
          "groups.gpu0.max_loaded: 0 is outside 1-4096"),
         ('[groups.gpu0]\nslots = 1\n' + slot("a", group="gpu0"),
          "groups.gpu0.slots: unknown key"),
+        ('[groups.gpu0]\nmax_loaded = 1\npolicy = "lru"\n' + slot("a", group="gpu0"),
+         "groups.gpu0.policy: 'lru' is not one of ('batch', 'fifo')"),
+        ('[groups.gpu0]\nmax_loaded = 1\nmax_wait_s = 0.05\n' + slot("a", group="gpu0"),
+         "groups.gpu0.max_wait_s: 0.05 is outside 0.1-3600"),
+        ('[groups.gpu0]\nmax_loaded = 1\nmax_wait_s = 7200\n' + slot("a", group="gpu0"),
+         "groups.gpu0.max_wait_s: 7200.0 is outside 0.1-3600"),
     ],
 )
 def test_impossible_lifecycle_settings_are_named_by_key_path(
@@ -85,6 +91,20 @@ def test_a_one_gpu_config_loads_with_its_defaults(tmp_path: Path) -> None:
     assert loaded.groups["gpu0"] == config.GroupConfig(
         "gpu0", 2, 10240, ("nvidia-smi", "--query-gpu=memory.free")
     )
+    assert (loaded.groups["gpu0"].policy, loaded.groups["gpu0"].max_wait_s) == ("batch", 30.0)
+
+
+def test_a_groups_policy_and_max_wait_s_load_and_check_config_names_a_bad_one(
+    tmp_path: Path
+) -> None:
+    fifo = '[groups.gpu0]\nmax_loaded = 1\npolicy = "fifo"\nmax_wait_s = 2\n'
+    loaded = config.load(write(tmp_path, fifo + slot("a", group="gpu0", start="on_demand")))
+    assert (loaded.groups["gpu0"].policy, loaded.groups["gpu0"].max_wait_s) == ("fifo", 2.0)
+    path = write(tmp_path, fifo.replace('"fifo"', '"batched"')
+                 + slot("a", group="gpu0", start="on_demand"))
+    result = hal0d_cli("check-config", "--config", str(path))
+    assert result.returncode == 1
+    assert "groups.gpu0.policy: 'batched' is not one of ('batch', 'fifo')" in result.stderr
 
 
 def test_a_slot_larger_than_its_groups_budget_fails_check_config(tmp_path: Path) -> None:

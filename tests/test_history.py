@@ -233,8 +233,9 @@ async def test_a_database_of_a_previous_version_keeps_its_rows_and_gains_load_ms
     assert [row["request_id"] for row in of_key] == [new.request_id]
     with closing(sqlite3.connect(path)) as conn:
         columns = [row[1] for row in conn.execute("PRAGMA table_info(requests)")]
-    assert columns[-4:] == ["load_ms", "key", "attempts", "failover"]
-    assert all(columns.count(name) == 1 for name in ("load_ms", "key", "attempts", "failover"))
+    added = ["load_ms", "key", "attempts", "failover", "turn_ms"]
+    assert columns[-5:] == added
+    assert all(columns.count(name) == 1 for name in added)
 
 
 async def test_the_pages_errors_of_the_last_hour_are_the_historys_and_survive_a_restart(

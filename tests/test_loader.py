@@ -404,8 +404,10 @@ async def test_a_memory_budget_evicts_the_least_recently_used_and_free_memory_on
     assert [(e["slot"], e["for"]) for e in evicting] == [("a", "c")]
 
     # Now with the free-memory command: a's 4 GiB evicts b (the budget), then c (free memory).
+    # fifo: c served the last request just now, which batch would give a moment to come back
+    # in (and ask free_memory_command again after it).
     hal0d.app[LIFECYCLE].groups.replace({"gpu0": GroupConfig("gpu0", memory_mib=10240,
-                                           free_memory_command=free_memory)})
+                                           free_memory_command=free_memory, policy="fifo")})
     with capture_logs() as logs:
         assert (await chat(http, hal0d, "chat"))[0] == 200
     states = {name: view["state"] for name, view in (await views(http, hal0d)).items()}
@@ -418,7 +420,8 @@ async def test_a_memory_budget_evicts_the_least_recently_used_and_free_memory_on
 async def test_a_busy_victim_drains_its_stream_before_it_is_evicted(
     start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
-    group = {"gpu0": GroupConfig("gpu0", max_loaded=1)}
+    # fifo: the victim is evicted while it streams (batch would let the stream end first).
+    group = {"gpu0": GroupConfig("gpu0", max_loaded=1, policy="fifo")}
     slots = [on_demand("a", tmp_path, group="gpu0", models=("reasoning",)),
              on_demand("b", tmp_path, group="gpu0")]
     hal0d = await start(start_hal0d, lifecycle_config(tmp_path, *slots, groups=group))

@@ -265,6 +265,35 @@ async def test_twenty_waiters_are_served_in_arrival_order_and_newcomers_queue_be
     assert (slot.in_flight, slot.queued, slot.state) == (0, 0, S.READY)
 
 
+async def test_clients_take_turns_in_the_queue_and_each_keeps_its_own_arrival_order() -> None:
+    slot, _ = make_slot(S.READY, max_concurrent=1)
+    order: list[str] = []
+
+    async def user(client: str, i: int) -> None:
+        async with slot.lease(client):
+            order.append(f"{client}{i}")
+            await asyncio.sleep(0)
+
+    holder = slot.lease()
+    await holder.__aenter__()
+    tasks = []
+    for client, i in [("x", 0), ("x", 1), ("x", 2), ("x", 3), ("y", 0), ("z", 0), ("y", 1)]:
+        tasks.append(asyncio.create_task(user(client, i)))
+        await asyncio.sleep(0)
+    assert slot.queued == 7
+    first = slot.oldest_waiting_since()
+    assert first is not None
+    cancelled = asyncio.create_task(user("z", 9))
+    await asyncio.sleep(0)
+    cancelled.cancel()  # a waiter that leaves takes its place out of its client's turns
+    await asyncio.sleep(0)
+    assert slot.queued == 7 and slot.oldest_waiting_since() == first
+    await holder.__aexit__(None, None, None)
+    await asyncio.gather(*tasks)
+    assert order == ["x0", "y0", "z0", "x1", "y1", "x2", "x3"]
+    assert (slot.in_flight, slot.queued, slot.oldest_waiting_since()) == (0, 0, None)
+
+
 async def test_waiter_queue_ms_counts_the_wait() -> None:
     slot, _ = make_slot(S.READY)
 

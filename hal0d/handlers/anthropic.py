@@ -88,7 +88,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
                 return await relay_native(fwd, raw, "/v1/messages", stream=stream)
             return await translated(fwd, req or parse_messages_request(body))
 
-    return await request.app[DISPATCH].serve(request, model, stream=stream, attempt=attempt)
+    return await request.app[DISPATCH].serve(request, model, stream=stream, attempt=attempt,
+                                             payload=body)
 
 
 async def translated(fwd: Forward, req: MessagesRequest) -> web.StreamResponse:
@@ -188,4 +189,5 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
             headers={"X-Hal0d-Token-Count": source},
         )
 
-    return await request.app[DISPATCH].serve(request, model, stream=False, attempt=attempt)
+    return await request.app[DISPATCH].serve(request, model, stream=False, attempt=attempt,
+                                             payload=body)

@@ -87,17 +87,19 @@ def check_fields(endpoint: str, payload: dict[str, Any]) -> None:
             )
 
 
-async def requested_model(request: web.Request, endpoint: str, body: bytes) -> tuple[str, bool]:
-    """The model name, and whether the client asked for a stream."""
+async def requested_model(request: web.Request, endpoint: str, body: bytes
+                          ) -> tuple[str, bool, dict[str, Any] | None]:
+    """The model name, whether the client asked for a stream, and the parsed body (None for a
+    multipart one)."""
     if endpoint == "audio/transcriptions":
         model = await multipart_field(request, body, "model")
         if not model:
             raise InvalidRequest("multipart field 'model' is required", field="model")
-        return model, False
+        return model, False, None
     payload = parse_json_object(body)
     model, stream = model_and_stream(payload)
     check_fields(endpoint, payload)
-    return model, stream
+    return model, stream, payload
 
 
 def model_and_stream(payload: dict[str, Any]) -> tuple[str, bool]:
@@ -115,7 +117,7 @@ def with_model(body: bytes, served_model: str) -> bytes:
 async def dispatch(request: web.Request) -> web.StreamResponse:
     endpoint = request.match_info["endpoint"]
     body = await read_body(request)
-    model, stream = await requested_model(request, endpoint, body)
+    model, stream, payload = await requested_model(request, endpoint, body)
     streaming = stream or endpoint in ALWAYS_STREAMING
 
     async def attempt(fwd: Forward) -> web.StreamResponse:
@@ -156,7 +158,8 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
             await fwd.relay(response, transform)
             return response
 
-    return await request.app[DISPATCH].serve(request, model, stream=streaming, attempt=attempt)
+    return await request.app[DISPATCH].serve(request, model, stream=streaming, attempt=attempt,
+                                             payload=payload)
 
 
 async def copy_whole(fwd: Forward, upstream: aiohttp.ClientResponse) -> web.Response:

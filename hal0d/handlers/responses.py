@@ -68,7 +68,8 @@ async def create(request: web.Request) -> web.StreamResponse:
                 return await relay_native(fwd, body, model, stream=stream)
             return await translate(fwd, chat or bridged(fwd, payload), model)
 
-    return await request.app[DISPATCH].serve(request, model, stream=stream, attempt=attempt)
+    return await request.app[DISPATCH].serve(request, model, stream=stream, attempt=attempt,
+                                             payload=payload)
 
 
 async def relay_native(fwd: Forward, body: bytes, model: str, *,

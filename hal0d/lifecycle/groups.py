@@ -1,17 +1,36 @@
-"""Groups: slots that share one device, and the room a load needs on it.
+"""Groups: slots that share one device, the room a load needs on it, and when a swap happens.
 
-The loads of a group take turns (one lock, FIFO), so two models never load onto one device at
+The loads of a group take turns (one at a time), so two models never load onto one device at
 once. While the group's limits would be exceeded (`max_loaded`, the `memory_mib` budget, or less
-free memory than the slot needs by `free_memory_command`), the least recently used loaded
-on-demand slot of the group is unloaded, idle ones first. `start = "always"` slots count against
+free memory than the slot needs by `free_memory_command`), a loaded on-demand slot of the group
+is unloaded: the least recently used, idle ones first. `start = "always"` slots count against
 the limits and are never evicted.
+
+When the unload happens is the group's `policy`:
+
+    fifo    at once: the victim drains what is in flight and goes; its next requests queue and
+            load it back in their turn (a swap per request when two models alternate)
+    batch   a victim with work (requests queued or in flight) keeps serving it, those that keep
+            arriving included, until the oldest request waiting for the loading model has
+            waited `max_wait_s`; a victim with no work goes at once (IDLE_GRACE_S after its
+            last request ended: a client sending one request after another is not gone).
+            The next load's turn goes to the model whose oldest request has waited longest, so
+            every model gets its turn and a request waits about `max_wait_s` plus the loads in
+            front of it at most.
+
+A batch wait is woken by what can end it (the manager pokes the group when a member's state or
+counts change) and by one timer at the waiting request's `max_wait_s`; it never polls. A load
+whose requests all left while it waited is withdrawn (`Withdrawn`): nothing is unloaded for
+nobody. A load asked for by the API or an `always` slot's start does not wait for a batch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Final
@@ -24,6 +43,10 @@ from hal0d.logs import get_logger
 log = get_logger()
 
 FREE_MEMORY_TIMEOUT_S: Final = 10.0
+# A model whose last request ended this recently is not yet without work: a client sending its
+# requests one after another comes back within milliseconds, and unloading the model in that gap
+# would cost its whole load for nothing (batch only).
+IDLE_GRACE_S: Final = 0.25
 # The states in which a slot's process is alive (or being started): it occupies its device.
 LOADED: Final = frozenset({
     SlotState.STARTING, SlotState.READY, SlotState.SERVING, SlotState.ERROR, SlotState.STOPPING,
@@ -36,10 +59,93 @@ class NoRoom(Exception):
     """The group cannot make room for a load: the cause is the load's failure."""
 
 
+class Withdrawn(Exception):
+    """Every request that wanted the load left while it waited for a batch to end."""
+
+
+class SwapPhase(enum.StrEnum):
+    PLANNED = "planned"  # a load waits for room that a busy model holds (batch: until its turn)
+    STARTED = "started"  # the victim is being unloaded (it drains first)
+    DONE = "done"  # the victim is gone: the waiting model loads
+
+
+@dataclass(frozen=True, slots=True)
+class Swap:
+    """One step of a swap, told to the manager's observers."""
+
+    group: str
+    phase: SwapPhase
+    slot: str  # the model that waits
+    victim: str  # the model that makes room
+    waited_s: float  # the waiting model's oldest request, so far
+    why: str
+    policy: str
+    max_wait_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PendingSwap:
+    """A load waiting for a busy model's batch to end, as /api/slots shows it."""
+
+    slot: str
+    victim: str
+    since: float  # monotonic: when the oldest waiting request came
+    max_wait_s: float
+
+    def view(self, now: float) -> dict[str, object]:
+        waited = max(0.0, now - self.since)
+        return {
+            "waiting": self.slot, "victim": self.victim,
+            "waited_s": round(waited, 1), "max_wait_s": self.max_wait_s,
+            "why": f"waiting for {self.slot}'s turn: {waited:.0f} s of {self.max_wait_s:g}",
+        }
+
+
 @dataclass(eq=False)
 class Group:
+    """One group's limits, whose turn it is to load, and the swap that waits."""
+
     config: GroupConfig
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    held: bool = False
+    # The loads waiting for their turn: (the slot, when it asked, its grant).
+    waiting: list[tuple[Slot, float, asyncio.Future[None]]] = field(default_factory=list)
+    wake: asyncio.Future[None] | None = None  # the batch wait under way, if any
+    pending: PendingSwap | None = None
+
+    async def take_turn(self, slot: Slot) -> None:
+        if not self.held and not self.waiting:
+            self.held = True
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (slot, time.monotonic(), fut)
+        self.waiting.append(entry)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.give_turn()  # granted in the same instant: pass it on
+            else:
+                with contextlib.suppress(ValueError):
+                    self.waiting.remove(entry)
+            raise
+
+    def give_turn(self) -> None:
+        """The next load's turn: fifo, the first to ask; batch, the one whose oldest request
+        waits longest (a load no request waits for, by when it asked)."""
+        self.waiting = [entry for entry in self.waiting if not entry[2].done()]
+        if not self.waiting:
+            self.held = False
+            return
+        index = 0
+        if self.config.batch:
+            index = min(range(len(self.waiting)), key=lambda i: (
+                self.waiting[i][0].oldest_waiting_since() or self.waiting[i][1]))
+        _, _, fut = self.waiting.pop(index)
+        fut.set_result(None)
+
+    def poke(self) -> None:
+        if self.wake is not None and not self.wake.done():
+            self.wake.set_result(None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,17 +192,19 @@ async def free_memory_mib(group: GroupConfig) -> int | None:
 Members = Callable[[str], Iterable[Member]]
 Evict = Callable[[str], Awaitable[None]]
 Settled = Callable[[str], Awaitable[None]]
+Swapped = Callable[[Swap], None]
 
 
 class Groups:
     """Every [groups] entry, and the turns and room of their loads."""
 
     def __init__(self, groups: dict[str, GroupConfig], members: Members, evict: Evict,
-                 settled: Settled) -> None:
+                 settled: Settled, swapped: Swapped = lambda swap: None) -> None:
         self.groups = {name: Group(config) for name, config in groups.items()}
-        self._members = members  # the slots of a group, but the one that loads
+        self._members = members  # the slots of a group
         self._evict = evict  # unloads a slot (reason: evicted); returns once its process is gone
         self._settled = settled  # returns once a stopping slot's process is gone
+        self._swapped = swapped  # told each step of a swap
 
     def get(self, name: str | None) -> Group | None:
         return self.groups.get(name or "")
@@ -108,58 +216,166 @@ class Groups:
             kept.setdefault(name, Group(config)).config = config
         self.groups = kept
 
+    def poke(self, name: str | None) -> None:
+        """Something a batch wait may be waiting for changed in the group (a member's state or
+        counts)."""
+        group = self.get(name)
+        if group is not None:
+            group.poke()
+
     @contextlib.asynccontextmanager
-    async def turn(self, config: SlotConfig, *, pinned: bool) -> AsyncIterator[None]:
+    async def turn(self, slot: Slot, config: SlotConfig, *, pinned: bool,
+                   urgent: bool = False) -> AsyncIterator[None]:
         """The group's turn for `config`'s start, with room made for it; no group, no wait.
         A `pinned` (always) slot starts even when no room can be made: the config check made
-        sure the group's `always` slots fit together. Otherwise NoRoom says why not."""
+        sure the group's `always` slots fit together. Otherwise NoRoom says why not. An
+        `urgent` load (pinned, or asked for by the API) does not wait for a batch to end;
+        another load whose requests all left meanwhile raises Withdrawn."""
         group = self.get(config.group)
         if group is None:
             yield
             return
-        async with group.lock:
+        await group.take_turn(slot)
+        try:
             try:
-                await self._make_room(group, config)
+                await self._make_room(group, slot, config, urgent=urgent or pinned)
             except NoRoom:
                 if not pinned:
                     raise
             yield
+        finally:
+            group.give_turn()
 
-    async def _make_room(self, group: Group, config: SlotConfig) -> None:
-        limits = group.config
+    async def _make_room(self, group: Group, slot: Slot, config: SlotConfig, *,
+                         urgent: bool) -> None:
         need = config.memory_mib or 0
+        try:
+            await self._room(group, slot, config, need, urgent=urgent)
+        finally:
+            group.pending = None
+
+    async def _room(self, group: Group, me: Slot, config: SlotConfig, need: int, *,
+                    urgent: bool) -> None:
+        limits = group.config
+        swapped: Member | None = None
+        planned = False
         while True:
             loaded = [m for m in self._members(limits.name) if m.slot.name != config.name
                       and m.slot.state in LOADED]
-            used = sum(m.memory_mib for m in loaded)
-            short = None
-            if limits.max_loaded is not None and len(loaded) + 1 > limits.max_loaded:
-                short = f"{len(loaded)} of max_loaded = {limits.max_loaded} loaded"
-            elif limits.memory_mib is not None and used + need > limits.memory_mib:
-                short = f"{used} of {limits.memory_mib} MiB in use, {need} MiB needed"
-            elif limits.free_memory_command is not None:
-                free = await free_memory_mib(limits)
-                if free is not None and free < need:
-                    short = f"{free} MiB free by free_memory_command, {need} MiB needed"
+            short = await self._short(limits, loaded, need)
             if short is None:
+                if swapped is not None:
+                    self._tell(group, SwapPhase.DONE, me, swapped, "room made")
                 return
             stopping = [m for m in loaded if m.slot.state is SlotState.STOPPING]
             if stopping:
                 await self._settled(stopping[0].slot.name)
                 continue
-            victim = self._victim(loaded)
+            victim = self._victim(loaded, batch=limits.batch)
             if victim is None:
                 others = ("no other slot of the group is loaded" if not loaded else
                           "the loaded ones are start = 'always', never unloaded")
                 raise NoRoom(f"no room in group {limits.name!r}: {short}; {others}")
+            if limits.batch and not urgent:
+                wake = self._not_yet(limits, me, victim)
+                if wake is not None:
+                    group.pending = PendingSwap(me.name, victim.slot.name,
+                                                me.oldest_waiting_since() or time.monotonic(),
+                                                limits.max_wait_s)
+                    if not planned:
+                        planned = True
+                        self._tell(group, SwapPhase.PLANNED, me, victim,
+                                   f"{victim.slot.name} has work: swapping within "
+                                   f"max_wait_s = {limits.max_wait_s:g} s")
+                    await self._wait_turn(group, me, victim.slot.name, wake)
+                    continue
+                group.pending = None
+            why = short
+            if limits.batch and not urgent:
+                why += (f"; the oldest request for {me.name} waited max_wait_s" if busy(victim.slot)
+                        else f"; {victim.slot.name} has nothing queued or in flight")
+            if not planned:
+                self._tell(group, SwapPhase.PLANNED, me, victim, why)
+            self._tell(group, SwapPhase.STARTED, me, victim, why)
             log.info("slot.evicting", slot=victim.slot.name, group=limits.name,
-                     **{"for": config.name}, in_flight=victim.slot.in_flight, why=short)
+                     **{"for": config.name}, in_flight=victim.slot.in_flight,
+                     queued=victim.slot.queued, why=why)
+            swapped = victim
             await self._evict(victim.slot.name)
 
     @staticmethod
-    def _victim(loaded: list[Member]) -> Member | None:
-        """The least recently used loaded on-demand slot, one with nothing in flight first."""
+    async def _short(limits: GroupConfig, loaded: list[Member], need: int) -> str | None:
+        """What the group lacks for a load needing `need` MiB beside `loaded`; None: room."""
+        used = sum(m.memory_mib for m in loaded)
+        if limits.max_loaded is not None and len(loaded) + 1 > limits.max_loaded:
+            return f"{len(loaded)} of max_loaded = {limits.max_loaded} loaded"
+        if limits.memory_mib is not None and used + need > limits.memory_mib:
+            return f"{used} of {limits.memory_mib} MiB in use, {need} MiB needed"
+        if limits.free_memory_command is not None:
+            free = await free_memory_mib(limits)
+            if free is not None and free < need:
+                return f"{free} MiB free by free_memory_command, {need} MiB needed"
+        return None
+
+    @staticmethod
+    def _not_yet(limits: GroupConfig, me: Slot, victim: Member) -> float | None:
+        """Batch: None when `victim` is to go now for `me`; else when to look again (monotonic).
+        It goes once the oldest request for `me` has waited max_wait_s, or once it has no work
+        (IDLE_GRACE_S after its last request ended). Withdrawn when nothing waits for `me`."""
+        since = me.oldest_waiting_since()
+        if since is None and not me.in_flight:
+            raise Withdrawn(f"no request waits for slot {me.name!r} any more")
+        now = time.monotonic()
+        deadline = (since or now) + limits.max_wait_s
+        if not busy(victim.slot):
+            deadline = min(deadline, victim.last_used + IDLE_GRACE_S)
+        return deadline if now < deadline else None
+
+    def _tell(self, group: Group, phase: SwapPhase, me: Slot, victim: Member, why: str) -> None:
+        since = me.oldest_waiting_since()
+        waited = 0.0 if since is None else round(time.monotonic() - since, 3)
+        limits = group.config
+        self._swapped(Swap(limits.name, phase, me.name, victim.slot.name, waited, why,
+                           limits.policy, limits.max_wait_s))
+
+    async def _wait_turn(self, group: Group, me: Slot, victim: str, wake: float) -> None:
+        """Until `victim` is to go for `me` (or is no longer evictable): the batch's end. Only
+        the batch rule is looked at again on each wake (a busy victim's counts change with every
+        request); the room, free_memory_command's included, once the wait is over."""
+        limits = group.config
+        next_wake: float | None = wake
+        while next_wake is not None:
+            await self._until(group, next_wake)
+            member = next((m for m in self._members(limits.name) if m.slot.name == victim), None)
+            if member is None or member.slot.state not in EVICTABLE:
+                return
+            next_wake = self._not_yet(limits, me, member)
+
+    @staticmethod
+    async def _until(group: Group, deadline: float) -> None:
+        """Until something changed in the group (poke) or `deadline` (monotonic)."""
+        loop = asyncio.get_running_loop()
+        wake: asyncio.Future[None] = loop.create_future()
+        group.wake = wake
+        timer = loop.call_later(max(0.0, deadline - time.monotonic()), group.poke)
+        try:
+            await wake
+        finally:
+            timer.cancel()
+            group.wake = None
+
+    @staticmethod
+    def _victim(loaded: list[Member], *, batch: bool) -> Member | None:
+        """The least recently used loaded on-demand slot, one with nothing in flight first
+        (batch: one with no work, nothing queued or in flight, first)."""
         candidates = [m for m in loaded if m.evictable and m.slot.state in EVICTABLE]
         if not candidates:
             return None
+        if batch:
+            return min(candidates, key=lambda m: (busy(m.slot), m.last_used))
         return min(candidates, key=lambda m: (m.slot.in_flight > 0, m.last_used))
+
+
+def busy(slot: Slot) -> bool:
+    """Whether a loaded slot has work a batch lets it finish: requests queued or in flight."""
+    return bool(slot.queued or slot.in_flight)

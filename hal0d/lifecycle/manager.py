@@ -30,7 +30,7 @@ from typing import Any, Final
 
 from hal0d.config import GroupConfig, SlotConfig
 from hal0d.errors import SlotLoadFailed, SlotLoading
-from hal0d.lifecycle.groups import Groups, Member, NoRoom
+from hal0d.lifecycle.groups import Groups, Member, NoRoom, Swap, SwapPhase, Withdrawn
 from hal0d.lifecycle.machine import Action, Event, allows
 from hal0d.lifecycle.probe import answers_within, port_taken, probe
 from hal0d.lifecycle.process import Child, LaunchFailed, resolve_program
@@ -82,7 +82,8 @@ class LifecycleManager:
         # Every slot's config, the ones without a command too (probed; counted in groups).
         self.configs: dict[str, SlotConfig] = {}
         self.runners: dict[str, Runner] = {}
-        self.groups = Groups(groups or {}, self._members, self._evict, self._settled)
+        self.groups = Groups(groups or {}, self._members, self._evict, self._settled,
+                             self._swapped)
         # Ends the in-flight streams of a slot with their surface's terminal frame (a forced
         # unload); returns how many it ended.
         self.end_streams = end_streams
@@ -133,7 +134,17 @@ class LifecycleManager:
         slot = self.table[config.name]
         self.runners[config.name] = Runner(slot, config)
         slot.watchers.append(self._on_change)
+        slot.count_watchers.append(self._on_counts)
         slot.demand = self._demand if config.on_demand else None
+        slot.turn_wait_s = self._turn_wait_s(config)
+
+    def _turn_wait_s(self, config: SlotConfig) -> float:
+        """The longest a request for `config`'s slot may wait for its model's turn (its
+        group's `max_wait_s` when the group batches), on top of the load's own bound."""
+        group = self.groups.get(config.group)
+        if group is None or not group.config.batch or not config.on_demand:
+            return 0.0
+        return group.config.max_wait_s
 
     def _members(self, group: str) -> Iterator[Member]:
         for name, config in self.configs.items():
@@ -144,10 +155,12 @@ class LifecycleManager:
                              last_used=runner.last_used if runner else 0.0)
 
     def _on_change(self, slot: Slot, old: SlotState, new: SlotState, reason: str | None) -> None:
-        """The idle timer of an on-demand slot: armed while it is ready, cancelled otherwise."""
+        """The idle timer of an on-demand slot: armed while it is ready, cancelled otherwise;
+        and its group told (a swap may wait for this slot's work to end)."""
         runner = self.runners.get(slot.name)
         if runner is None or runner.slot is not slot:
             return
+        self.groups.poke(runner.config.group)
         if runner.idle_timer is not None:
             runner.idle_timer.cancel()
             runner.idle_timer = None
@@ -155,6 +168,21 @@ class LifecycleManager:
             runner.last_used = time.monotonic()
         if new is SlotState.READY and (idle_s := runner.idle_unload_s()) is not None:
             self._arm_idle(runner, idle_s)
+
+    def _on_counts(self, slot: Slot) -> None:
+        runner = self.runners.get(slot.name)
+        if runner is not None and runner.slot is slot:
+            self.groups.poke(runner.config.group)
+
+    def _swapped(self, swap: Swap) -> None:
+        """A step of a swap in a group: the waiting slot's turn has come once it starts."""
+        runner = self.runners.get(swap.slot)
+        if runner is not None and swap.phase is SwapPhase.STARTED:
+            runner.slot.turn_wait(False)
+        log.info(f"swap.{swap.phase}", group=swap.group, slot=swap.slot, victim=swap.victim,
+                 waited_s=swap.waited_s, why=swap.why)
+        for observer in self.observers:
+            observer.swap(swap)
 
     def _arm_idle(self, runner: Runner, after_s: float) -> None:
         if runner.idle_unload_s() is not None:
@@ -210,10 +238,14 @@ class LifecycleManager:
         progress = Progress(self.tell_phase, runner.name)
         log.info("slot.load_started", slot=runner.name, queued=slot.queued)
         cause: str | None = None
+        urgent, runner.urgent = runner.urgent, False
         try:
             if self.groups.get(config.group) is not None:
                 progress.enter(LoadPhase.WAITING_FOR_ROOM)
-            async with self.groups.turn(config, pinned=not config.on_demand):
+                slot.turn_wait(True)
+            async with self.groups.turn(slot, config, pinned=not config.on_demand,
+                                        urgent=urgent):
+                slot.turn_wait(False)
                 argv = " ".join(resolve_program(config.command or ()))
                 launching = f"launching {argv}" if not config.on_demand else f"loading: {argv}"
                 if runner.cause is not None:
@@ -228,8 +260,18 @@ class LifecycleManager:
                     runner, child, config.load_timeout_s - progress.elapsed())
         except (LaunchFailed, NoRoom) as exc:
             cause = str(exc)
+        except Withdrawn as exc:
+            progress.stop()
+            slot.turn_wait(False)
+            runner.job = None
+            log.info("slot.load_withdrawn", slot=runner.name, reason=str(exc))
+            self.tell_phase(runner.name, LoadPhase.WITHDRAWN, progress.elapsed(), str(exc))
+            if runner.wanted():
+                self._start_if_resting(runner)  # a request came back in the same instant
+            return
         finally:
             progress.stop()
+            slot.turn_wait(False)
         elapsed = progress.elapsed()
         runner.job = None  # done: what the outcome's actions start is a job of its own
         if cause is not None:
@@ -436,6 +478,7 @@ class LifecycleManager:
         if slot.state not in UP_STATES and not self._stopping:
             if not runner.busy and runner.child is None and slot.state in (SlotState.STOPPED,
                                                                             SlotState.ERROR):
+                runner.urgent = True  # an operator's load waits for no batch
                 self.tell(runner, Event.START)  # at rest, or waiting out a backoff
             job = runner.job
             if job is not None and not job.done():
@@ -568,6 +611,8 @@ class LifecycleManager:
         finish on the old settings, and new requests queue meanwhile), then takes on its new
         config: an `always` one starts again at once, an on-demand one on its next request."""
         self.groups.replace(diff.groups)
+        for runner in self.runners.values():
+            runner.slot.turn_wait_s = self._turn_wait_s(runner.config)
         await self._add(diff.added)
         for name in diff.removed:
             self._remove(name, drain_s)
@@ -661,10 +706,13 @@ class LifecycleManager:
             del self.runners[runner.name]
             runner.slot.demand = None
             runner.slot.watchers.remove(self._on_change)
+            runner.slot.count_watchers.remove(self._on_counts)
+            runner.slot.turn_wait_s = 0.0
             self._spawn(self.probe_once(runner.name))
             return
         runner.config = after
         runner.slot.demand = self._demand if after.on_demand else None
+        runner.slot.turn_wait_s = self._turn_wait_s(after)
 
     def _reconfigure(self, runner: Runner, after: SlotConfig) -> None:
         """Limits only. A changed idle_unload_s applies to the wait already running, counted
@@ -702,6 +750,13 @@ class LifecycleManager:
         group = self.groups.get(config.group) if config else None
         view["group_memory_mib"] = group.config.memory_mib if group else None
         view["group_max_loaded"] = group.config.max_loaded if group else None
+        if group is not None:
+            pending = group.pending
+            view["group_policy"] = group.config.policy
+            view["group_max_wait_s"] = group.config.max_wait_s
+            # A swap waiting for a batch to end, on the waiting slot's view and the victim's.
+            view["pending_swap"] = (pending.view(time.monotonic()) if pending is not None
+                                    and slot.name in (pending.slot, pending.victim) else None)
         runner = self.runners.get(slot.name)
         if runner is not None and runner.config.on_demand:
             view.update(self._lifecycle_view(runner))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 from hal0d.config import GroupConfig, SlotConfig
+from hal0d.lifecycle.groups import Swap
 from hal0d.lifecycle.process import Child
 from hal0d.lifecycle.slots import Slot, SlotState
 from hal0d.logs import get_logger
@@ -37,6 +38,7 @@ class LoadPhase(enum.StrEnum):
     PROBING = "probing"
     READY = "ready"
     FAILED = "failed"
+    WITHDRAWN = "withdrawn"  # no request waited for it any more: nothing was loaded
 
 
 class LifecycleObserver(Protocol):
@@ -48,6 +50,9 @@ class LifecycleObserver(Protocol):
         """A start's phase; repeated every LOAD_TICK_S while it lasts."""
 
     def unloaded(self, slot: str, reason: UnloadReason, loaded_s: float | None) -> None: ...
+
+    def swap(self, swap: Swap) -> None:
+        """A step of a swap in a group: planned, started (the victim drains), done."""
 
 
 PhaseTeller = Callable[[str, "LoadPhase", float, "str | None"], None]
@@ -99,6 +104,7 @@ class Runner:
     # This load's idle timer as a client asked for it (Ollama's keep_alive), in place of
     # idle_unload_s until the slot unloads: 0 unloads once idle, negative never.
     keep_alive_s: float | None = None
+    urgent: bool = False  # the next start was asked for by the API: it waits for no batch
 
     @property
     def name(self) -> str:

@@ -3,7 +3,10 @@
 A slot is one upstream (a llama-server, a vLLM, a remote provider) with a capacity. Handlers take a
 *lease* on it for as long as they use the upstream -- for a stream, until the client has drained
 it -- so that the upstream never sees more than ``max_concurrent`` requests and everyone else waits
-in a bounded, strictly FIFO queue instead of piling onto a box that serves one sequence at a time.
+in a bounded queue instead of piling onto a box that serves one sequence at a time. The queue
+serves its clients in turn (``ClientQueue``: round robin between clients, arrival order within
+one), so a client that queued a burst does not hold back another's one request; with a single
+client (no keys, no ``user`` in the bodies) it is strictly FIFO.
 
 The state changes only in ``Slot.handle(event)``, by the table in machine.py: the lifecycle
 manager tells the lifecycle's events, admission here tells ``leased`` (the first lease) and
@@ -18,15 +21,15 @@ Semantics worth knowing:
   in ERROR. Not so after a failed start (``load_refused`` set in ERROR): no process of hal0d's
   listens there, and whatever else does must not answer for the slot. Releasing the last
   lease in STARTING, STOPPING or OFFLINE leaves those alone too.
-* In STARTING, STOPPED and STOPPING, callers wait in the same FIFO queue and go, in order, once
-  the slot is READY (or ERROR). A waiter that finds the slot STOPPED asks for a load
-  (``demand``, set by the manager on an on-demand slot); while such a slot loads, a wait is
-  bounded by ``load_timeout_s`` when that is longer than ``queue_timeout_s``. A waiter still
-  waiting when its bound runs out gets ``SlotLoading`` (503) if the slot is still loading, else
-  ``QueueFull`` (429). A full queue answers the same way: ``SlotLoading`` while loading -- the
-  honest reason -- else ``QueueFull``. A failed load fails every waiter at once with
-  ``SlotLoadFailed`` (``refuse_loads``) and refuses new requests the same way until its backoff
-  has passed.
+* In STARTING, STOPPED and STOPPING, callers wait in the same queue and go, in their turns, once
+  the slot is READY (or ERROR). A waiter that finds the slot STOPPED asks for a load (``demand``,
+  set by the manager on an on-demand slot); while such a slot loads, a wait is bounded by
+  ``load_timeout_s`` when that is longer than ``queue_timeout_s``, plus ``turn_wait_s`` (set by the
+  manager in a group whose loads wait for a model's turn). A waiter still waiting when its bound
+  runs out gets ``SlotLoading`` (503) if the slot is still loading, else ``QueueFull`` (429). A
+  full queue answers the same way: ``SlotLoading`` while loading -- the honest reason -- else
+  ``QueueFull``. A failed load fails every waiter at once with ``SlotLoadFailed``
+  (``refuse_loads``) and refuses new requests the same way until its backoff has passed.
 * STOPPED holds nothing in flight; STOPPING admits nothing new and drains what is in flight
   (``drained()``), so an unload never cuts a request.
 * OFFLINE means nobody is bringing the slot up (not yet started, or shut down): ``lease()`` fails
@@ -97,6 +100,79 @@ class Lease:
     slot: Slot
     queue_ms: float
     load_ms: float = 0.0  # the part of queue_ms spent waiting for the slot's model to load
+    turn_ms: float = 0.0  # of load_ms, the wait for the model's turn in its group (a swap's)
+
+
+ANONYMOUS: Final = ""  # the client of every request that names none
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    fut: asyncio.Future[None]
+    client: str
+    since: float  # monotonic
+
+
+class ClientQueue:
+    """The waiters of one slot, by client: the next to go is the head of the client whose turn it
+    is (round robin; a client with nothing queued has no turn), so a burst of one client and
+    the single request of another alternate. Within one client, arrival order.
+
+    Bounded by its slot (``max_queue``); every operation is O(clients) or O(one client's queue).
+    """
+
+    __slots__ = ("_by_client", "_count", "_index", "_turns")
+
+    def __init__(self) -> None:
+        self._by_client: dict[str, collections.deque[_Waiter]] = {}
+        self._turns: collections.deque[str] = collections.deque()  # clients with waiters
+        self._index: dict[asyncio.Future[None], _Waiter] = {}
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __bool__(self) -> bool:
+        return self._count > 0
+
+    def append(self, fut: asyncio.Future[None], client: str) -> None:
+        waiter = _Waiter(fut, client, time.monotonic())
+        queue = self._by_client.get(client)
+        if queue is None:
+            queue = self._by_client[client] = collections.deque()
+            self._turns.append(client)
+        queue.append(waiter)
+        self._index[fut] = waiter
+        self._count += 1
+
+    def popleft(self) -> asyncio.Future[None]:
+        """The next waiter in turn (IndexError when empty); its client goes to the back."""
+        client = self._turns.popleft()
+        queue = self._by_client[client]
+        waiter = queue.popleft()
+        if queue:
+            self._turns.append(client)
+        else:
+            del self._by_client[client]
+        del self._index[waiter.fut]
+        self._count -= 1
+        return waiter.fut
+
+    def remove(self, fut: asyncio.Future[None]) -> None:
+        """ValueError when `fut` is not queued."""
+        waiter = self._index.pop(fut, None)
+        if waiter is None:
+            raise ValueError("not queued")
+        queue = self._by_client[waiter.client]
+        queue.remove(waiter)
+        self._count -= 1
+        if not queue:
+            del self._by_client[waiter.client]
+            self._turns.remove(waiter.client)
+
+    def oldest_since(self) -> float | None:
+        """When the longest-waiting request came (monotonic), or None with nobody waiting."""
+        return min((queue[0].since for queue in self._by_client.values()), default=None)
 
 
 class Slot:
@@ -122,10 +198,19 @@ class Slot:
         self.load_refused: tuple[float, str] | None = None
         # Told when in_flight or queued changed (the event feed coalesces these).
         self.on_counts: Callable[[Slot], None] | None = None
+        # Further listeners of the counts (the lifecycle manager: a swap waits on them).
+        self.count_watchers: list[Callable[[Slot], None]] = []
+        # Set by the lifecycle manager in a group whose loads wait for their turn: the longest
+        # that wait may be, added to a waiter's bound while the slot is not up.
+        self.turn_wait_s = 0.0
+        # While the slot's load waits for its turn in its group: since when (monotonic); after,
+        # the last such wait (began, ended), which the requests that waited through it count.
+        self.turn_began: float | None = None
+        self.last_turn: tuple[float, float] | None = None
         self._drained: list[asyncio.Future[None]] = []
-        # Only pending futures, oldest first; a future leaves the deque before it is resolved,
-        # except a cancelled one, which lingers until its task runs or the pump skips it.
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        # Only pending futures; a future leaves the queue before it is resolved, except a
+        # cancelled one, which lingers until its task runs or the pump skips it.
+        self._waiters = ClientQueue()
 
     def __repr__(self) -> str:
         return f"<Slot {self.name} {self.state} in_flight={self.in_flight} queued={self.queued}>"
@@ -133,6 +218,26 @@ class Slot:
     @property
     def queued(self) -> int:
         return len(self._waiters)
+
+    def oldest_waiting_since(self) -> float | None:
+        """When the request waiting longest came (monotonic); None with nobody queued."""
+        return self._waiters.oldest_since()
+
+    def turn_wait(self, waiting: bool) -> None:
+        """The manager says the slot's load began (True) or ended (False) waiting for its
+        turn in its group."""
+        now = time.monotonic()
+        if waiting and self.turn_began is None:
+            self.turn_began = now
+        elif not waiting and self.turn_began is not None:
+            self.last_turn = (self.turn_began, now)
+            self.turn_began = None
+
+    def turn_ms(self, since: float, now: float) -> float:
+        """How much of [since, now] the slot's load spent waiting for its turn."""
+        began, ended = (self.turn_began, now) if self.turn_began is not None else (
+            self.last_turn or (0.0, 0.0))
+        return max(0.0, min(ended, now) - max(began, since)) * 1000.0
 
     # -- the state machine -------------------------------------------------------------------
 
@@ -195,9 +300,10 @@ class Slot:
 
     # -- admission ---------------------------------------------------------------------------
 
-    def lease(self) -> _LeaseContext:
-        """``async with slot.lease() as lease:`` holds one unit of capacity for the block."""
-        return _LeaseContext(self)
+    def lease(self, client: str = ANONYMOUS) -> _LeaseContext:
+        """``async with slot.lease() as lease:`` holds one unit of capacity for the block;
+        `client` is whose turn the request waits for in the queue."""
+        return _LeaseContext(self, client)
 
     def _can_grant(self) -> bool:
         return (self.state in _GRANTABLE and self.in_flight < self.config.max_concurrent
@@ -206,6 +312,8 @@ class Slot:
     def _counts(self) -> None:
         if self.on_counts is not None:
             self.on_counts(self)
+        for watcher in self.count_watchers:
+            watcher(self)
 
     def _take(self) -> None:
         self.in_flight += 1
@@ -251,7 +359,7 @@ class Slot:
     def _offline(self) -> SlotLoading:
         return SlotLoading(f"slot {self.name!r} is offline", retry_after=LOADING_RETRY_AFTER_S)
 
-    async def _acquire(self) -> None:
+    async def _acquire(self, client: str = ANONYMOUS) -> None:
         if self.state is SlotState.OFFLINE:
             raise self._offline()
         # Only with nobody queued: a newcomer never overtakes a waiter, even at the instant
@@ -269,7 +377,7 @@ class Slot:
             raise self._refusal(f"queue is full ({self.config.max_queue} waiting)")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        self._waiters.append(fut)
+        self._waiters.append(fut, client)
         self._counts()
         # Normally a no-op (units are handed over on release); it only matters if cancelled
         # futures still linger at the head while a unit is free, which must not strand us.
@@ -277,7 +385,7 @@ class Slot:
         timeout_s = self.config.queue_timeout_s
         if self.state in LOADING and self.demand is not None:
             # An on-demand slot: the request waits for the load it asks for (or joins).
-            timeout_s = max(timeout_s, self.config.load_timeout_s)
+            timeout_s = max(timeout_s, self.config.load_timeout_s) + self.turn_wait_s
             if self.state is SlotState.STOPPED:
                 self.demand(self)
         timer = loop.call_later(timeout_s, self._expire, fut, timeout_s)
@@ -325,19 +433,24 @@ class Slot:
 
 
 class _LeaseContext:
-    __slots__ = ("_held", "_slot", "_started")
+    __slots__ = ("_client", "_held", "_slot", "_started")
 
-    def __init__(self, slot: Slot) -> None:
+    def __init__(self, slot: Slot, client: str = ANONYMOUS) -> None:
         self._slot = slot
+        self._client = client
         self._started = time.monotonic()
         self._held = False
 
     async def __aenter__(self) -> Lease:
-        loading = self._slot.state in LOADING
-        await self._slot._acquire()
+        slot = self._slot
+        loading = slot.state in LOADING
+        await slot._acquire(self._client)
         self._held = True
-        waited_ms = (time.monotonic() - self._started) * 1000.0
-        return Lease(self._slot, waited_ms, waited_ms if loading else 0.0)
+        now = time.monotonic()
+        waited_ms = (now - self._started) * 1000.0
+        if not loading:
+            return Lease(slot, waited_ms)
+        return Lease(slot, waited_ms, waited_ms, min(waited_ms, slot.turn_ms(self._started, now)))
 
     async def __aexit__(
         self,
@@ -375,14 +488,14 @@ class SlotTable:
         """A slot a reload removed; the caller takes it offline."""
         return self._slots.pop(name)
 
-    def lease(self, name: str) -> _LeaseContext:
+    def lease(self, name: str, client: str = ANONYMOUS) -> _LeaseContext:
         """A lease on the named slot; SlotLoading (503) when a reload has just removed it."""
         slot = self._slots.get(name)
         if slot is None:
             raise SlotLoading(
                 f"slot {name!r} was removed by a configuration reload", retry_after=1.0
             )
-        return slot.lease()
+        return slot.lease(client)
 
     def __getitem__(self, name: str) -> Slot:
         return self._slots[name]

@@ -29,6 +29,7 @@ from hal0d.lifecycle.slots import Slot, SlotState
 from hal0d.protocol import sse
 
 if TYPE_CHECKING:
+    from hal0d.lifecycle.groups import Swap
     from hal0d.lifecycle.runner import LoadPhase, UnloadReason
     from hal0d.observability.history import RequestRecord
 
@@ -151,7 +152,7 @@ class SlotViews:
     # LifecycleObserver (lifecycle/manager.py)
     def load_phase(self, slot: str, phase: LoadPhase, elapsed_s: float,
                    reason: str | None) -> None:
-        if str(phase) in ("ready", "failed"):
+        if str(phase) in ("ready", "failed", "withdrawn"):  # the load is over
             self.loads.pop(slot, None)
         else:
             self.loads[slot] = {"phase": str(phase), "elapsed_s": round(elapsed_s, 1),
@@ -160,9 +161,12 @@ class SlotViews:
     def unloaded(self, slot: str, reason: UnloadReason, loaded_s: float | None) -> None:
         self.loads.pop(slot, None)
 
+    def swap(self, swap: Swap) -> None:
+        """A swap shows in the views through pending_swap and its slots' states."""
+
 
 class SlotFeed:
-    """Publishes `slot`, `load`, `unload` and `request` events on a hub.
+    """Publishes `slot`, `load`, `unload`, `swap` and `request` events on a hub.
 
     Each `slot` event carries the slot's whole /api/slots view (`view`), so a reader can keep a
     page up to date from the events alone (the feed's handler starts it with every view)."""
@@ -217,6 +221,13 @@ class SlotFeed:
     def unloaded(self, slot: str, reason: UnloadReason, loaded_s: float | None) -> None:
         self.hub.publish("unload", {"ts": time.time(), "slot": slot, "reason": str(reason),
                                     "loaded_s": loaded_s})
+
+    def swap(self, swap: Swap) -> None:
+        self.hub.publish("swap", {
+            "ts": time.time(), "group": swap.group, "phase": str(swap.phase), "slot": swap.slot,
+            "victim": swap.victim, "waited_s": swap.waited_s, "why": swap.why,
+            "policy": swap.policy, "max_wait_s": swap.max_wait_s,
+        })
 
     def request_finished(self, row: RequestRecord) -> None:
         # The row as it is: orjson writes a dataclass's fields as an object, where

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from hal0d.lifecycle.groups import LOADED
+from hal0d.lifecycle.groups import LOADED, Swap, SwapPhase
 from hal0d.lifecycle.runner import LoadPhase, UnloadReason
 from hal0d.lifecycle.slots import SlotState, SlotTable
 from hal0d.observability.live import SlotMetrics
@@ -125,8 +125,8 @@ class LifecycleCollector(Collector):
 
 
 class LifecycleMetrics:
-    """The lifecycle manager's observer (LifecycleObserver): loads by outcome, their duration, and
-    unloads by reason."""
+    """The lifecycle manager's observer (LifecycleObserver): loads by outcome, their duration,
+    unloads by reason, and each group's swaps with the wait for a turn they ended."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.loads = Counter(
@@ -141,6 +141,15 @@ class LifecycleMetrics:
             "hal0d_slot_unloads", "unloads of on-demand slots by reason",
             ["slot", "reason"], registry=registry,
         )
+        self.swaps = Counter(
+            "hal0d_group_swaps", "swaps started in a group: a model unloaded for another's load",
+            ["group"], registry=registry,
+        )
+        self.turn_wait = Histogram(
+            "hal0d_group_turn_wait_seconds",
+            "at each swap, how long the loading model's oldest request had waited for its turn",
+            ["group"], buckets=LOAD_BUCKETS, registry=registry,
+        )
 
     def load_phase(self, slot: str, phase: LoadPhase, elapsed_s: float,
                    reason: str | None) -> None:
@@ -151,6 +160,11 @@ class LifecycleMetrics:
 
     def unloaded(self, slot: str, reason: UnloadReason, loaded_s: float | None) -> None:
         self.unloads.labels(slot, str(reason)).inc()
+
+    def swap(self, swap: Swap) -> None:
+        if swap.phase is SwapPhase.STARTED:
+            self.swaps.labels(swap.group).inc()
+            self.turn_wait.labels(swap.group).observe(swap.waited_s)
 
 
 class DescriptorCollector(Collector):

@@ -6,12 +6,14 @@ the request ends. Its fields carry the names of the history's columns (hal0d.obs
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 from hal0d.errors import upstream_status
+from hal0d.lifecycle.slots import ANONYMOUS
 
 
 @dataclass(slots=True)
@@ -32,6 +34,7 @@ class RequestInfo:
     error_code: str | None = None
     queue_ms: float | None = None
     load_ms: float | None = None  # of queue_ms, the wait for the slot's model to load
+    turn_ms: float | None = None  # of load_ms, the wait for the model's turn in its group
     ttft_ms: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
@@ -73,6 +76,22 @@ class RequestInfo:
     @property
     def total_ms(self) -> float:
         return ((self.ended or time.monotonic()) - self.started) * 1000
+
+
+def client_of(info: RequestInfo, payload: Mapping[str, Any] | None) -> str:
+    """Who the request is for its turn in a slot's queue: the name of the key it came with; else
+    the body's OpenAI `user` or Anthropic `metadata.user_id`; else the single anonymous client
+    (so without keys and such fields the queue stays first come, first served)."""
+    if info.key:
+        return f"key:{info.key}"
+    if payload is not None:
+        user = payload.get("user")
+        if not isinstance(user, str) or not user:
+            metadata = payload.get("metadata")
+            user = metadata.get("user_id") if isinstance(metadata, Mapping) else None
+        if isinstance(user, str) and user:
+            return f"user:{user}"
+    return ANONYMOUS
 
 
 INFO = web.RequestKey("hal0d_info", RequestInfo)

@@ -16,6 +16,7 @@ const state = {
   slotsAt: 0,
   metrics: new Map(),    // name -> the /api/slots/metrics view
   loads: new Map(),      // name -> the latest load event while a load lasts
+  swaps: new Map(),      // name -> the swap it waits for (planned), and when that was told
   requests: [],          // history rows, newest first
   errorTimes: [],        // unix seconds of failed requests in the last hour
 };
@@ -163,6 +164,18 @@ function lifecycleLine(view) {
   return "not loaded: the next request loads it";
 }
 
+function swapLine(view) {
+  // A load waiting for a busy model's batch to end: from the view, or the feed's `swap` events.
+  const told = state.swaps.get(view.name);
+  const pending = view.pending_swap && view.pending_swap.waiting === view.name
+    ? { ...view.pending_swap, at: state.slotsAt } : null;
+  const swap = told || pending;
+  if (!swap) return null;
+  const waited = swap.waited_s + (Date.now() - swap.at) / 1000;
+  return `waiting for ${view.name}'s turn: ${Math.round(waited)} s of ${swap.max_wait_s}`
+    + ` (${swap.victim} serves its queue)`;
+}
+
 async function slotAction(name, action, force = false) {
   const query = action === "load" ? "?wait=false" : force ? "?force=true" : "";
   try {
@@ -192,6 +205,8 @@ function card(view) {
   const memory = groupMemory(view);
   if (memory) facts.push(["memory", memory]);
   if (load) facts.push(["loading", `${load.phase.replaceAll("_", " ")}, ${num(load.elapsed_s)} s`]);
+  const swap = swapLine(view);
+  if (swap) facts.push(["swap", swap]);
   const loaded = !["stopped", "offline", "stopping"].includes(view.state);
   return el("article", { class: "card", "data-state": view.state, "data-slot": view.name },
     el("h3", {}, el("span", {}, view.name), el("span", { class: "state" }, view.state)),
@@ -322,8 +337,16 @@ const handlers = {
     view.queued = data.queued;
     renderSlots();
   },
+  swap(data) {
+    if (data.phase === "planned" && data.policy === "batch") {
+      state.swaps.set(data.slot, { ...data, at: Date.now() });
+    } else {
+      state.swaps.delete(data.slot);
+    }
+    renderSlots();
+  },
   load(data) {
-    if (data.phase === "ready" || data.phase === "failed") state.loads.delete(data.slot);
+    if (["ready", "failed", "withdrawn"].includes(data.phase)) state.loads.delete(data.slot);
     else state.loads.set(data.slot, data);
     renderSlots();
   },
