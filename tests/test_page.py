@@ -299,6 +299,8 @@ def test_with_keys_the_page_shows_nothing_before_the_key_and_everything_after(
     form.find_element(By.ID, "key").send_keys(KEY)
     form.find_element(By.CSS_SELECTOR, "button").click()
     until("the slots after the key", lambda: card_state(browser, "llm") != "", 5)
+    # Its process may still be starting on a busy machine: a request then would find no one.
+    until("the llm slot ready", lambda: card_state(browser, "llm") == "ready", 20)
     keyed.call("/v1/chat/completions", {"model": "chat",
                                          "messages": [{"role": "user", "content": "hi"}]},
                key=True)
