@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from hal0d.lifecycle.manager import LifecycleManager
     from hal0d.observability.events import EventHub, SlotViews
     from hal0d.observability.recorder import Recorder
+    from hal0d.observability.timeline import Timeline
 
 
 RUNTIME = web.AppKey("runtime", RuntimeRef)
@@ -42,3 +43,5 @@ RESPONSE_OWNERS = web.AppKey("response_owners", ResponseOwners)
 # What each named key is doing now (its model calls in flight and of the last minute): one for
 # the process, so a reload keeps the counts.
 KEY_LIMITS = web.AppKey("key_limits", KeyLimits)
+# The last hour of loads and unloads, and the groups' free memory, for GET /api/timeline.
+TIMELINE: web.AppKey[Timeline] = web.AppKey("timeline")
