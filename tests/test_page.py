@@ -366,7 +366,9 @@ def test_make_screenshot_photographs_the_page_of_the_demo_make_run_serves(tmp_pa
     from tests import screenshot as target
 
     made = target.make(tmp_path / "dashboard.png")
-    assert made.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and made.stat().st_size > 10_000
+    assert [path.name for path in made] == ["dashboard.png", "dashboard-390.png"]
+    for path in made:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 
 # -- the last hour -----------------------------------------------------------------------------

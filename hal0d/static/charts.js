@@ -316,7 +316,7 @@ export function drawSlotCharts(card, name, data, now) {
   const total = minutes.reduce((sum, m) => sum + m.requests, 0);
   const errors = minutes.reduce((sum, m) => sum + m.errors, 0);
   card.replaceChildren(el("h3", {}, name, el("span", { class: "muted" },
-    total ? ` ${total} requests, ${errors} errors in the last hour` : " no requests in the last hour")));
+    total ? ` ${total} requests, ${errors} error${errors === 1 ? "" : "s"} in the last hour` : " no requests in the last hour")));
   if (!total) return;
   const grid = el("div", { class: "quad" });
   card.append(grid);
