@@ -68,8 +68,9 @@ browser:
 	  fi; \
 	fi
 
-# `make screenshot`: docs/dashboard.png, the status page of the demo `make run` serves, after a few
-# of the tour's requests, photographed by Debian's chromium (tests/screenshot.py).
+# `make screenshot`: docs/dashboard.png (1440x900) and docs/dashboard-390.png (390x844), the status
+# page of the demo `make run` serves, after a few of the tour's requests, photographed by Debian's
+# chromium (tests/screenshot.py).
 screenshot: $(STAMP) browser
 	$(BIN)/python -m tests.screenshot docs/dashboard.png
 

@@ -34,7 +34,7 @@ from hal0d.config import Config
 from hal0d.connections import HeadWatch
 from hal0d.contexts import dispatch_context, recorder_context
 from hal0d.errors import ErrorCode, Hal0Error, MethodNotAllowed, NoRoute
-from hal0d.handlers import admin, anthropic, openai, page, responses
+from hal0d.handlers import admin, anthropic, openai, page, responses, timeline
 from hal0d.handlers import ollama as ollama_handlers
 from hal0d.keys import KEY, KeyLimits
 from hal0d.lifecycle.routing import Runtime, RuntimeRef
@@ -307,6 +307,7 @@ def make_app(config: Config) -> web.Application:
     router.add_get("/api/slots/metrics", admin.slot_metrics)
     router.add_get("/api/events", admin.events)
     router.add_get("/api/requests", admin.requests)
+    router.add_get("/api/timeline", timeline.timeline)
     router.add_get("/metrics", admin.prometheus)
     return app
 

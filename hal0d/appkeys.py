@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from hal0d.lifecycle.manager import LifecycleManager
     from hal0d.observability.events import EventHub, SlotViews
     from hal0d.observability.recorder import Recorder
+    from hal0d.observability.timeline import Timeline
 
 
 RUNTIME = web.AppKey("runtime", RuntimeRef)
@@ -47,3 +48,5 @@ OLLAMA_PORT = web.AppKey("ollama_port", int)
 # The served models hal0d has seen reason (bounded by the served models): /api/show says they
 # can think.
 OLLAMA_THINKERS: web.AppKey[set[str]] = web.AppKey("ollama_thinkers")
+# The last hour of loads and unloads, and the groups' free memory, for GET /api/timeline.
+TIMELINE: web.AppKey[Timeline] = web.AppKey("timeline")

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from hal0d import appkeys
 from hal0d.appkeys import DISPATCH, EVENTS, HEADS, LIFECYCLE, RECORDER, RUNTIME, SLOTS, VIEWS
 from hal0d.config import SlotConfig
 from hal0d.forward import Dispatch
@@ -23,6 +24,7 @@ from hal0d.lifecycle.slots import SlotTable
 from hal0d.observability.events import SlotFeed, SlotViews
 from hal0d.observability.history import HistoryWriter
 from hal0d.observability.recorder import Recorder
+from hal0d.observability.timeline import FreeMemory, LifecycleLog, Timeline
 from hal0d.transport.anthropic_mode import AnthropicModes, ResponsesModes
 from hal0d.transport.tokens import TokenCounter
 from hal0d.transport.upstream import UpstreamClient
@@ -82,6 +84,12 @@ async def dispatch_context(app: web.Application) -> AsyncIterator[None]:
     lifecycle.slot_reconfigured.append(feed.reconfigured)
     lifecycle.observers.append(feed)
     recorder.listeners.append(feed.request_finished)
+    past = LifecycleLog()
+    lifecycle.observers.append(past)
+    for slot in table:
+        past.watch(slot)
+    lifecycle.slot_added.append(past.watch)
+    app[appkeys.TIMELINE] = Timeline(past, FreeMemory())
     try:
         await lifecycle.start()
         remote.watch(config.slots)

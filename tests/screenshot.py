@@ -1,9 +1,11 @@
-"""`make screenshot`: docs/dashboard.png, the status page of the demo `make run` serves.
+"""`make screenshot`: docs/dashboard.png and docs/dashboard-390.png, the status page of the demo
+`make run` serves, at 1440x900 and at a phone's 390x844.
 
 The demo runs as tests/demo.py runs it (etc/hal0d.toml, only hal0d's port and the stub's log
 moved), gets a few of the requests the README's tour makes (a chat, a reasoning stream, a tool
 call, a stream the stub cuts), and Debian's chromium, headless, photographs the page at
-1440x900. So the picture shows the slot and the models a newcomer will see.
+1440x900 and at 390x844 (as a phone: `mobile`, its own layout). So the pictures show the slot,
+the models and the last hour a newcomer will see.
 
     python -m tests.screenshot [PATH]     (default: docs/dashboard.png)
 """
@@ -25,6 +27,7 @@ from tests.demo import REPO, RunningDemo, running_demo
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 WIDTH, HEIGHT = 1440, 900
+PHONE = (390, 844)
 # The tour's requests: streamed and not, reasoning, a tool call, and one failure (`broken`).
 REQUESTS: tuple[tuple[str, bool], ...] = (
     ("chat", False), ("reasoning", True), ("tool", False), ("chat", True), ("broken", True),
@@ -59,8 +62,13 @@ def until(what: str, check: Any, timeout: float = 20.0) -> None:
         time.sleep(0.1)
 
 
-def make(path: Path) -> Path:
-    """The page of a freshly started demo, photographed into `path`."""
+def phone_path(path: Path) -> Path:
+    return path.with_name(f"{path.stem}-{PHONE[0]}{path.suffix}")
+
+
+def make(path: Path) -> list[Path]:
+    """The page of a freshly started demo, photographed into `path` and, at phone width, into
+    `phone_path(path)`."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -80,20 +88,24 @@ def make(path: Path) -> Path:
             for model, stream in REQUESTS:
                 ask(demo, model, stream)
             until("every request", lambda: rows(browser) >= len(REQUESTS))
-            browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
-                "width": WIDTH, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": False})
-            time.sleep(1.5)  # the ages and the TTFT figures, redrawn once at this size
+            until("the last hour's charts", lambda: browser.execute_script(
+                "return document.querySelectorAll('#charts circle.point').length > 0;"))
             path.parent.mkdir(parents=True, exist_ok=True)
-            browser.save_screenshot(str(path))
+            for (width, height), where in (((WIDTH, HEIGHT), path), (PHONE, phone_path(path))):
+                browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
+                    "width": width, "height": height, "deviceScaleFactor": 1,
+                    "mobile": width < 600})
+                time.sleep(1.5)  # the ages, the TTFT figures and the charts, redrawn at this size
+                browser.save_screenshot(str(where))
         finally:
             browser.quit()
-    return path
+    return [path, phone_path(path)]
 
 
 def main(argv: list[str]) -> int:
     path = Path(argv[0]) if argv else REPO / "docs" / "dashboard.png"
-    made = make(path)
-    print(f"screenshot: {made} ({made.stat().st_size} bytes)")
+    for made in make(path):
+        print(f"screenshot: {made} ({made.stat().st_size} bytes)")
     return 0
 
 

@@ -84,3 +84,11 @@ def test_the_readmes_minimal_llama_server_config_is_one_hal0d_accepts(tmp_path: 
     [slot] = parsed.slots
     assert slot.command is not None and slot.command[0] == "llama-server"
     assert slot.upstream.endswith(slot.command[slot.command.index("--port") + 1])
+
+
+def test_the_status_pages_size_in_the_docs_is_its_size_and_it_stays_small() -> None:
+    total = sum(path.stat().st_size for path in (REPO / "hal0d" / "static").iterdir())
+    kb = f"{round(total / 1000)} KB in all"
+    for page in (REPO / "README.md", REPO / "docs" / "endpoints.md"):
+        assert kb in page.read_text().replace("\n", " "), (page.name, kb)
+    assert total < 60_000

@@ -127,9 +127,10 @@ async def test_an_inference_key_limited_to_plain_globs_gets_its_models_and_nothi
         "model": "r1", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
     assert (status, answer["error"]["type"]) == (403, "permission_error"), answer
 
-    status, answer, _ = await call(http, hal0d, "GET", "/api/requests", INFERENCE_KEY)
-    assert status == 403, answer
-    assert "'laptop' may not read" in answer["error"]["message"]
+    for path in ("/api/requests", "/api/timeline"):
+        status, answer, _ = await call(http, hal0d, "GET", path, INFERENCE_KEY)
+        assert status == 403, answer
+        assert "'laptop' may not read" in answer["error"]["message"]
     status, answer, _ = await call(http, hal0d, "POST", "/api/slots/llm/unload", INFERENCE_KEY)
     assert status == 403, answer
     assert len(stub.lines()) == reached, stub.lines()[reached:]  # none of them reached it
@@ -146,7 +147,8 @@ async def test_a_read_key_reads_but_neither_calls_models_nor_unloads_and_an_admi
     start_hal0d: ServerFactory, stub: Stub, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     hal0d = await start_keyed(start_hal0d, stub, tmp_path)
-    for path in ("/api/requests", "/api/slots", "/api/status", "/api/slots/metrics"):
+    for path in ("/api/requests", "/api/slots", "/api/status", "/api/slots/metrics",
+                 "/api/timeline"):
         status, answer, _ = await call(http, hal0d, "GET", path, READ_KEY)
         assert status == 200, (path, answer)
     async with http.get(hal0d.make_url("/")) as resp:

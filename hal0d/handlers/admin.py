@@ -4,6 +4,7 @@ Prometheus."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import orjson
@@ -187,10 +188,24 @@ async def requests(request: web.Request) -> web.Response:
             f"limit must be an integer from 1 to {MAX_HISTORY_ROWS}", field="limit"
         )
     key = request.query.get("key") or None
+    since, until = unix_time(request, "since"), unix_time(request, "until")
     history = request.app[RECORDER].history
     await history.flush()  # the rows of requests that already ended, still in the writer's queue
-    rows = await history.recent(int(raw), key)
+    rows = await history.recent(int(raw), key, since, until)
     return json({"requests": rows})
+
+
+def unix_time(request: web.Request, name: str) -> float | None:
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise InvalidRequest(f"{name} must be a unix time in seconds", field=name)
+    return value
 
 
 async def prometheus(request: web.Request) -> web.Response:

@@ -1,4 +1,4 @@
-"""The status page: GET / and its three static files, shipped as package data (no build step, no
+"""The status page: GET / and its static files, shipped as package data (no build step, no
 CDN, nothing fetched from elsewhere: it works on a box with no internet). The page holds no data
 and needs no key; everything it shows comes from the keyed JSON API and GET /api/events."""
 
@@ -15,6 +15,7 @@ FILES = {
     "index.html": "text/html",
     "app.css": "text/css",
     "app.js": "text/javascript",
+    "charts.js": "text/javascript",
 }
 # Revalidated on every load, so an upgraded hal0d serves its new page at once.
 CACHE = {hdrs.CACHE_CONTROL: "no-cache", "X-Content-Type-Options": "nosniff"}

@@ -19,10 +19,11 @@ import asyncio
 import contextlib
 import dataclasses
 import fcntl
+import math
 import os
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,10 @@ _SELECT_RECENT_OF_KEY: Final = (
     "ORDER BY ts DESC, id DESC LIMIT ?"
 )
 _SELECT_FAILED_SINCE: Final = "SELECT ts FROM requests WHERE ts >= ? AND ok = 0 ORDER BY ts, id"
+_SELECT_FOR_MINUTES: Final = (
+    "SELECT ts, slot, ok, queue_ms, ttft_ms, total_ms, completion_tokens FROM requests "
+    "WHERE ts >= ? ORDER BY ts, id"
+)
 _BOOLEAN_COLUMNS: Final = ("stream", "ok")
 
 
@@ -217,9 +222,16 @@ class HistoryWriter:
             await self._run(self._close_conn)
         self._executor.shutdown(wait=True)
 
-    async def recent(self, limit: int, key: str | None = None) -> list[dict[str, Any]]:
-        """Newest rows first, as the admin API shows them; only the named key's with `key`."""
-        return await self._run(self._select_recent, max(0, limit), key)
+    async def recent(self, limit: int, key: str | None = None, since: float | None = None,
+                     until: float | None = None) -> list[dict[str, Any]]:
+        """Newest rows first, as the admin API shows them; only the named key's with `key`, only
+        those that ended from `since` and before `until` (unix times) when given."""
+        return await self._run(self._select_recent, max(0, limit), key, since, until)
+
+    async def minutes(self, since: float, bucket_s: int = 60) -> list[dict[str, Any]]:
+        """The requests that ended from `since` on, per slot and per `bucket_s` (see
+        `per_bucket`): what the status page's charts and GET /api/timeline show."""
+        return await self._run(self._select_minutes, since, bucket_s)
 
     async def failed_since(self, since: float) -> list[float]:
         """When the failed requests from `since` (unix time) on ended, oldest first: the
@@ -314,11 +326,22 @@ class HistoryWriter:
         cutoff = time.time() - self.retention_days * 86400
         return self._db().execute("DELETE FROM requests WHERE ts < ?", (cutoff,)).rowcount
 
-    def _select_recent(self, limit: int, key: str | None) -> list[dict[str, Any]]:
-        if key is None:
-            cursor = self._db().execute(_SELECT_RECENT, (limit,))
+    def _select_recent(self, limit: int, key: str | None, since: float | None,
+                       until: float | None) -> list[dict[str, Any]]:
+        if since is None and until is None:
+            if key is None:
+                cursor = self._db().execute(_SELECT_RECENT, (limit,))
+            else:
+                cursor = self._db().execute(_SELECT_RECENT_OF_KEY, (key, limit))
         else:
-            cursor = self._db().execute(_SELECT_RECENT_OF_KEY, (key, limit))
+            where = ["ts >= ?", "ts < ?"]
+            args: list[object] = [since or 0.0, until or float("inf")]
+            if key is not None:
+                where.append("key = ?")
+                args.append(key)
+            cursor = self._db().execute(
+                f"SELECT id, {', '.join(COLUMNS)} FROM requests WHERE {' AND '.join(where)} "
+                "ORDER BY ts DESC, id DESC LIMIT ?", (*args, limit))
         names = [d[0] for d in cursor.description]
         out = []
         for row in cursor.fetchall():
@@ -332,6 +355,9 @@ class HistoryWriter:
         rows = self._db().execute(_SELECT_FAILED_SINCE, (since,)).fetchall()
         return [float(row[0]) for row in rows]
 
+    def _select_minutes(self, since: float, bucket_s: int) -> list[dict[str, Any]]:
+        return per_bucket(self._db().execute(_SELECT_FOR_MINUTES, (since,)), bucket_s)
+
     def _close_conn(self) -> None:
         if self._conn is not None:
             self._conn.close()
@@ -339,3 +365,63 @@ class HistoryWriter:
         if self._lock is not None:
             self._lock.close()  # the lock goes with it
             self._lock = None
+
+
+def percentile(ordered: list[float], p: float) -> float | None:
+    """The nearest-rank percentile of sorted values (p95 of 20 values is the 19th): always a
+    value that was measured, never one between two."""
+    if not ordered:
+        return None
+    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
+
+
+def tokens_per_s(completion_tokens: int | None, ttft_ms: float | None,
+                 total_ms: float | None) -> float | None:
+    """A request's generation speed from its history row: its completion tokens over the time
+    after the first token. Only a stream has a TTFT, so a whole answer has no speed."""
+    if not completion_tokens or ttft_ms is None or not total_ms:
+        return None
+    generating_s = (total_ms - ttft_ms) / 1000
+    return completion_tokens / generating_s if generating_s > 0 else None
+
+
+def _spread(values: list[float], digits: int = 1) -> dict[str, float | None]:
+    values.sort()
+    return {"p50": _rounded(percentile(values, 50), digits),
+            "p95": _rounded(percentile(values, 95), digits)}
+
+
+def _rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def per_bucket(rows: Iterable[tuple[Any, ...]], bucket_s: int) -> list[dict[str, Any]]:
+    """(ts, slot, ok, queue_ms, ttft_ms, total_ms, completion_tokens) rows, oldest first, as one
+    entry per slot and bucket that had requests: `ts` (the bucket's start), `slot`, `requests`,
+    `ok`, `errors`, and the p50 and p95 of `ttft_ms`, `tokens_per_s` and `queue_ms` among the
+    requests that have one (null where none has)."""
+    buckets: dict[tuple[float, str | None], dict[str, Any]] = {}
+    for ts, slot, ok, queue_ms, ttft_ms, total_ms, completion_tokens in rows:
+        start = float(ts // bucket_s * bucket_s)
+        bucket = buckets.get((start, slot))
+        if bucket is None:
+            bucket = buckets[(start, slot)] = {"ts": start, "slot": slot, "requests": 0, "ok": 0,
+                                               "errors": 0, "ttft": [], "speed": [], "queue": []}
+        bucket["requests"] += 1
+        bucket["ok" if ok else "errors"] += 1
+        if ttft_ms is not None:
+            bucket["ttft"].append(ttft_ms)
+        if queue_ms is not None:
+            bucket["queue"].append(queue_ms)
+        speed = tokens_per_s(completion_tokens, ttft_ms, total_ms)
+        if speed is not None:
+            bucket["speed"].append(speed)
+    out = []
+    for bucket in buckets.values():
+        ttft, speed, queue = bucket.pop("ttft"), bucket.pop("speed"), bucket.pop("queue")
+        bucket["ttft_ms"] = _spread(ttft)
+        bucket["tokens_per_s"] = _spread(speed)
+        bucket["queue_ms"] = _spread(queue)
+        out.append(bucket)
+    out.sort(key=lambda bucket: (bucket["ts"], bucket["slot"] or ""))
+    return out

@@ -3,6 +3,8 @@
 // the key, when hal0d asks for one, lives in this browser's localStorage and only ever travels
 // in the Authorization header.
 
+import { WINDOW_S, clock, drawMemory, drawSlotCharts, el, pickedText, timeline } from "./charts.js";
+
 const KEY_STORE = "hal0d.api_key";
 const MAX_ROWS = 200;
 const SPARK_WINDOW_S = 600;
@@ -19,6 +21,11 @@ const state = {
   swaps: new Map(),      // name -> the swap it waits for (planned), and when that was told
   requests: [],          // history rows, newest first
   errorTimes: [],        // unix seconds of failed requests in the last hour
+  timeline: null,        // GET /api/timeline, and when it was read
+  timelineAt: 0,
+  picked: null,          // the request row picked in the list: shown on the timeline
+  minute: null,          // {slot, ts}: the list shows that minute's requests (a chart's point)
+  minuteRows: [],
 };
 
 class NeedKey extends Error {}
@@ -42,20 +49,6 @@ async function api(path, options = {}) {
 
 // -- formatting ------------------------------------------------------------------------------
 
-function el(tag, attrs = {}, ...children) {
-  const node = document.createElement(tag);
-  for (const [name, value] of Object.entries(attrs)) {
-    if (value === undefined || value === null || value === false) continue;
-    if (name === "class") node.className = value;
-    else if (name.startsWith("on")) node.addEventListener(name.slice(2), value);
-    else node.setAttribute(name, value === true ? "" : value);
-  }
-  for (const child of children.flat(Infinity)) {
-    if (child !== null && child !== undefined) node.append(child);
-  }
-  return node;
-}
-
 function duration(seconds) {
   if (seconds === null || seconds === undefined) return "–";
   const s = Math.max(0, Math.round(seconds));
@@ -67,7 +60,6 @@ function duration(seconds) {
 
 const ms = (value) => (value === null || value === undefined ? "–" : `${Math.round(value)} ms`);
 const num = (value, digits = 1) => (value === null || value === undefined ? "–" : value.toFixed(digits));
-const clock = (ts) => new Date(ts * 1000).toLocaleTimeString([], { hour12: false });
 
 function tokensPerSecond(row) {
   // Only a stream shows when generation began (its TTFT); a whole answer's speed is unknown.
@@ -260,9 +252,13 @@ function renderSlots() {
 function renderRequests() {
   const slot = $("filter-slot").value;
   const errorsOnly = $("filter-errors").checked;
-  const rows = state.requests
+  const source = state.minute ? state.minuteRows : state.requests;
+  const pickedId = state.picked && state.picked.request_id;
+  const rows = source
     .filter((row) => (!slot || row.slot === slot) && (!errorsOnly || !row.ok))
-    .map((row) => el("tr", { "data-request-id": row.request_id },
+    .map((row) => el("tr", { "data-request-id": row.request_id, tabindex: "0",
+      class: row.request_id === pickedId ? "picked" : null, "aria-selected": row.request_id === pickedId,
+      onclick: () => pick(row), onkeydown: (event) => event.key === "Enter" && pick(row) },
       el("td", {}, clock(row.ts)),
       el("td", {}, row.model || "–"),
       el("td", row.failover ? { title: `handed on by ${row.failover.replaceAll(",", ", ")}` } : {},
@@ -277,21 +273,84 @@ function renderRequests() {
       el("td", { class: "num" }, num(tokensPerSecond(row))),
       el("td", { class: "num" }, ms(row.total_ms))));
   $("requests").tBodies[0].replaceChildren(...rows);
+  const filter = $("minute-filter");
+  filter.hidden = !state.minute;
+  if (state.minute) {
+    filter.querySelector("span").textContent = `${state.minute.slot}: the requests that ended `
+      + `${clock(state.minute.ts).slice(0, 5)}–${clock(state.minute.ts + 60).slice(0, 5)}`;
+  }
+}
+
+// -- the last hour ---------------------------------------------------------------------------
+
+const timelineNow = () => state.timeline.now + (Date.now() - state.timelineAt) / 1000;
+
+function renderHour() {
+  const data = state.timeline;
+  if (!data || $("live").hidden) return;
+  const now = timelineNow();
+  const box = $("timeline");
+  box.replaceChildren(timeline(data, now, box.clientWidth, state.picked));
+  const charts = $("charts");
+  const names = data.slots.map((slot) => slot.name);
+  for (const stale of charts.querySelectorAll("article[data-slot]")) {
+    if (!names.includes(stale.dataset.slot)) stale.remove();
+  }
+  for (const name of names) {
+    let card = charts.querySelector(`article[data-slot="${CSS.escape(name)}"]`);
+    if (!card) charts.append(card = el("article", { class: "chart-card", "data-slot": name }));
+    drawSlotCharts(card, name, data, now);
+  }
+  const memory = $("memory");
+  memory.replaceChildren(...data.groups.map((group) => el("article", { class: "chart-card", "data-group": group.name })));
+  data.groups.forEach((group, i) => drawMemory(memory.children[i], group, data, now));
+  $("memory-title").hidden = data.groups.length === 0;
+}
+
+function pick(row) {
+  state.picked = state.picked && state.picked.request_id === row.request_id ? null : row;
+  $("timeline-detail").textContent = state.picked ? pickedText(row) : "";
+  renderRequests();
+  renderHour();
+}
+
+async function pickMinute(slot, ts) {
+  try {
+    const rows = await api(`/api/requests?limit=1000&since=${ts}&until=${ts + 60}`);
+    state.minute = { slot, ts };
+    state.minuteRows = rows.requests;
+    $("filter-slot").value = slot;
+    renderRequests();
+    $("requests-title").scrollIntoView({ block: "nearest" });
+  } catch (error) {
+    if (error instanceof NeedKey) return askForKey();
+    showNotice(`the requests of ${clock(ts)}: ${error.message}`, 5000);
+  }
+}
+
+function clearMinute() {
+  state.minute = null;
+  state.minuteRows = [];
+  $("filter-slot").value = "";
+  renderRequests();
 }
 
 function render() {
   renderHeader();
   renderSlots();
   renderRequests();
+  renderHour();
 }
 
 // -- data ------------------------------------------------------------------------------------
 
 async function snapshot() {
-  const [status, slots, metrics, requests] = await Promise.all([
+  const [status, slots, metrics, requests, hour] = await Promise.all([
     api("/api/status"), api("/api/slots"), api("/api/slots/metrics"),
-    api(`/api/requests?limit=${MAX_ROWS}`),
+    api(`/api/requests?limit=${MAX_ROWS}`), api("/api/timeline"),
   ]);
+  state.timeline = hour;
+  state.timelineAt = Date.now();
   state.status = status;
   state.statusAt = Date.now();
   state.errorTimes = (status.error_times || []).slice();
@@ -313,6 +372,37 @@ function refreshMetricsSoon() {
       renderSlots();
     } catch { /* the event stream's own reconnect reports trouble */ }
   }, 1000);
+}
+
+// The last hour is re-read, not rebuilt from the feed: after a load or an unload all of it (the
+// lifecycle's part is in memory), after requests only the minutes since the last one began, and
+// at most every TIMELINE_EVERY_MS, so a busy hal0d costs the page one small query now and then.
+const TIMELINE_EVERY_MS = 5000;
+let hourPending = null;
+let hourWhole = false;
+function refreshHourSoon(whole) {
+  hourWhole = hourWhole || whole;
+  if (hourPending) return;
+  hourPending = setTimeout(async () => {
+    hourPending = null;
+    const partial = !hourWhole && state.timeline;
+    hourWhole = false;
+    const since = partial ? Math.floor(timelineNow() / 60) * 60 - 60 : null;
+    try {
+      const fresh = await api(since === null ? "/api/timeline" : `/api/timeline?since=${since}`);
+      if (since !== null) {
+        const kept = state.timeline.minutes.filter((m) => m.ts < since && m.ts >= fresh.now - WINDOW_S - 60);
+        fresh.minutes = [...kept, ...fresh.minutes];
+        fresh.spans = state.timeline.spans;
+        fresh.events = state.timeline.events;
+        fresh.since = state.timeline.since;
+        fresh.kept_since = state.timeline.kept_since;
+      }
+      state.timeline = fresh;
+      state.timelineAt = Date.now();
+      renderHour();
+    } catch { /* the event stream's own reconnect reports trouble */ }
+  }, whole ? 300 : TIMELINE_EVERY_MS);
 }
 
 const handlers = {
@@ -344,11 +434,20 @@ const handlers = {
       state.swaps.delete(data.slot);
     }
     renderSlots();
+    refreshHourSoon(true);
   },
   load(data) {
-    if (["ready", "failed", "withdrawn"].includes(data.phase)) state.loads.delete(data.slot);
-    else state.loads.set(data.slot, data);
+    if (!["waiting_for_room", "starting", "probing"].includes(data.phase)) {
+      state.loads.delete(data.slot);
+      refreshHourSoon(true);
+    } else {
+      if (!state.loads.has(data.slot)) refreshHourSoon(true);
+      state.loads.set(data.slot, data);
+    }
     renderSlots();
+  },
+  unload() {
+    refreshHourSoon(true);
   },
   request(data) {
     const row = data;
@@ -356,9 +455,11 @@ const handlers = {
     state.requests.length = Math.min(state.requests.length, MAX_ROWS);
     if (state.status) state.status.requests += 1;
     if (!row.ok) state.errorTimes.push(row.ts);
+    if (state.minute && row.ts >= state.minute.ts && row.ts < state.minute.ts + 60) state.minuteRows.unshift(row);
     renderHeader();
     renderRequests();
     refreshMetricsSoon();
+    refreshHourSoon(false);
   },
 };
 
@@ -446,10 +547,33 @@ $("forget-key").addEventListener("click", () => {
   location.reload();
 });
 $("filter-slot").addEventListener("change", renderRequests);
+$("minute-filter").querySelector("button").addEventListener("click", clearMinute);
+$("timeline").addEventListener("click", (event) => {
+  // Marks a few pixels apart (a swap's unload and load) are told together, oldest first.
+  const mark = event.target.closest("[data-detail]");
+  if (!mark) return;
+  const near = mark.dataset.x === undefined ? [mark]
+    : [...$("timeline").querySelectorAll(`.mark[data-slot="${CSS.escape(mark.dataset.slot)}"]`)]
+      .filter((other) => Math.abs(other.dataset.x - mark.dataset.x) <= 8);
+  $("timeline-detail").textContent = near.map((other) => other.dataset.detail).join("\n");
+});
+$("charts").addEventListener("click", (event) => {
+  const point = event.target.closest("[data-minute]");
+  const card = event.target.closest("article[data-slot]");
+  if (point && card) pickMinute(card.dataset.slot, Number(point.dataset.minute));
+});
+let resizing = null;
+window.addEventListener("resize", () => {
+  clearTimeout(resizing);
+  resizing = setTimeout(renderHour, 150);
+});
 $("filter-errors").addEventListener("change", renderRequests);
+let ticks = 0;
 function tick() {
-  // Once a second: the clocks on the page (uptime, idle for, unloads in), not the server.
+  // Once a second: the clocks on the page (uptime, idle for, unloads in), not the server; the
+  // pictures of the hour slide every 15 s.
   if ($("live").hidden) return;
+  if (++ticks % 15 === 0) renderHour();
   renderHeader();
   for (const span of document.querySelectorAll("[data-tick]")) {
     const view = state.slots.get(span.dataset.tick);

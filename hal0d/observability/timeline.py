@@ -1,0 +1,193 @@
+"""The last hour of the slots' lives, for GET /api/timeline and the status page's timeline: when
+each load began, ended or failed, each unload and why, each step of a swap.
+
+``LifecycleLog`` is told these as a lifecycle observer (and as a watcher of the slots, for a
+process that went away with no unload), and keeps them in memory only: at most `size` events,
+none older than `keep_s`, so it costs the same after a week as after an hour; a restart begins
+it empty (the history keeps the requests, not the loads). Every method is a plain append: no
+await, no I/O, nothing on a request's way.
+
+``spans`` turns the events into what the timeline draws, per slot: from when to when it was
+loading and loaded. What happened before the log's horizon is inferred from the first event
+kept (an unload means it was loaded until then) or, with no event at all, from the slot's state
+now.
+
+``FreeMemory`` runs a group's `free_memory_command` for the timeline's memory figures, at most
+once per `every_s` per group, so a page left open does not run nvidia-smi on every refresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+from hal0d.config import GroupConfig
+from hal0d.lifecycle.groups import free_memory_mib
+from hal0d.lifecycle.slots import Slot, SlotState
+
+if TYPE_CHECKING:
+    from hal0d.lifecycle.groups import Swap
+    from hal0d.lifecycle.runner import LoadPhase, UnloadReason
+
+KEEP_S: Final = 3600.0
+SIZE: Final = 2000
+FREE_MEMORY_EVERY_S: Final = 30.0
+LOADING_PHASES: Final = frozenset({"waiting_for_room", "starting", "probing"})
+AT_REST: Final = frozenset({SlotState.STOPPED, SlotState.OFFLINE})
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    slot: str
+    state: str  # loading | loaded
+    start: float
+    end: float | None  # None: it still is
+    outcome: str | None = None  # how a loading span ended: loaded, failed, withdrawn
+
+
+class LifecycleLog:
+    def __init__(self, keep_s: float = KEEP_S, size: int = SIZE,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.keep_s = keep_s
+        self.clock = clock
+        self.started = clock()
+        self._events: collections.deque[dict[str, Any]] = collections.deque(maxlen=size)
+        self._loading: set[str] = set()  # a load began and has not ended: its ticks are not news
+        self._up: set[str] = set()  # loaded, as far as the events told
+
+    def _add(self, slot: str, kind: str, **fields: Any) -> None:
+        self._events.append({"ts": self.clock(), "slot": slot, "kind": kind, **fields})
+
+    # LifecycleObserver (lifecycle/manager.py)
+    def load_phase(self, slot: str, phase: LoadPhase, elapsed_s: float,
+                   reason: str | None) -> None:
+        name = str(phase)
+        if name in LOADING_PHASES:
+            if slot not in self._loading:
+                self._loading.add(slot)
+                self._up.discard(slot)
+                self._add(slot, "load")
+            return
+        self._loading.discard(slot)
+        if name == "ready":
+            self._up.add(slot)
+            self._add(slot, "loaded", elapsed_s=round(elapsed_s, 1))
+        elif name == "failed":
+            self._add(slot, "load_failed", reason=reason, elapsed_s=round(elapsed_s, 1))
+        else:  # a phase a later lifecycle tells (withdrawn): the load ended, nothing loaded
+            self._add(slot, f"load_{name}", reason=reason, elapsed_s=round(elapsed_s, 1))
+
+    def unloaded(self, slot: str, reason: UnloadReason, loaded_s: float | None) -> None:
+        self._up.discard(slot)
+        self._loading.discard(slot)
+        self._add(slot, "unload", reason=str(reason), loaded_s=loaded_s)
+
+    def swap(self, swap: Swap) -> None:
+        self._add(swap.slot, "swap", phase=str(swap.phase), group=swap.group,
+                  victim=swap.victim, reason=swap.why, waited_s=swap.waited_s)
+
+    # A slot's watcher: a process that exited and was not started again
+    def watch(self, slot: Slot) -> None:
+        if self.slot_changed not in slot.watchers:
+            slot.watchers.append(self.slot_changed)
+
+    def slot_changed(self, slot: Slot, old: SlotState, new: SlotState, reason: str | None
+                     ) -> None:
+        if new in AT_REST and slot.name in self._up:
+            self._up.discard(slot.name)
+            self._add(slot.name, "stopped", reason=reason)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def horizon(self, now: float) -> float:
+        """The oldest moment the log can speak for."""
+        return max(self.started, now - self.keep_s)
+
+    def events(self, since: float) -> list[dict[str, Any]]:
+        now = self.clock()
+        start = max(since, now - self.keep_s)
+        return [dict(event) for event in self._events if event["ts"] >= start]
+
+    def spans(self, since: float, loaded_now: dict[str, bool]) -> list[Span]:
+        """Each slot's loading and loaded spans that reach into [since, now]; `loaded_now`: every
+        slot's name, and whether its process is up (or starting) now."""
+        now = self.clock()
+        horizon = self.horizon(now)
+        kept = [event for event in self._events if event["ts"] >= horizon]
+        out: list[Span] = []
+        for name, up in loaded_now.items():
+            mine = [event for event in kept if event["slot"] == name]
+            out.extend(span for span in _spans_of(name, mine, horizon, up)
+                       if span.end is None or span.end >= since)
+        return [Span(s.slot, s.state, max(s.start, since), s.end, s.outcome) for s in out]
+
+
+def _spans_of(name: str, events: Iterable[dict[str, Any]], horizon: float, up: bool
+              ) -> list[Span]:
+    events = [event for event in events if event["kind"] != "swap"]
+    out: list[Span] = []
+    open_state: str | None = None
+    open_at = horizon
+    if not events:
+        open_state = "loaded" if up else None
+    elif events[0]["kind"] in ("unload", "stopped"):
+        open_state = "loaded"  # loaded since before the horizon
+    elif events[0]["kind"] != "load":
+        open_state = "loading"  # a load whose beginning is past the horizon
+
+    def close(at: float, outcome: str | None = None) -> None:
+        nonlocal open_state
+        if open_state is not None:
+            out.append(Span(name, open_state, open_at, at,
+                            outcome if open_state == "loading" else None))
+        open_state = None
+
+    for event in events:
+        kind, at = event["kind"], event["ts"]
+        if kind == "load":
+            close(at, "restarted")
+            open_state, open_at = "loading", at
+        elif kind == "loaded":
+            close(at, "loaded")
+            open_state, open_at = "loaded", at
+        elif kind.startswith("load_"):
+            close(at, kind.removeprefix("load_"))
+        elif kind in ("unload", "stopped"):
+            close(at, "unloaded")
+    if open_state is not None:
+        out.append(Span(name, open_state, open_at, None))
+    return out
+
+
+class FreeMemory:
+    """What each group's free_memory_command reported when last run, and when."""
+
+    def __init__(self, every_s: float = FREE_MEMORY_EVERY_S) -> None:
+        self.every_s = every_s
+        self._last: dict[str, tuple[float, int | None]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def read(self, group: GroupConfig) -> tuple[int | None, float | None]:
+        """(free MiB, when it was read) or (None, None) for a group without the command."""
+        if group.free_memory_command is None:
+            return None, None
+        lock = self._locks.setdefault(group.name, asyncio.Lock())
+        async with lock:  # two pages at once run the command once
+            last = self._last.get(group.name)
+            if last is None or time.time() - last[0] >= self.every_s:
+                last = (time.time(), await free_memory_mib(group))
+                self._last[group.name] = last
+        at, free = last
+        return free, (at if free is not None else None)
+
+
+@dataclass(eq=False)
+class Timeline:
+    """What GET /api/timeline reads beside the history: the log and the free memory."""
+
+    log: LifecycleLog
+    free_memory: FreeMemory

@@ -1,0 +1,188 @@
+"""GET /api/timeline: the history's per-minute figures (through the real HistoryWriter and its
+SQLite file), the lifecycle's last hour (real loads, swaps, a failed load and unloads of stub
+processes), and each group's memory."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from hal0d.config import GroupConfig
+from hal0d.lifecycle.groups import Swap, SwapPhase
+from hal0d.lifecycle.runner import LoadPhase, UnloadReason
+from hal0d.observability.history import HistoryWriter, RequestRecord, percentile
+from hal0d.observability.timeline import LifecycleLog
+from tests.test_loader import Start, chat, lifecycle_config, on_demand, start, state_is
+
+
+def row(ts: float, slot: str, *, ok: bool = True, ttft_ms: float | None = None,
+        total_ms: float | None = None, completion_tokens: int | None = None,
+        queue_ms: float | None = 0.0) -> RequestRecord:
+    return RequestRecord(ts=ts, request_id=f"r{ts}", slot=slot, model="chat",
+                         endpoint="/v1/chat/completions", stream=ttft_ms is not None,
+                         status=200 if ok else 502, ok=ok,
+                         error_code=None if ok else "dispatch.upstream_unavailable",
+                         queue_ms=queue_ms, ttft_ms=ttft_ms, total_ms=total_ms,
+                         completion_tokens=completion_tokens)
+
+
+@pytest.fixture
+async def writer(tmp_path: Path) -> AsyncIterator[HistoryWriter]:
+    w = HistoryWriter(tmp_path / "history.db")
+    await w.start()
+    yield w
+    await w.close()
+
+
+def test_the_nearest_rank_percentile_is_always_a_measured_value() -> None:
+    values = [float(v) for v in range(1, 21)]
+    assert percentile(values, 50) == 10.0
+    assert percentile(values, 95) == 19.0
+    assert percentile([7.0], 95) == 7.0
+    assert percentile([], 50) is None
+
+
+async def test_minutes_count_ok_and_errors_and_take_percentiles_per_slot_and_minute(
+    writer: HistoryWriter
+) -> None:
+    minute = (time.time() // 60 - 30) * 60  # half an hour ago, on a minute's start
+    # Ten streams in one minute: TTFT 10..100 ms, 100 tokens over (1000 - TTFT) ms, queue i ms.
+    for i in range(1, 11):
+        writer.submit(row(minute + i, "a", ttft_ms=10.0 * i, total_ms=1000.0 + 10.0 * i,
+                          completion_tokens=100 * i, queue_ms=float(i)))
+    writer.submit(row(minute + 30, "a", ok=False, queue_ms=None))
+    writer.submit(row(minute + 61, "a", total_ms=50.0, completion_tokens=5))  # whole: no speed
+    writer.submit(row(minute + 5, "b", ttft_ms=20.0, total_ms=220.0, completion_tokens=10))
+    writer.submit(row(minute - 7200, "a"))  # before `since`
+    await writer.flush()
+
+    got = await writer.minutes(minute - 60)
+    assert [(m["ts"], m["slot"], m["requests"], m["ok"], m["errors"]) for m in got] == [
+        (minute, "a", 11, 10, 1), (minute, "b", 1, 1, 0), (minute + 60, "a", 1, 1, 0)]
+    first = got[0]
+    assert first["ttft_ms"] == {"p50": 50.0, "p95": 100.0}
+    assert first["tokens_per_s"] == {"p50": 500.0, "p95": 1000.0}  # 100*i tokens in 1 s each
+    assert first["queue_ms"] == {"p50": 5.0, "p95": 10.0}
+    assert got[1]["tokens_per_s"] == {"p50": 50.0, "p95": 50.0}
+    assert got[2]["tokens_per_s"] == {"p50": None, "p95": None}
+    assert got[2]["ttft_ms"] == {"p50": None, "p95": None}
+
+
+async def test_recent_rows_between_since_and_until_are_that_minutes_requests(
+    writer: HistoryWriter
+) -> None:
+    minute = (time.time() // 60 - 10) * 60
+    for offset in (-1, 0, 30, 59.9, 60):
+        writer.submit(row(minute + offset, "a"))
+    await writer.flush()
+    rows = await writer.recent(100, since=minute, until=minute + 60)
+    assert [r["ts"] - minute for r in rows] == pytest.approx([59.9, 30, 0])
+
+
+def test_the_log_keeps_an_hour_infers_what_began_before_it_and_records_swap_steps() -> None:
+    now = [10_000.0]
+    log = LifecycleLog(keep_s=3600, clock=lambda: now[0])
+    now[0] += 4000  # the log has run longer than an hour
+    log.load_phase("a", LoadPhase.STARTING, 0.0, None)
+    now[0] += 1
+    log.load_phase("a", LoadPhase.PROBING, 1.0, None)  # a later phase of the same load
+    now[0] += 1
+    log.load_phase("a", LoadPhase.READY, 2.0, None)
+    now[0] += 100
+    log.swap(Swap(group="gpu", phase=SwapPhase.PLANNED, slot="b", victim="a", waited_s=0.0,
+                  why="max_loaded = 1", policy="batch", max_wait_s=30.0))
+    log.unloaded("a", UnloadReason.EVICTED, 100.0)
+    now[0] += 10
+    log.load_phase("b", LoadPhase.WAITING_FOR_ROOM, 0.0, None)
+    log.load_phase("b", LoadPhase.FAILED, 0.5, "exit code 1")
+    kinds = [(e["slot"], e["kind"], e.get("reason")) for e in log.events(0)]
+    assert kinds == [("a", "load", None), ("a", "loaded", None), ("b", "swap", "max_loaded = 1"),
+                     ("a", "unload", "evicted"), ("b", "load", None),
+                     ("b", "load_failed", "exit code 1")]
+    start = now[0] - 112
+    spans = log.spans(0, {"a": False, "b": False, "c": True})
+    assert [(s.slot, s.state, s.start - start, None if s.end is None else s.end - start,
+             s.outcome) for s in spans] == [
+        ("a", "loading", 0, 2, "loaded"), ("a", "loaded", 2, 102, None),
+        ("b", "loading", 112, 112, "failed"),
+        ("c", "loaded", now[0] - 3600 - start, None, None),  # loaded all the hour it kept
+    ]
+    now[0] += 3545  # a's load falls out of the hour, its unload does not: loaded before it
+    assert [e["kind"] for e in log.events(0)] == ["swap", "unload", "load", "load_failed"]
+    assert [(s.start - start, None if s.end is None else s.end - start)
+            for s in log.spans(0, {"a": False}) if s.slot == "a"] == [(57, 102)]
+    assert [e["kind"] for e in log.events(now[0] - 60)] == []
+
+
+async def timeline(http: aiohttp.ClientSession, url: Any, query: str = "") -> dict[str, Any]:
+    async with http.get(url.with_path("/api/timeline").with_query(query)) as resp:
+        assert resp.status == 200, await resp.text()
+        answer: dict[str, Any] = await resp.json()
+        return answer
+
+
+async def test_the_timeline_shows_two_swaps_a_failed_load_and_the_api_unload_with_reasons(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    group = {"gpu0": GroupConfig("gpu0", max_loaded=1, memory_mib=24000,
+                                 free_memory_command=("echo", "20480"))}
+    slots = [on_demand("a", tmp_path, group="gpu0", memory_mib=9000),
+             on_demand("b", tmp_path, group="gpu0", memory_mib=12000),
+             on_demand("c", tmp_path, "--fail-start", "error: out of memory")]
+    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, *slots, groups=group))
+    began = time.time()
+    for model in ("chat", "think-only", "chat"):  # a, then b (a evicted), then a (b evicted)
+        status, answer = await chat(http, hal0d, model)
+        assert status == 200, answer
+    assert (await chat(http, hal0d, "tool"))[0] == 503  # c's load fails
+    async with http.post(hal0d.make_url("/api/slots/a/unload")) as resp:
+        assert resp.status == 200
+    await state_is(http, hal0d, "a", "stopped")
+
+    got = await timeline(http, hal0d.make_url("/"))
+    assert got["bucket_s"] == 60 and got["since"] == pytest.approx(got["now"] - 3600, abs=1)
+    marks = [(e["slot"], e["kind"], e.get("reason")) for e in got["events"]
+             if e["kind"] not in ("load", "swap")]
+    # The two swaps' steps, told by the waiting model: b (a makes room), then a (b does).
+    swaps = [(e["slot"], e["phase"]) for e in got["events"] if e["kind"] == "swap"]
+    assert [slot for slot, phase in swaps if phase == "done"] == ["b", "a"], swaps
+    assert marks == [("a", "loaded", None), ("a", "unload", "evicted"), ("b", "loaded", None),
+                     ("b", "unload", "evicted"), ("a", "loaded", None),
+                     ("c", "load_failed", marks[5][2]), ("a", "unload", "api")]
+    assert "out of memory" in marks[5][2]
+    assert all(e["ts"] >= began - 1 for e in got["events"])
+    loaded = [(s["slot"], s["to"] is None) for s in got["spans"] if s["state"] == "loaded"]
+    assert loaded == [("a", False), ("a", False), ("b", False)]
+    failed = [s for s in got["spans"] if s["outcome"] == "failed"]
+    assert [s["slot"] for s in failed] == ["c"]
+    assert sum(m["errors"] for m in got["minutes"] if m["slot"] == "c") == 1
+    assert sum(m["requests"] for m in got["minutes"]) == 4
+    assert got["groups"] == [{
+        "name": "gpu0", "memory_mib": 24000, "max_loaded": 1, "members": ["a", "b"],
+        "loaded": [], "used_mib": 0, "free_mib": 20480,
+        "free_at": got["groups"][0]["free_at"]}]
+
+    # Loaded now: in the group's memory; `since` narrows everything to what came after it.
+    assert (await chat(http, hal0d, "think-only"))[0] == 200
+    later = await timeline(http, hal0d.make_url("/"), f"since={time.time() - 5}")
+    assert later["groups"][0]["loaded"] == [{"slot": "b", "memory_mib": 12000}]
+    assert later["groups"][0]["used_mib"] == 12000
+    assert [s["slot"] for s in later["spans"] if s["to"] is None] == ["b"]
+    assert all(e["ts"] >= later["since"] for e in later["events"])
+
+
+async def test_since_must_be_a_unix_time(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, on_demand("a", tmp_path)))
+    for bad in ("yesterday", "nan", "inf"):
+        async with http.get(hal0d.make_url("/api/timeline").with_query(since=bad)) as resp:
+            assert resp.status == 400
+            assert (await resp.json())["error"]["param"] == "since"
+    got = await timeline(http, hal0d.make_url("/"), "since=0")  # a day at most
+    assert got["since"] == pytest.approx(got["now"] - 86400, abs=1)
