@@ -281,7 +281,7 @@ function barChart(chart, minutes, start, now, width, height) {
   const { root, x, y, bottom } = frame(width, height, start, now, top, chart.format);
   const barW = Math.max(2, x(start + 60) - x(start) - 1);
   for (const m of minutes) {
-    const text = `${hhmm(m.ts)}: ${m.ok} ok, ${m.errors} errors`;
+    const text = `${hhmm(m.ts)}: ${m.ok} ok, ${m.errors} ${m.errors === 1 ? "error" : "errors"}`;
     root.append(svg("rect", { class: "bar ok", x: x(m.ts), y: y(m.ok), width: barW, height: bottom - y(m.ok),
       "data-minute": m.ts, "data-series": "ok", "data-value": m.ok }, title(text)),
     svg("rect", { class: "bar errors", x: x(m.ts), y: y(m.ok + m.errors), width: barW, height: y(m.ok) - y(m.ok + m.errors),
@@ -303,7 +303,9 @@ function hits(root, minutes, start, width) {
 function latest(chart, minutes) {
   const last = minutes[minutes.length - 1];
   if (!last) return "none";
-  if (chart.key === "requests") return `${hhmm(last.ts)}: ${last.ok} ok, ${last.errors} errors`;
+  if (chart.key === "requests") {
+    return `${hhmm(last.ts)}: ${last.ok} ok, ${last.errors} ${last.errors === 1 ? "error" : "errors"}`;
+  }
   const v = last[chart.key];
   const unit = chart.unit ? ` ${chart.unit}` : "";
   return `${hhmm(last.ts)}: p50 ${v.p50 === null ? "–" : chart.format(v.p50) + unit}, p95 ${v.p95 === null ? "–" : chart.format(v.p95) + unit}`;
