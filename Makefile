@@ -38,15 +38,21 @@ test: $(STAMP) browser npm-test-tools
 	$(BIN)/python -m pytest -q
 
 # The npm clients some tests drive (the Codex CLI: tests/test_codex_cli.py; the ollama package:
-# tests/test_ollama_api.py), installed into the git-ignored .npm-test/ when npm is there and the
-# list changed; without npm those tests skip and say so. One package a word; the list is remembered in .npm-test/.packages.
+# tests/test_ollama_api.py), installed into the git-ignored .npm-test/ when the list changed; npm
+# itself from the distribution when missing and we may (root, apt-get), as chromium below;
+# without npm those tests skip and say so. One package a word; the list is remembered in .npm-test/.packages.
 NPM_TEST_DIR := .npm-test
 NPM_TEST_PACKAGES := @openai/codex@0.171.0 ollama@^0.6
 
 .PHONY: npm-test-tools
 npm-test-tools:
+	@if ! command -v npm >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "make test: installing npm for the tests that drive npm clients"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm >/dev/null \
+	    || echo "make test: could not install npm"; \
+	fi
 	@if ! command -v npm >/dev/null 2>&1; then \
-	  echo "make test: no npm; the tests that drive npm clients will skip"; \
+	  echo "make test: no npm; the tests that drive npm clients will skip (apt-get install npm)"; \
 	elif [ "$$(cat $(NPM_TEST_DIR)/.packages 2>/dev/null)" != "$(NPM_TEST_PACKAGES)" ]; then \
 	  echo "make test: npm install $(NPM_TEST_PACKAGES) into $(NPM_TEST_DIR)/"; \
 	  mkdir -p $(NPM_TEST_DIR) && npm install --prefix $(NPM_TEST_DIR) --no-save --no-audit \

@@ -52,8 +52,8 @@ def disable_metrics() -> list[str]:
     from hal0d.transport.relay import relay
 
     async def relay_without_tap(upstream: Any, response: Any, transform: Any, guard: Any,
-                                tap: Any = None) -> Any:
-        return await relay(upstream, response, transform, guard, None)
+                                tap: Any = None, **options: Any) -> Any:
+        return await relay(upstream, response, transform, guard, None, **options)
 
     def record_nothing(self: Recorder, info: Any) -> None:
         return None

@@ -196,18 +196,24 @@ async def answer(
             info.status = response.status
         return response
     except Hal0Error as exc:
-        info.status = exc.status
         info.fail(exc.error_code)
+        if (started := answer_started(request, info)) is not None:
+            return started
+        info.status = exc.status
         return error_response(exc, request.path, ollama=ollama)
     except web.HTTPException as exc:
         error = translate_http_exception(exc, request)
-        info.status = error.status
         info.fail(error.error_code)
+        if (started := answer_started(request, info)) is not None:
+            return started
+        info.status = error.status
         return error_response(error, request.path, ollama=ollama)
     except Exception:
         log.exception("request.failed", path=request.path)
-        info.status = 500
         info.fail(ErrorCode.INTERNAL)
+        if (started := answer_started(request, info)) is not None:
+            return started
+        info.status = 500
         return error_response(Hal0Error("internal error in hal0d; see its log"), request.path,
                               ollama=ollama)
 
@@ -239,11 +245,31 @@ def finish(request: web.Request, info: RequestInfo, ollama: bool = False) -> Non
         log.exception("request.finish_failed", request_id=info.request_id, path=path)
 
 
-async def add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+# The response whose head is written (on_response_prepare): an error after it (a stream's handler
+# that fails) cannot be answered with an envelope (see answer_started).
+PREPARED = web.RequestKey("hal0d_prepared", web.StreamResponse)
+
+
+async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+    """Every response's head: its request id and CORS headers."""
+    request[PREPARED] = response
     info = request.get(INFO)
     if info is not None:
         response.headers[REQUEST_ID_HEADER] = info.request_id
     access.add_cors_headers(request, response, request.app[RUNTIME].current.config.server)
+
+
+def answer_started(request: web.Request, info: RequestInfo) -> web.StreamResponse | None:
+    """The response already begun when a handler failed, its connection cut: a client reading a
+    stream sees it break (the SDKs raise) instead of waiting for a rest that never comes, and no
+    second head is written into the first one's body. None when nothing was sent yet."""
+    started = request.get(PREPARED)
+    if started is None:
+        return None
+    info.status = info.status or started.status
+    if request.transport is not None:
+        request.transport.abort()
+    return started
 
 
 async def warn_if_exposed(app: web.Application) -> None:
@@ -279,7 +305,7 @@ def make_app(config: Config) -> web.Application:
     app[OLLAMA_THINKERS] = set()
     app.cleanup_ctx.append(recorder_context)
     app.cleanup_ctx.append(dispatch_context)
-    app.on_response_prepare.append(add_request_id)
+    app.on_response_prepare.append(on_prepare)
     app.on_startup.append(warn_if_exposed)
 
     router = app.router
