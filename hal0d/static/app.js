@@ -7,7 +7,6 @@ import { WINDOW_S, clock, drawMemory, drawSlotCharts, el, pickedText, timeline }
 
 const KEY_STORE = "hal0d.api_key";
 const MAX_ROWS = 200;
-const SPARK_WINDOW_S = 600;
 const RETRY_MAX_MS = 5000;
 
 const state = {
@@ -97,41 +96,6 @@ function renderHeader() {
   $("forget-key").hidden = !state.key;
 }
 
-function sparkline(name) {
-  const now = Date.now() / 1000;
-  const points = state.requests
-    .filter((row) => row.slot === name && row.ts > now - SPARK_WINDOW_S)
-    .map((row) => [row.ts, tokensPerSecond(row)])
-    .filter(([, speed]) => speed !== null)
-    .reverse();
-  const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
-  svg.setAttribute("class", "spark");
-  svg.setAttribute("viewBox", "0 0 300 36");
-  svg.setAttribute("preserveAspectRatio", "none");
-  svg.setAttribute("role", "img");
-  if (points.length === 0) {
-    svg.setAttribute("aria-label", "no tokens per second in the last 10 minutes");
-    const text = document.createElementNS(svg.namespaceURI, "text");
-    text.setAttribute("x", "0");
-    text.setAttribute("y", "22");
-    text.textContent = "no generation in the last 10 min";
-    svg.append(text);
-    return svg;
-  }
-  const top = Math.max(...points.map(([, speed]) => speed)) || 1;
-  const coords = points.map(([ts, speed]) => {
-    const x = ((ts - (now - SPARK_WINDOW_S)) / SPARK_WINDOW_S) * 300;
-    const y = 34 - (speed / top) * 32;
-    return `${x.toFixed(1)},${y.toFixed(1)}`;
-  });
-  if (coords.length === 1) coords.push(coords[0].replace(/^[\d.]+/, (x) => String(+x + 2)));
-  const line = document.createElementNS(svg.namespaceURI, "polyline");
-  line.setAttribute("points", coords.join(" "));
-  svg.setAttribute("aria-label", `tokens per second over the last 10 minutes, up to ${top.toFixed(1)}`);
-  svg.append(line);
-  return svg;
-}
-
 function groupMemory(view) {
   if (!view.group) return null;
   const members = [...state.slots.values()].filter((other) => other.group === view.group);
@@ -205,7 +169,6 @@ function card(view) {
     view.reason ? el("p", { class: "reason" }, view.reason) : null,
     el("p", { class: "models" }, view.models.join(", ")),
     el("dl", {}, facts.map(([term, value]) => [el("dt", {}, term), el("dd", {}, value)])),
-    sparkline(view.name),
     view.start === "on_demand" ? el("div", { class: "actions" },
       el("button", { type: "button", "data-action": "load", disabled: loaded,
         onclick: () => slotAction(view.name, "load") }, "Load"),
