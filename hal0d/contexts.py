@@ -9,6 +9,7 @@ app, and appkeys.py can name their types without any of them importing it back.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -84,7 +85,8 @@ async def dispatch_context(app: web.Application) -> AsyncIterator[None]:
     lifecycle.slot_reconfigured.append(feed.reconfigured)
     lifecycle.observers.append(feed)
     recorder.listeners.append(feed.request_finished)
-    past = LifecycleLog()
+    past = LifecycleLog(keep=recorder.history.submit)
+    past.restore(await recorder.history.lifecycle_since(time.time() - past.keep_s))
     lifecycle.observers.append(past)
     for slot in table:
         past.watch(slot)

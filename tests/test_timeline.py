@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from hal0d.config import GroupConfig
@@ -17,7 +18,18 @@ from hal0d.lifecycle.groups import Swap, SwapPhase
 from hal0d.lifecycle.runner import LoadPhase, UnloadReason
 from hal0d.observability.history import HistoryWriter, RequestRecord, percentile
 from hal0d.observability.timeline import LifecycleLog
-from tests.test_loader import Start, chat, lifecycle_config, on_demand, start, state_is
+from tests.conftest import eventually, free_port, kill_with_its_group
+from tests.test_loader import (
+    Start,
+    chat,
+    lifecycle_config,
+    on_demand,
+    start,
+    state_is,
+    stub_command,
+    stub_pids,
+)
+from tests.test_server import launch, stop
 
 
 def row(ts: float, slot: str, *, ok: bool = True, ttft_ms: float | None = None,
@@ -186,3 +198,67 @@ async def test_since_must_be_a_unix_time(
             assert (await resp.json())["error"]["param"] == "since"
     got = await timeline(http, hal0d.make_url("/"), "since=0")  # a day at most
     assert got["since"] == pytest.approx(got["now"] - 86400, abs=1)
+
+
+async def test_the_last_hour_survives_a_restart_and_a_crash_marks_what_was_left_loaded(
+    tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """Two real `hal0d serve` runs on one history. The first loads and unloads an on-demand slot
+    through the API, then dies by SIGKILL with its `always` slot loaded; the second's
+    /api/timeline has the first run's events, the always slot marked stopped at the restart, and
+    its own load after."""
+
+    always_port, demand_port = free_port(), free_port()
+    slots = f"""
+        [[slots]]
+        name = "always"
+        upstream = "http://127.0.0.1:{always_port}"
+        models = ["chat"]
+        command = {orjson.dumps(list(stub_command(always_port, tmp_path / "a.log"))).decode()}
+
+        [[slots]]
+        name = "demand"
+        upstream = "http://127.0.0.1:{demand_port}"
+        models = ["tool"]
+        command = {orjson.dumps(list(stub_command(demand_port, tmp_path / "d.log"))).decode()}
+        start = "on_demand"
+    """
+
+    async def ready(base: str, name: str) -> bool:
+        async with http.get(f"{base}/api/slots") as resp:
+            return any(v["name"] == name and v["state"] == "ready"
+                       for v in (await resp.json())["slots"])
+
+    first = await launch(tmp_path, "http://unused", slot=slots)
+    try:
+        await eventually(lambda: ready(first.url, "always"), 20, "the always slot ready")
+        for action in ("load", "unload"):
+            async with http.post(f"{first.url}/api/slots/demand/{action}") as resp:
+                assert resp.status == 200, await resp.text()
+        async with http.get(f"{first.url}/api/requests") as resp:
+            assert resp.status == 200  # the history writer has written what it was given
+    finally:
+        kill_with_its_group(first.process.pid)
+        await first.process.wait()
+        for pid in stub_pids(str(tmp_path)):
+            kill_with_its_group(pid)  # the killed hal0d's slot process, orphaned
+    await eventually(lambda: not stub_pids(str(tmp_path)), 5, "the orphaned stub gone")
+
+    second = await launch(tmp_path, "http://unused", slot=slots)
+    try:
+        await eventually(lambda: ready(second.url, "always"), 20, "the always slot ready again")
+        async with http.get(f"{second.url}/api/timeline") as resp:
+            got = await resp.json()
+    finally:
+        await stop(second.process)
+    marks = [(e["slot"], e["kind"], e.get("reason")) for e in got["events"]]
+    restarted = marks.index(("always", "stopped", "hal0d restarted"))
+    before, after = marks[:restarted], marks[restarted + 1:]
+    assert ("always", "loaded", None) in before
+    assert [m for m in before if m[0] == "demand" and m[1] != "load"] == [
+        ("demand", "loaded", None), ("demand", "unload", "api")]
+    assert ("always", "loaded", None) in after  # the second run's own load
+    assert ("demand", "stopped", "hal0d restarted") not in marks  # it was unloaded before
+    spans = [(s["slot"], s["state"], s["to"] is None) for s in got["spans"]]
+    assert spans.count(("always", "loaded", False)) == 1  # the first run's, closed at the restart
+    assert ("always", "loaded", True) in spans  # the second run's, still open

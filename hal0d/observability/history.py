@@ -66,6 +66,29 @@ class RequestRecord:
 
 COLUMNS: Final[tuple[str, ...]] = tuple(f.name for f in dataclasses.fields(RequestRecord))
 
+
+@dataclass(slots=True)
+class LifecycleRow:
+    """One event of a slot's life (a load, its end, an unload, a swap's step), kept so the
+    status page's last hour survives a restart (observability/timeline.py)."""
+
+    ts: float  # unix time
+    slot: str
+    kind: str
+    detail: str  # the event's other fields, as JSON
+
+
+_LIFECYCLE_SCHEMA: Final = (
+    "CREATE TABLE IF NOT EXISTS lifecycle (\n    id INTEGER PRIMARY KEY,\n"
+    "    ts REAL NOT NULL,\n    slot TEXT NOT NULL,\n    kind TEXT NOT NULL,\n"
+    "    detail TEXT NOT NULL\n);\n"
+    "CREATE INDEX IF NOT EXISTS lifecycle_ts ON lifecycle (ts);\n"
+)
+_INSERT_LIFECYCLE: Final = "INSERT INTO lifecycle (ts, slot, kind, detail) VALUES (?, ?, ?, ?)"
+_SELECT_LIFECYCLE: Final = (
+    "SELECT ts, slot, kind, detail FROM lifecycle WHERE ts >= ? ORDER BY ts, id"
+)
+
 _SQL_TYPES: Final = {"str": "TEXT", "float": "REAL", "int": "INTEGER", "bool": "INTEGER"}
 
 
@@ -151,7 +174,8 @@ class HistoryWriter:
         self.failed = 0  # rows lost to a failed write (disk full, I/O error)
         self.written = 0
         self.batches = 0
-        self._queue: asyncio.Queue[RequestRecord] = asyncio.Queue(maxsize=max_pending)
+        self._queue: asyncio.Queue[RequestRecord | LifecycleRow] = asyncio.Queue(
+            maxsize=max_pending)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hal0d-history")
         self._conn: sqlite3.Connection | None = None
         self._lock: IO[str] | None = None
@@ -171,7 +195,7 @@ class HistoryWriter:
 
     # -- the hot path ------------------------------------------------------------------------
 
-    def submit(self, record: RequestRecord) -> None:
+    def submit(self, record: RequestRecord | LifecycleRow) -> None:
         if self._closed:
             self.dropped += 1
             return
@@ -238,6 +262,10 @@ class HistoryWriter:
         status page's "errors, last hour", which a restart must not forget."""
         return await self._run(self._select_failed_since, since)
 
+    async def lifecycle_since(self, since: float) -> list[LifecycleRow]:
+        """The slots' lifecycle events from `since` (unix time) on, oldest first."""
+        return await self._run(self._select_lifecycle, since)
+
     # -- the writer task ---------------------------------------------------------------------
 
     async def _write_loop(self) -> None:
@@ -297,6 +325,7 @@ class HistoryWriter:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.executescript(_SCHEMA)
+        conn.executescript(_LIFECYCLE_SCHEMA)
         have = {row[1] for row in conn.execute("PRAGMA table_info(requests)")}
         for name in _ADDED_COLUMNS:
             if name not in have:
@@ -309,12 +338,17 @@ class HistoryWriter:
             raise RuntimeError("HistoryWriter not started")
         return self._conn
 
-    def _insert(self, batch: list[RequestRecord]) -> None:
+    def _insert(self, batch: list[RequestRecord | LifecycleRow]) -> None:
         conn = self._db()
-        rows = [tuple(getattr(record, name) for name in COLUMNS) for record in batch]
+        rows = [tuple(getattr(record, name) for name in COLUMNS) for record in batch
+                if isinstance(record, RequestRecord)]
+        events = [(row.ts, row.slot, row.kind, row.detail) for row in batch
+                  if isinstance(row, LifecycleRow)]
         conn.execute("BEGIN")
         try:
             conn.executemany(_INSERT, rows)
+            if events:
+                conn.executemany(_INSERT_LIFECYCLE, events)
         except BaseException:
             conn.execute("ROLLBACK")
             raise
@@ -324,7 +358,13 @@ class HistoryWriter:
         if self.retention_days <= 0:
             return 0
         cutoff = time.time() - self.retention_days * 86400
-        return self._db().execute("DELETE FROM requests WHERE ts < ?", (cutoff,)).rowcount
+        conn = self._db()
+        # The lifecycle's events are read back for an hour; a day is kept for a look by hand.
+        conn.execute("DELETE FROM lifecycle WHERE ts < ?", (max(cutoff, time.time() - 86400),))
+        return conn.execute("DELETE FROM requests WHERE ts < ?", (cutoff,)).rowcount
+
+    def _select_lifecycle(self, since: float) -> list[LifecycleRow]:
+        return [LifecycleRow(*row) for row in self._db().execute(_SELECT_LIFECYCLE, (since,))]
 
     def _select_recent(self, limit: int, key: str | None, since: float | None,
                        until: float | None) -> list[dict[str, Any]]:

@@ -2,10 +2,12 @@
 each load began, ended or failed, each unload and why, each step of a swap.
 
 ``LifecycleLog`` is told these as a lifecycle observer (and as a watcher of the slots, for a
-process that went away with no unload), and keeps them in memory only: at most `size` events,
-none older than `keep_s`, so it costs the same after a week as after an hour; a restart begins
-it empty (the history keeps the requests, not the loads). Every method is a plain append: no
-await, no I/O, nothing on a request's way.
+process that went away with no unload), and keeps them in memory: at most `size` events, none
+older than `keep_s`, so it costs the same after a week as after an hour. Each event is also
+handed to `keep` (the history writer's queue, its `lifecycle` table), and a new run begins with
+the last hour read back (`restore`), so the page's last hour survives a restart; a slot the
+previous run left loaded (it ended without unloading it: a crash) is marked `stopped` at the
+restart. Every method is a plain append: no await, no I/O, nothing on a request's way.
 
 ``spans`` turns the events into what the timeline draws, per slot: from when to when it was
 loading and loaded. What happened before the log's horizon is inferred from the first event
@@ -25,9 +27,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
+import orjson
+
 from hal0d.config import GroupConfig
 from hal0d.lifecycle.groups import free_memory_mib
 from hal0d.lifecycle.slots import Slot, SlotState
+from hal0d.observability.history import LifecycleRow
 
 if TYPE_CHECKING:
     from hal0d.lifecycle.groups import Swap
@@ -51,16 +56,40 @@ class Span:
 
 class LifecycleLog:
     def __init__(self, keep_s: float = KEEP_S, size: int = SIZE,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 keep: Callable[[LifecycleRow], None] | None = None) -> None:
         self.keep_s = keep_s
         self.clock = clock
         self.started = clock()
+        self._keep = keep
         self._events: collections.deque[dict[str, Any]] = collections.deque(maxlen=size)
         self._loading: set[str] = set()  # a load began and has not ended: its ticks are not news
         self._up: set[str] = set()  # loaded, as far as the events told
 
     def _add(self, slot: str, kind: str, **fields: Any) -> None:
-        self._events.append({"ts": self.clock(), "slot": slot, "kind": kind, **fields})
+        event = {"ts": self.clock(), "slot": slot, "kind": kind, **fields}
+        self._events.append(event)
+        if self._keep is not None:
+            self._keep(LifecycleRow(event["ts"], slot, kind, orjson.dumps(fields).decode()))
+
+    def restore(self, rows: Iterable[LifecycleRow]) -> None:
+        """The previous runs' events (oldest first), before this run's: the log then speaks for
+        the time since the first of them."""
+        restored = [{"ts": row.ts, "slot": row.slot, "kind": row.kind, **orjson.loads(row.detail)}
+                    for row in rows]
+        if not restored:
+            return
+        left_open: set[str] = set()  # loading or loaded when the previous run's events end
+        for event in restored:
+            kind = event["kind"]
+            if kind in ("load", "loaded"):
+                left_open.add(event["slot"])
+            elif kind in ("unload", "stopped") or kind.startswith("load_"):
+                left_open.discard(event["slot"])
+        marks = [{"ts": self.started, "slot": slot, "kind": "stopped",
+                  "reason": "hal0d restarted"} for slot in sorted(left_open)]
+        self._events.extendleft(reversed([*restored, *marks]))
+        self.started = min(self.started, restored[0]["ts"])
 
     # LifecycleObserver (lifecycle/manager.py)
     def load_phase(self, slot: str, phase: LoadPhase, elapsed_s: float,
