@@ -438,14 +438,9 @@ def _check_slots(raw: Any, problems: list[str], base_dir: Path) -> tuple[SlotCon
                 problems.append(f"{path}.name: {name!r} is used by another slot")
             names.add(name)
         _check_lifecycle(good, table, path, problems)
-        if good.get("anthropic", ANTHROPIC_MODES[0]) not in ANTHROPIC_MODES:
-            problems.append(f"{path}.anthropic: {good['anthropic']!r} is not one of "
-                            f"{ANTHROPIC_MODES!r}")
-        if good.get("responses", RESPONSES_MODES[0]) not in RESPONSES_MODES:
-            problems.append(f"{path}.responses: {good['responses']!r} is not one of "
-                            f"{RESPONSES_MODES!r}")
-        if good.get("kind", SLOT_KINDS[0]) not in SLOT_KINDS:
-            problems.append(f"{path}.kind: {good['kind']!r} is not one of {SLOT_KINDS!r}")
+        for key, choices in (("anthropic", ANTHROPIC_MODES), ("responses", RESPONSES_MODES),
+                             ("kind", SLOT_KINDS)):
+            _one_of(good, key, choices, path, problems)
         if "api_key" in good and "api_key_env" in good:
             problems.append(f"{path}: set api_key or api_key_env, not both")
         for model in good.get("models") or ():
@@ -460,6 +455,16 @@ def _check_slots(raw: Any, problems: list[str], base_dir: Path) -> tuple[SlotCon
         elif isinstance(name, str) and name:
             problems[before:] = [f'{problem} (slot "{name}")' for problem in problems[before:]]
     return tuple(slots)
+
+
+def _one_of(good: dict[str, Any], key: str, choices: tuple[str, ...], path: str,
+            problems: list[str]) -> bool:
+    """Whether `key`, when given, is one of `choices` (the first is its default); a problem
+    naming it when not."""
+    if key not in good or good[key] in choices:
+        return True
+    problems.append(f"{path}.{key}: {good[key]!r} is not one of {choices!r}")
+    return False
 
 
 def _check_lifecycle(good: dict[str, Any], table: Any, path: str, problems: list[str]) -> None:
@@ -490,9 +495,8 @@ def _check_groups(
             good["free_memory_command"] = _string_list(
                 good["free_memory_command"], f"{where}.free_memory_command", problems
             )
-        if good.get("policy", POLICY_BATCH) not in GROUP_POLICIES:
-            problems.append(f"{where}.policy: {good.pop('policy')!r} is not one of "
-                            f"{GROUP_POLICIES!r}")
+        if not _one_of(good, "policy", GROUP_POLICIES, where, problems):
+            good.pop("policy")
         groups[name] = GroupConfig(name=name, **good)
     members: dict[str, list[tuple[int, SlotConfig]]] = {name: [] for name in groups}
     for index, slot in enumerate(slots):

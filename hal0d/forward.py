@@ -81,12 +81,12 @@ T = TypeVar("T")
 class HandOn(Exception):
     """Raised on the way to a slot while nothing has reached the client, when the plan has a next
     slot to try (Dispatch.serve): why this one did not answer, as a short stable word (the
-    history's `failover` column, the `reason` label), and the error it would have been."""
+    history's `failover` column, the `reason` label); the error it would have been is its
+    __cause__."""
 
-    def __init__(self, reason: str, error: Exception | None = None) -> None:
+    def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
-        self.error = error
 
 
 # The refusals of a slot's lease that another slot may not have.
@@ -123,11 +123,7 @@ class Dispatch:
         slot is left, so the last one's answer or error is the client's. `attempt` does its
         slot's own preparation, then `async with fwd:` its work on the slot. `payload`, the
         request's parsed body, names its client for the slot queues' turns."""
-        info = request[INFO]
-        info.model, info.stream = model, stream  # recorded even when no slot serves it
-        plan = self.runtime.current.router.plan(model)
-        if (key := request.get(KEY)) is not None:
-            key.check_model(model, plan.model)  # 403 naming the key
+        info, plan = self._resolve(request, model, stream)
         routes = self.order(plan)
         client = client_of(info, payload)
         tried: list[str] = []
@@ -147,6 +143,16 @@ class Dispatch:
                     exc.message += f" (tried before: {', '.join(tried)})"
                 raise
         raise AssertionError("the last slot of a plan never hands a request on")
+
+    def _resolve(self, request: web.Request, model: str, stream: bool
+                 ) -> tuple[RequestInfo, Plan]:
+        """The model's plan, that the request's key may take (NoRoute 404, Forbidden 403)."""
+        info = request[INFO]
+        info.model, info.stream = model, stream  # recorded even when no slot serves it
+        plan = self.runtime.current.router.plan(model)
+        if (key := request.get(KEY)) is not None:
+            key.check_model(model, plan.model)  # 403 naming the key
+        return info, plan
 
     def order(self, plan: Plan) -> tuple[Route, ...]:
         """The plan's slots in the order they are tried: as configured, the slots whose model is
@@ -175,11 +181,7 @@ class Dispatch:
         """The way to one slot of the model's plan alone (no hand-on): `slot` when the plan has
         it (the one that holds a stored answer), else its first; resolved now (NoRoute, 404).
         `async with` it to take the slot and release everything after."""
-        info = request[INFO]
-        info.model, info.stream = model, stream  # recorded even when no slot serves it
-        plan = self.runtime.current.router.plan(model)
-        if (key := request.get(KEY)) is not None:
-            key.check_model(model, plan.model)
+        info, plan = self._resolve(request, model, stream)
         route = next((r for r in plan.routes if r.slot.name == slot), plan.first)
         return Forward(self, request, route, stream=stream, route_config=plan.route,
                        hands_on=False, client=client_of(info, payload))
@@ -235,7 +237,7 @@ class Forward:
             self.lease = await self._lease_context.__aenter__()
         except (QueueFull, SlotLoadFailed, SlotLoading) as exc:
             if self.hands_on:
-                raise HandOn(_LEASE_REASONS[type(exc)], exc) from exc
+                raise HandOn(_LEASE_REASONS[type(exc)]) from exc
             raise
         self.info.queue_ms = self.lease.queue_ms
         self.info.load_ms = self.lease.load_ms
@@ -307,7 +309,7 @@ class Forward:
         except TimeoutError:
             raise HandOn("first_byte_timeout") from None
         except UpstreamUnavailable as exc:
-            raise HandOn(exc.kind, exc) from exc
+            raise HandOn(exc.kind) from exc
         if upstream.status >= 500 or upstream.status == 429:
             upstream.close()  # tells the upstream to stop
             raise HandOn(f"status_{upstream.status}")
@@ -319,7 +321,7 @@ class Forward:
             except TimeoutError:
                 raise HandOn("first_byte_timeout") from None
             except BODY_BROKEN as exc:
-                raise HandOn("disconnected", exc) from exc
+                raise HandOn("disconnected") from exc
         return upstream
 
     async def read_whole(self) -> bytes:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Final, TypeVar
 
+import aiohttp
 import orjson
 from aiohttp import hdrs, web
 
@@ -163,14 +164,22 @@ async def converse(request: web.Request, req: OllamaRequest, *,
     return await serve(request, req.model, stream=req.stream, attempt=attempt)
 
 
-async def answer(fwd: Forward, req: OllamaRequest, *, chat: bool) -> web.StreamResponse:
-    """The chat completion for `req` on the slot, its answer as Ollama's objects."""
+async def opened(fwd: Forward, path: str, payload: dict[str, Any]
+                 ) -> tuple[Clocks, aiohttp.ClientResponse]:
+    """The upstream opened at `path` with `payload` (an error status raised as the upstream's),
+    and the clocks Ollama's durations are read from."""
     clocks = Clocks(started=fwd.info.started, opened=time.monotonic(),
                     load_s=(fwd.info.load_ms or 0.0) / 1000)
-    upstream = await fwd.open("/v1/chat/completions",
-                              orjson.dumps(req.payload(fwd.route.served_model)))
+    upstream = await fwd.open(path, orjson.dumps(payload))
     if upstream.status >= 400:
         raise await upstream_status_error(fwd, upstream)
+    return clocks, upstream
+
+
+async def answer(fwd: Forward, req: OllamaRequest, *, chat: bool) -> web.StreamResponse:
+    """The chat completion for `req` on the slot, its answer as Ollama's objects."""
+    clocks, upstream = await opened(fwd, "/v1/chat/completions",
+                                    req.payload(fwd.route.served_model))
     if not req.stream:
         return await whole(fwd, req, clocks, chat=chat)
     if upstream.content_type != "text/event-stream":
@@ -237,12 +246,7 @@ async def embeddings_of(request: web.Request, *, legacy: bool) -> web.Response:
     async def attempt(fwd: Forward) -> web.Response:
         async with fwd:
             keep_alive(request, fwd, req.keep_alive_s)
-            clocks = Clocks(started=fwd.info.started, opened=time.monotonic(),
-                            load_s=(fwd.info.load_ms or 0.0) / 1000)
-            upstream = await fwd.open("/v1/embeddings",
-                                      orjson.dumps(req.payload(fwd.route.served_model)))
-            if upstream.status >= 400:
-                raise await upstream_status_error(fwd, upstream)
+            clocks, _ = await opened(fwd, "/v1/embeddings", req.payload(fwd.route.served_model))
             parsed = await read_json(fwd)
         try:
             answer = shapes.embed_answer(parsed, req.model, clocks, legacy=legacy)
