@@ -22,6 +22,7 @@ from time import perf_counter
 from typing import Any
 
 from bench import client, procs
+from bench.runs import verdict
 
 TARGET_REFUSED_MS = 10.0
 TARGET_SILENT_MS = 50.0
@@ -137,7 +138,6 @@ async def measure(run: Any, procset: procs.Processes, upstream: procs.Child,
 
 
 def rows(run: Any) -> list[dict[str, Any]]:
-    from bench.run import verdict
 
     r = run.results.get("failover")
     if not r:

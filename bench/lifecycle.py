@@ -27,16 +27,14 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 import tomli_w
 
 from bench import client, procs
 from bench.client import CHAT, Endpoint, chat_body
-
-if TYPE_CHECKING:
-    from bench.run import Run
+from bench.runs import Run, verdict
 
 TARGET_SWAP_OVERHEAD_MS = 50.0
 # "The same cost" within noise: an on-demand slot may add this much over an `always` slot's
@@ -411,7 +409,6 @@ async def measure(run: Run, procset: procs.Processes, hal0d: procs.Child,
 
 
 def rows(run: Run) -> list[dict[str, Any]]:
-    from bench.run import verdict
 
     r = run.results.get("lifecycle", {})
     out: list[dict[str, Any]] = []

@@ -20,7 +20,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ import orjson
 
 from bench import client, failover, inprocess, lifecycle, procs, swaps
 from bench.client import CHAT, MESSAGES, Endpoint, chat_body, messages_body
+from bench.runs import Plan, Run, say, verdict
 
 RESULTS = procs.ROOT / "bench" / "results"
 
@@ -39,54 +39,6 @@ TARGET_KB_PER_STREAM = 30.0
 TARGET_LITELLM_FACTOR = 20.0
 BASELINE = "hal0d-baseline"  # the --baseline revision's hal0d, measured beside this tree's
 LATENCY_BLOCKS = 20  # the hal0d processes' latency pairs, interleaved in this many rounds
-
-
-@dataclass
-class Plan:
-    """How much of everything; --quick shrinks it for a smoke run."""
-
-    latency_pairs: int = 2000
-    peer_latency_pairs: int = 2000
-    litellm_latency_pairs: int = 300
-    warmup: int = 100
-    single_chunks: int = 100_000  # ~0.3 s a run: long enough that a scheduling hiccup is noise
-    single_rounds: int = 9
-    multi_streams: int = 64
-    multi_chunks: int = 4000
-    multi_rounds: int = 7
-    litellm_single_chunks: int = 2000
-    litellm_multi_chunks: int = 100
-    litellm_rounds: int = 3
-    translator_chunks: int = 20000
-    memory_streams: int = 1000
-    memory_chunks: int = 60
-    pace_ms: float = 250.0
-    paced_streams: int = 100
-    paced_chunks: int = 160  # at 20 ms: 3.2 s, room for the opening, settling and the window
-    paced_window_s: float = 2.0
-    paced_rounds: int = 5
-
-    @classmethod
-    def quick(cls) -> Plan:
-        return cls(latency_pairs=200, peer_latency_pairs=200, litellm_latency_pairs=30,
-                   warmup=20, single_chunks=5000, single_rounds=3, multi_chunks=300,
-                   multi_rounds=2, litellm_single_chunks=300, litellm_multi_chunks=20,
-                   litellm_rounds=2, translator_chunks=5000, memory_streams=200,
-                   memory_chunks=24, paced_streams=50, paced_chunks=100, paced_window_s=1.0,
-                   paced_rounds=1)
-
-
-@dataclass
-class Run:
-    plan: Plan
-    workdir: Path
-    started: float = field(default_factory=time.time)
-    results: dict[str, Any] = field(default_factory=dict)
-    skipped: dict[str, str] = field(default_factory=dict)
-
-
-def say(message: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 # -- the measured sections ------------------------------------------------------------------------
@@ -475,10 +427,6 @@ def machine() -> dict[str, Any]:
 
 
 # -- the table ------------------------------------------------------------------------------------
-
-def verdict(ok: bool | None) -> str:
-    return "info" if ok is None else ("PASS" if ok else "FAIL")
-
 
 def build_rows(run: Run) -> list[dict[str, Any]]:
     r = run.results

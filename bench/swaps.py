@@ -26,16 +26,14 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 import orjson
 import tomli_w
 
 from bench import client, procs
-
-if TYPE_CHECKING:
-    from bench.run import Run
+from bench.runs import Run, verdict
 
 LOAD_S = 1.0
 TOKEN_DELAY_S = 0.025  # 16 tokens: a stream of about 0.4 s
@@ -215,7 +213,6 @@ async def measure(run: Run, procset: procs.Processes, say: Callable[[str], None]
 
 
 def rows(run: Run) -> list[dict[str, Any]]:
-    from bench.run import verdict
 
     r = run.results.get("swaps")
     if not r:
