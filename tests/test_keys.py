@@ -22,7 +22,7 @@ from aiohttp.test_utils import TestServer
 
 from hal0d.config import ConfigError, parse
 from tests.conftest import ServerFactory, Stub, StubFactory, chat_body, free_port
-from tests.test_loader import stub_pids
+from tests.test_loader import stub_command, stub_pids
 from tests.test_server import Hal0d, Stream, launch, open_stream, stop
 
 INFERENCE_KEY = "hal0-inference-key-Vw3kq"
@@ -64,7 +64,10 @@ requests_per_minute = 2
 
 
 def keyed_config_text(upstream: str, tmp_path: Path) -> str:
-    # The aliases give the key's glob names to the stub's own models.
+    # The aliases give the key's glob names to the stub's own models; `ondemand` is a slot
+    # hal0d starts and stops itself (what an admin key loads and unloads).
+    port = free_port()
+    command = orjson.dumps(list(stub_command(port, tmp_path / "ondemand.log"))).decode()
     return f"""
 [models]
 plain = "chat"
@@ -75,6 +78,13 @@ r1 = "reasoning"
 name = "llm"
 upstream = "{upstream}"
 models = ["chat", "tool", "reasoning"]
+
+[[slots]]
+name = "ondemand"
+upstream = "http://127.0.0.1:{port}"
+models = ["think-only"]
+command = {command}
+start = "on_demand"
 
 [metrics]
 database = "{tmp_path / 'history.sqlite3'}"
@@ -140,7 +150,7 @@ async def test_an_inference_key_limited_to_plain_globs_gets_its_models_and_nothi
     # Only the served models its globs name (aliases are not listed models).
     assert [model["id"] for model in answer["data"]] == []
     status, answer, _ = await call(http, hal0d, "GET", "/v1/models", ONE_AT_A_TIME_KEY)
-    assert {model["id"] for model in answer["data"]} == {"chat", "tool", "reasoning"}
+    assert {model["id"] for model in answer["data"]} == {"chat", "tool", "reasoning", "think-only"}
 
 
 async def test_a_read_key_reads_but_neither_calls_models_nor_unloads_and_an_admin_key_does(
@@ -171,6 +181,14 @@ async def test_a_read_key_reads_but_neither_calls_models_nor_unloads_and_an_admi
     status, answer, _ = await call(http, hal0d, "POST", "/api/slots/llm/unload", ADMIN_KEY)
     assert status == 409, answer
     assert answer["error"]["code"] == "slot.conflict"
+    # A slot it does start and stop: the admin key loads it and unloads it; the read key
+    # cannot unload it meanwhile.
+    status, answer, _ = await call(http, hal0d, "POST", "/api/slots/ondemand/load", ADMIN_KEY)
+    assert (status, answer["state"]) == (200, "ready"), answer
+    status, answer, _ = await call(http, hal0d, "POST", "/api/slots/ondemand/unload", READ_KEY)
+    assert status == 403, answer
+    status, answer, _ = await call(http, hal0d, "POST", "/api/slots/ondemand/unload", ADMIN_KEY)
+    assert (status, answer["state"]) == (200, "stopped"), answer
 
 
 async def test_a_key_at_max_concurrent_gets_429_with_retry_after_until_its_request_ends(
