@@ -45,6 +45,7 @@ from hal0d.observability.recorder import (
     done_fields,
     is_dispatch_request,
     is_ollama_model_call,
+    record_of,
 )
 from hal0d.observability.requestinfo import INFO, RequestInfo
 from hal0d.openai.owners import ResponseOwners
@@ -236,11 +237,12 @@ def finish(request: web.Request, info: RequestInfo, ollama: bool = False) -> Non
     here costs this request's line or record, never its answer nor any other request's."""
     method, path = request.method, request.path
     try:
+        record = record_of(info)
         recorder = request.app.get(RECORDER)
         if recorder is not None and is_model_call(request, ollama):
-            recorder.record(info)
+            recorder.record(info, record)
         if path not in UNLOGGED_PATHS:
-            log.info("request.done", method=method, path=path, **done_fields(info))
+            log.info("request.done", method=method, path=path, **done_fields(record))
     except Exception:
         log.exception("request.finish_failed", request_id=info.request_id, path=path)
 

@@ -127,10 +127,10 @@ async def test_one_requests_failure_costs_only_its_own_line_and_record(
     recorder: Recorder = hal0d.app[RECORDER]
     record = recorder.record
 
-    def record_but_the_broken_one(info: Any) -> None:
+    def record_but_the_broken_one(info: Any, row: Any) -> None:
         if info.request_id == "broken-record":
             raise RuntimeError("a broken disk, say")
-        record(info)
+        record(info, row)
 
     recorder.record = record_but_the_broken_one  # type: ignore[method-assign]
     answers = []

@@ -8,7 +8,7 @@ from contextlib import closing
 from pathlib import Path
 
 from hal0d.observability.history import COLUMNS, HistoryWriter
-from hal0d.observability.recorder import done_fields
+from hal0d.observability.recorder import done_fields, record_of
 from hal0d.observability.requestinfo import RequestInfo
 
 
@@ -34,7 +34,7 @@ def test_the_request_done_line_carries_every_column_but_ts() -> None:
     info = RequestInfo(request_id="r1", endpoint="/v1/chat/completions")
     info.queue_ms = 1.23456
     info.end()
-    fields = done_fields(info)
+    fields = done_fields(record_of(info))
     assert set(fields) == {*COLUMNS, "duration_ms"} - {"ts", "total_ms"}
     assert fields["queue_ms"] == 1.23
     assert fields["duration_ms"] == round(info.total_ms, 2)

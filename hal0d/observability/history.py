@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import fcntl
 import math
+import operator
 import os
 import sqlite3
 import time
@@ -65,6 +66,9 @@ class RequestRecord:
 
 
 COLUMNS: Final[tuple[str, ...]] = tuple(f.name for f in dataclasses.fields(RequestRecord))
+# A row's values in column order, from a RequestRecord or anything with its fields (the request's
+# RequestInfo): one call in C rather than a loop over the names.
+row_of: Final = operator.attrgetter(*COLUMNS)
 
 
 @dataclass(slots=True)
@@ -340,8 +344,7 @@ class HistoryWriter:
 
     def _insert(self, batch: list[RequestRecord | LifecycleRow]) -> None:
         conn = self._db()
-        rows = [tuple(getattr(record, name) for name in COLUMNS) for record in batch
-                if isinstance(record, RequestRecord)]
+        rows = [row_of(record) for record in batch if isinstance(record, RequestRecord)]
         events = [(row.ts, row.slot, row.kind, row.detail) for row in batch
                   if isinstance(row, LifecycleRow)]
         conn.execute("BEGIN")

@@ -4,11 +4,12 @@ recorded and logged, with the fields of their `request.done` line."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Hashable
 from typing import Any, Final
 
 from hal0d.errors import stall_reason
-from hal0d.observability.history import COLUMNS, HistoryWriter, RequestRecord
+from hal0d.observability.history import COLUMNS, HistoryWriter, RequestRecord, row_of
 from hal0d.observability.live import SlotMetrics
 from hal0d.observability.prometheus import PromMetrics
 from hal0d.observability.requestinfo import RequestInfo
@@ -18,8 +19,9 @@ from hal0d.observability.tally import Tally
 UNLOGGED_PATHS: Final = frozenset({"/healthz", "/readyz"})
 # The request.done line carries the history row's columns but `ts` (the line has its own time),
 # with total_ms under the name the line always used.
-_DONE_NAMES: Final = {name: "duration_ms" if name == "total_ms" else name
-                      for name in COLUMNS if name != "ts"}
+_DONE_COLUMNS: Final = tuple(name for name in COLUMNS if name != "ts")
+_DONE_NAMES: Final = tuple("duration_ms" if name == "total_ms" else name for name in _DONE_COLUMNS)
+_done_values: Final = operator.attrgetter(*_DONE_COLUMNS)
 
 
 def is_dispatch_request(method: str, path: str) -> bool:
@@ -38,13 +40,16 @@ def is_ollama_model_call(method: str, path: str) -> bool:
     return method == "POST" and path in OLLAMA_MODEL_CALLS
 
 
-def done_fields(info: RequestInfo) -> dict[str, object]:
-    """The request.done line's fields from the request's info, floats to two decimals."""
-    fields = {}
-    for column, name in _DONE_NAMES.items():
-        value = getattr(info, column)
-        fields[name] = round(value, 2) if isinstance(value, float) else value
-    return fields
+def record_of(info: RequestInfo) -> RequestRecord:
+    """The ended request's history row, made once: the recorder keeps it, the request.done
+    line is written from it."""
+    return RequestRecord(*row_of(info))
+
+
+def done_fields(record: RequestRecord) -> dict[str, object]:
+    """The request.done line's fields from the request's row, floats to two decimals."""
+    return {name: round(value, 2) if type(value) is float else value
+            for name, value in zip(_DONE_NAMES, _done_values(record), strict=True)}
 
 
 class Recorder:
@@ -74,9 +79,10 @@ class Recorder:
             metrics = self.live[slot] = SlotMetrics.new(self._ttft_samples)
         return metrics
 
-    def record(self, info: RequestInfo) -> None:
+    def record(self, info: RequestInfo, record: RequestRecord) -> None:
+        """The ended request's row (record_of) into the history and the feed, its figures into
+        the metrics; `info` has what the row does not (the usage, the decode rate)."""
         self.tally.add()
-        record = RequestRecord(**{name: getattr(info, name) for name in COLUMNS})
         total_ms = record.total_ms or 0.0
         self.history.submit(record)
         for listener in self.listeners:

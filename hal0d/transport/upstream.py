@@ -101,11 +101,22 @@ def _connection_tokens(headers: Mapping[str, str]) -> set[str]:
     return {token.strip().lower() for token in value.split(",") if token.strip()}
 
 
+def _without(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
+    """A copy of `headers` without the names in `drop` (lower case; the multidict compares
+    names case-insensitively): a copy and a few deletions, in C, rather than a filter of
+    every header in Python."""
+    out = headers.copy()
+    for name in drop:
+        if name in out:
+            del out[name]
+    return out
+
+
 def request_headers(client: CIMultiDictProxy[str], slot: SlotConfig) -> CIMultiDict[str]:
     named = _connection_tokens(client)
     # Most clients name nothing or only keep-alive (dropped anyway): no new set per request.
     drop = DROP_REQUEST if named <= DROP_REQUEST else DROP_REQUEST | named
-    out = CIMultiDict((k, v) for k, v in client.items() if k.lower() not in drop)
+    out = _without(client, drop)
     # A client's own User-Agent goes through, as proxies keep it: the upstream's logs and
     # per-client behaviour see the real client. Without one, the request is hal0d's.
     if hdrs.USER_AGENT not in out:
@@ -135,8 +146,8 @@ SSE_HEADERS = {hdrs.CONTENT_TYPE: "text/event-stream; charset=utf-8", **SSE_UNBU
 
 
 def response_headers(upstream: CIMultiDictProxy[str]) -> CIMultiDict[str]:
-    drop = DROP_RESPONSE | _connection_tokens(upstream)
-    out = CIMultiDict((k, v) for k, v in upstream.items() if k.lower() not in drop)
+    named = _connection_tokens(upstream)
+    out = _without(upstream, DROP_RESPONSE if named <= DROP_RESPONSE else DROP_RESPONSE | named)
     if out.get(hdrs.CONTENT_TYPE, "").startswith("text/event-stream"):
         out.update(SSE_UNBUFFERED)
     return out
