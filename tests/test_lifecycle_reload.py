@@ -129,6 +129,37 @@ async def test_a_changed_command_unloads_after_its_stream_and_the_next_request_l
     assert (await views(http, hal0d))["a"]["pid"] not in (None, old_pid)
 
 
+async def test_a_second_reload_while_an_always_slot_drains_stops_its_old_process_once(
+    serve: Serve, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """Two reloads of an `always` slot's command, the second while the old process still drains
+    a stream: the slot waits in `starting` throughout, the stream ends on the old process, that
+    process is stopped, the first reload's command never runs and the second one's serves."""
+    hal0d = await serve(slot_toml("a", "reasoning", tmp_path))
+    await state_is(http, hal0d, "a", "ready")
+    old_pid = hal0d.named("slot.process_started")[0]["pid"]
+    stream = Stream("a stream on the old process")
+    task = asyncio.create_task(open_stream(http, hal0d.url, stream, chat_body(
+        "reasoning", max_tokens=150)))  # about 3 s: both reloads land while it runs
+    await asyncio.wait_for(stream.first_chunk.wait(), STARTUP_S)
+
+    await reload(hal0d, slot_toml("a", "reasoning", tmp_path, log="a-first.log"))
+    assert (await views(http, hal0d))["a"]["state"] == "starting"
+    await reload(hal0d, slot_toml("a", "reasoning", tmp_path, log="a-second.log"))
+    assert (await views(http, hal0d))["a"]["state"] == "starting"
+    assert not task.done(), "the stream ended before the second reload: the test proves nothing"
+    await task
+    assert stream.finished_normally(), stream.data[-2:]
+    await state_is(http, hal0d, "a", "ready")
+    assert not alive(old_pid)
+
+    status, answer = await chat(http, hal0d.url, "reasoning")
+    assert status == 200, answer
+    assert "start rid=" in (tmp_path / "a-second.log").read_text()
+    assert not (tmp_path / "a-first.log").exists()
+    assert len(stub_pids(str(tmp_path))) == 1, "one process for the slot, no leftover"
+
+
 async def test_a_removed_slot_drains_its_stream_then_its_process_stops(
     serve: Serve, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:

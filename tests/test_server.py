@@ -439,8 +439,8 @@ async def test_a_reloaded_slot_command_replaces_its_process_once_its_streams_are
     stub: Stub, start_hal0d: Hal0dFactory, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     """A reload of an `always` slot's command: the old process keeps serving the stream it has
-    (the slot is `stopping`, as an on-demand slot's is), then it is stopped and the new command
-    serves the next request."""
+    (the slot waits in `starting`), then it is stopped and the new command serves the next
+    request."""
     port = free_port()
     command = ["hal0d", "stub", "--port", str(port), "--delay", str(TOKEN_DELAY_S)]
     slot = f"""
@@ -473,7 +473,7 @@ async def test_a_reloaded_slot_command_replaces_its_process_once_its_streams_are
     hal0d.send(signal.SIGHUP)
     reloaded = await hal0d.wait_for_event("config.reloaded")
     assert reloaded["slots_changed"] == ["proc"]
-    assert await slot_state() == "stopping"  # new requests wait for the new process
+    assert await slot_state() == "starting"  # new requests wait for the new process
     assert hal0d.named("slot.draining")[0]["in_flight"] == 1
 
     await task

@@ -36,7 +36,9 @@ The events and who tells them:
     probe_failed  the same, failed
     exited        the manager's watch: a process that was up exited on its own
     unload        the API, the idle timer, an eviction, a reload
-    gone          the unload's own task: the process is gone, its memory free
+    replace       a reload that changed an `always` slot's process: it is `starting` from then
+                  on (new requests wait for the new process) while the old one drains and stops
+    gone          the unload's (or the replace's) own task: the process is gone, its memory free
     leased        admission: the first lease is granted
     released      admission: the last lease is released
     shutdown      hal0d stops, or a reload removes the slot
@@ -71,6 +73,7 @@ class Event(enum.StrEnum):
     PROBE_FAILED = "probe_failed"
     EXITED = "exited"
     UNLOAD = "unload"
+    REPLACE = "replace"
     GONE = "gone"
     LEASED = "leased"
     RELEASED = "released"
@@ -153,6 +156,13 @@ def _rules() -> dict[tuple[SlotState, Event], Rule]:
         (_S.STOPPED, _E.UNLOAD): Rule(_S.STOPPED, (), "nothing to unload"),
         (_S.STOPPING, _E.UNLOAD): Rule(_S.STOPPING, (), "already unloading"),
         (_S.STOPPING, _E.GONE): Rule(_S.STOPPED, (_A.UNLOADED,), "process gone"),
+        # A replace: the old process drains and stops with the slot `starting`; once it is gone
+        # the new config is taken on and its process brought up, which launches in `starting`.
+        (_S.STARTING, _E.REPLACE): Rule(_S.STARTING, (_A.STOP_PROCESS,),
+                                        "replaced during its start: that start is cancelled"),
+        (_S.STARTING, _E.GONE): Rule(_S.STARTING, (_A.UNLOADED, _A.BRING_UP),
+                                     "the replaced process gone: the new one is brought up"),
+        (_S.STARTING, _E.LAUNCH): Rule(_S.STARTING, (), "the replacing process launching"),
         (_S.READY, _E.LEASED): Rule(_S.SERVING, (), "first lease granted"),
         (_S.SERVING, _E.LEASED): Rule(_S.SERVING, (), "the last unit handed on as released"),
         (_S.ERROR, _E.LEASED): Rule(_S.ERROR, (), "tried in error: the probe may be stale"),
@@ -161,6 +171,8 @@ def _rules() -> dict[tuple[SlotState, Event], Rule]:
     for state in _LIVE:
         rules[(state, _E.EXITED)] = Rule(_S.ERROR, (_A.RECOVER,), "process exited")
         rules[(state, _E.UNLOAD)] = Rule(_S.STOPPING, (_A.STOP_PROCESS,), "unload")
+        rules[(state, _E.REPLACE)] = Rule(_S.STARTING, (_A.STOP_PROCESS,),
+                                          "replaced by a reload: the old process drains first")
     # The last lease of a request from before: the state is not admission's to change there.
     for state in (_S.OFFLINE, _S.STARTING, _S.ERROR, _S.STOPPING):
         rules[(state, _E.RELEASED)] = Rule(state, (), "last lease released; state kept")

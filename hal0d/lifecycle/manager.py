@@ -395,8 +395,8 @@ class LifecycleManager:
         runner.job = self._spawn(self._stop(runner, cancelled))
 
     async def _stop(self, runner: Runner, start: asyncio.Task[None] | None) -> None:
-        """An unload: the start it interrupts cancelled, the requests in flight drained, the
-        process stopped; told as `gone`."""
+        """An unload (or a replace): the start it interrupts cancelled, the requests in flight
+        drained, the process stopped; told as `gone`."""
         slot, reason = runner.slot, runner.unloading
         runner.cancel_timers()
         runner.keep_alive_s = None  # a client's keep_alive was this load's
@@ -418,13 +418,15 @@ class LifecycleManager:
         self.tell(runner, Event.GONE, f"unloaded ({reason})")
 
     async def _stop_child(self, runner: Runner) -> None:
-        child, runner.child = runner.child, None
         runner.loaded_at = None
         if runner.watch is not None:
             runner.watch.cancel()
             runner.watch = None
-        if child is not None:
-            await child.stop()
+        if runner.child is not None:
+            # Kept until it is gone: a stop cancelled on the way (a second reload's replace)
+            # leaves it to the stop that follows, never running with nobody to stop it.
+            await runner.child.stop()
+            runner.child = None
 
     def _unloaded(self, runner: Runner) -> None:
         """The process is gone: a reload's new config is taken on; started again if wanted."""
@@ -690,8 +692,19 @@ class LifecycleManager:
                     self.tell(runner, Event.START)
                 elif not runner.slot.in_flight:
                     self.tell(runner, Event.REST, "reloaded: loads on the next request")
+        elif after.command and not after.on_demand:
+            self._replace_now(runner)
         else:
             self._unload_now(runner, UnloadReason.RELOAD)
+
+    def _replace_now(self, runner: Runner) -> None:
+        """An `always` slot's new process for a reload: `starting` at once (new requests wait
+        for the new process) while the old one drains and stops; then the new one is brought
+        up. A slot already stopping takes its successor on when its process is gone."""
+        if not allows(runner.slot.state, Event.REPLACE):
+            return
+        runner.unloading = UnloadReason.RELOAD
+        self.tell(runner, Event.REPLACE, "replacing its process (reload)")
 
     async def _after(self, runner: Runner) -> None:
         if runner.job is not None:
