@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import TracebackType
@@ -115,17 +115,17 @@ class Dispatch:
     remote: RemoteModels | None = None
 
     async def serve(self, request: web.Request, model: str, *, stream: bool,
-                    attempt: Callable[[Forward], Awaitable[T]],
-                    payload: Mapping[str, Any] | None = None) -> T:
+                    attempt: Callable[[Forward], Awaitable[T]], client: str | None = None) -> T:
         """`attempt` on the way to each slot of the model's plan in turn (resolved now: NoRoute,
         404, and the key's Forbidden, 403, before anything is taken), until one answers: a slot
         hands the request on (HandOn) only while nothing has reached the client and another
         slot is left, so the last one's answer or error is the client's. `attempt` does its
-        slot's own preparation, then `async with fwd:` its work on the slot. `payload`, the
-        request's parsed body, names its client for the slot queues' turns."""
+        slot's own preparation, then `async with fwd:` its work on the slot. `client`: whose turn
+        the request waits for in the slot queues (client_of, from the parsed body, which the
+        surface need not keep for the stream's life); without it, the key's or the anonymous."""
         info, plan = self._resolve(request, model, stream)
         routes = self.order(plan)
-        client = client_of(info, payload)
+        client = client or client_of(info, None)
         tried: list[str] = []
         for index, route in enumerate(routes):
             fwd = Forward(self, request, route, stream=stream, route_config=plan.route,
@@ -177,14 +177,14 @@ class Dispatch:
             self.on_failover(route, slot, reason)
 
     def forward(self, request: web.Request, model: str, *, stream: bool,
-                slot: str | None = None, payload: Mapping[str, Any] | None = None) -> Forward:
+                slot: str | None = None) -> Forward:
         """The way to one slot of the model's plan alone (no hand-on): `slot` when the plan has
         it (the one that holds a stored answer), else its first; resolved now (NoRoute, 404).
         `async with` it to take the slot and release everything after."""
         info, plan = self._resolve(request, model, stream)
         route = next((r for r in plan.routes if r.slot.name == slot), plan.first)
         return Forward(self, request, route, stream=stream, route_config=plan.route,
-                       hands_on=False, client=client_of(info, payload))
+                       hands_on=False, client=client_of(info, None))
 
     def end_streams(self, slot: str, reason: str) -> int:
         """Ends the slot's streams with their surface's terminal frame; how many it ended."""

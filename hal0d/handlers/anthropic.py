@@ -39,6 +39,7 @@ from hal0d.errors import (
 from hal0d.forward import Forward
 from hal0d.handlers.body import check_model_and_stream, parse_json_object, read_body
 from hal0d.handlers.openai import with_model
+from hal0d.observability.requestinfo import INFO, client_of
 from hal0d.transport.anthropic_mode import NATIVE, TRANSLATE
 from hal0d.transport.tap import normal_usage
 from hal0d.transport.upstream import SSE_HEADERS, response_headers
@@ -89,7 +90,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
             return await translated(fwd, req or parse_messages_request(body))
 
     return await request.app[DISPATCH].serve(request, model, stream=stream, attempt=attempt,
-                                             payload=body)
+                                             client=client_of(request[INFO], body))
 
 
 async def translated(fwd: Forward, req: MessagesRequest) -> web.StreamResponse:
@@ -190,4 +191,4 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
         )
 
     return await request.app[DISPATCH].serve(request, model, stream=False, attempt=attempt,
-                                             payload=body)
+                                             client=client_of(request[INFO], body))

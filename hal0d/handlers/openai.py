@@ -23,6 +23,7 @@ from hal0d.handlers.body import (
     replace_multipart_field,
 )
 from hal0d.keys import KEY
+from hal0d.observability.requestinfo import INFO, client_of
 from hal0d.openai.transform import Passthrough
 from hal0d.protocol.limits import MAX_MESSAGES, MAX_TOKENS_LIMIT
 from hal0d.transport.upstream import response_headers
@@ -88,18 +89,19 @@ def check_fields(endpoint: str, payload: dict[str, Any]) -> None:
 
 
 async def requested_model(request: web.Request, endpoint: str, body: bytes
-                          ) -> tuple[str, bool, dict[str, Any] | None]:
-    """The model name, whether the client asked for a stream, and the parsed body (None for a
-    multipart one)."""
+                          ) -> tuple[str, bool, str]:
+    """The model name, whether the client asked for a stream, and whose turn it waits for
+    (client_of). The parsed body is not kept: a long conversation's parse tree would live as
+    long as the stream, where the body's bytes are all the attempts need."""
     if endpoint == "audio/transcriptions":
         model = await multipart_field(request, body, "model")
         if not model:
             raise InvalidRequest("multipart field 'model' is required", field="model")
-        return model, False, None
+        return model, False, client_of(request[INFO], None)
     payload = parse_json_object(body)
     model, stream = model_and_stream(payload)
     check_fields(endpoint, payload)
-    return model, stream, payload
+    return model, stream, client_of(request[INFO], payload)
 
 
 def model_and_stream(payload: dict[str, Any]) -> tuple[str, bool]:
@@ -117,7 +119,7 @@ def with_model(body: bytes, served_model: str) -> bytes:
 async def dispatch(request: web.Request) -> web.StreamResponse:
     endpoint = request.match_info["endpoint"]
     body = await read_body(request)
-    model, stream, payload = await requested_model(request, endpoint, body)
+    model, stream, client = await requested_model(request, endpoint, body)
     streaming = stream or endpoint in ALWAYS_STREAMING
 
     async def attempt(fwd: Forward) -> web.StreamResponse:
@@ -159,7 +161,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
             return response
 
     return await request.app[DISPATCH].serve(request, model, stream=streaming, attempt=attempt,
-                                             payload=payload)
+                                             client=client)
 
 
 async def copy_whole(fwd: Forward, upstream: aiohttp.ClientResponse) -> web.Response:

@@ -27,6 +27,7 @@ from hal0d.forward import Forward
 from hal0d.handlers.body import parse_json_object, read_body
 from hal0d.handlers.openai import model_and_stream, with_model
 from hal0d.logs import get_logger
+from hal0d.observability.requestinfo import INFO, client_of
 from hal0d.openai.responses import ResponsesTransform, response_id_of
 from hal0d.openai.responses_bridge import Bridge, BridgeTransform
 from hal0d.openai.responses_request import ChatRequest, chat_request, to_response
@@ -69,7 +70,7 @@ async def create(request: web.Request) -> web.StreamResponse:
             return await translate(fwd, chat or bridged(fwd, payload), model)
 
     return await request.app[DISPATCH].serve(request, model, stream=stream, attempt=attempt,
-                                             payload=payload)
+                                             client=client_of(request[INFO], payload))
 
 
 async def relay_native(fwd: Forward, body: bytes, model: str, *,
