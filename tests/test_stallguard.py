@@ -496,6 +496,32 @@ async def test_a_trip_while_the_client_is_slow_is_recorded_as_the_trip(
     writer.close()
 
 
+async def test_a_client_that_stops_reading_is_still_cut_after_the_total_bound_ran_out(
+    start_stub, start_hal0d, http
+):
+    """The total bound runs out while hal0d's write waits on a client that never reads again:
+    the trip cannot reach a relay blocked in a write, so the client bound still ends it (one
+    timer watches both), the slot is freed, and the row says the client was cut for stalling
+    (it did not leave)."""
+    stub = await start_stub(delay=0)  # a flood: the client's socket buffers fill at once
+    hal0d = await start_hal0d(stub.url, dispatcher=guard(1.0, 0, direct_read_timeout_s=2.0))
+    _, writer = await open_raw_stream(hal0d, "chatty")
+    started = time.monotonic()
+
+    async def released() -> bool:
+        async with http.get(hal0d.make_url("/api/slots")) as resp:
+            slot = llm_slot(await resp.json())
+        assert slot["in_flight"] == 0, slot
+        return True
+
+    await eventually(released, 8.0, "the slot freed from the client that stopped reading")
+    assert time.monotonic() - started >= 2.0  # the client bound, not the total one, freed it
+    row = await history_row(http, hal0d)
+    assert (row["ok"], row["error_code"]) == (False, "client_stalled")  # cut, not gone
+    await wait_for_stub_line(stub, "cancelled", 1.0)
+    writer.close()
+
+
 async def test_a_guarded_body_is_not_bound_by_the_header_wait_timeout(
     upstream_app, start_hal0d, http
 ):

@@ -40,8 +40,9 @@ class _ClientGone(Exception):
 
 def client_gone(guard: StallGuard) -> ErrorCode:
     """How a stream whose client went away is recorded: cut by the guard for taking no bytes
-    (client_stalled), or left on its own (client_disconnect)."""
-    return ErrorCode.CLIENT_STALLED if guard.reason == "client" else ErrorCode.CLIENT_DISCONNECT
+    (client_stalled, whether or not a bound had tripped before), or left on its own
+    (client_disconnect)."""
+    return ErrorCode.CLIENT_STALLED if guard.client_cut else ErrorCode.CLIENT_DISCONNECT
 
 
 async def _write(response: web.StreamResponse, data: bytes) -> None:

@@ -5,8 +5,8 @@ client on a socket that never closes. The guard owns the body of a stream instea
 `stream_total_timeout_s` bounds the whole relay (wall clock), `stream_idle_timeout_s` the gap
 between two upstream chunks; 0 disables a bound. Both clocks start once response headers arrived.
 
-The watchdog is two event-loop timers (no polling loop, no thread): one at the total deadline,
-and one that fires at most once per idle period, looks at when the read now awaited began, and
+The watchdog is one event-loop timer per stream (no polling loop, no thread): it fires at most
+once per idle period, and at the total deadline, looks at when the read now awaited began, and
 either re-arms or trips. Per chunk the relay only notes the time, and the idle clock stops while
 a chunk is written to the client, so a slow client is never blamed on the upstream.
 
@@ -78,24 +78,28 @@ class StallGuard:
         self._loop = asyncio.get_running_loop()
         self.started = self._loop.time()
         self.reason: str | None = None  # why the stream was ended, once it was
+        # The client's connection was cut for taking no bytes (after a trip too: a relay blocked
+        # in a write never sees the trip, and the client never gets its frame).
+        self.client_cut = False
         # When the read now awaited began; None while a chunk is written to the client.
         self._reading_since: float | None = None
         # When the write now awaited began; None while the upstream is awaited.
         self._writing_since: float | None = None
-        self._total_timer: asyncio.TimerHandle | None = None
         self._check_timer: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
-        if self.total_s > 0:
-            self._total_timer = self._loop.call_at(self.started + self.total_s, self._total)
-        self._check_timer = self._loop.call_at(
-            self.started + (self.idle_s or self.client_s), self._check
-        )
+        self._arm(self.started + (self.idle_s or self.client_s))
 
     def stop(self) -> None:
-        for timer in (self._total_timer, self._check_timer):
-            if timer is not None:
-                timer.cancel()
+        if self._check_timer is not None:
+            self._check_timer.cancel()
+
+    def _arm(self, due: float) -> None:
+        """The next check at `due`, or at the total deadline if that comes first (once the
+        stream has been ended, only a stalled client is still looked for)."""
+        if self.total_s > 0 and self.reason is None:
+            due = min(due, self.started + self.total_s)
+        self._check_timer = self._loop.call_at(due, self._check)
 
     # Called for every chunk, so they only note the time: no timer is moved per chunk.
     def awaiting_upstream(self) -> None:
@@ -106,19 +110,19 @@ class StallGuard:
         self._reading_since = None
         self._writing_since = self._loop.time()
 
-    def _total(self) -> None:
-        self.end_now("total")
-
     def _check(self) -> None:
         """Runs at most once per bound: trips, or re-arms for the read or write now awaited."""
         now = self._loop.time()
         reading, writing = self._reading_since, self._writing_since
         # A timer may fire up to the loop's clock resolution early: allow a millisecond.
+        if self.total_s > 0 and now - self.started >= self.total_s - 0.001:
+            self.end_now("total")  # a write that waits on the client is still watched below
         if reading is not None and self.idle_s > 0 and now - reading >= self.idle_s - 0.001:
             self.end_now("idle")
             return
         if writing is not None and now - writing >= self.client_s - 0.001:
             self.reason = self.reason or "client"
+            self.client_cut = True
             log.warning(
                 "dispatch.client_stalled", upstream=self.upstream, waited_s=round(now - writing, 3)
             )
@@ -130,7 +134,7 @@ class StallGuard:
             due = writing + self.client_s
         else:
             due = now + (self.idle_s or self.client_s)
-        self._check_timer = self._loop.call_at(due, self._check)
+        self._arm(due)
 
     def end_now(self, reason: str) -> None:
         """End the stream with `reason` (total, idle, a shutdown past its grace): its next
