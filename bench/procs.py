@@ -208,6 +208,15 @@ async def start_hal0d(procs: Processes, upstream: Child, name: str, *, guard: bo
     return child
 
 
+async def start_floor(procs: Processes, upstream: Child, name: str) -> Child:
+    """bench/floor.py in front of the upstream: the bare aiohttp proxy of the latency rows."""
+    port = free_port()
+    child = procs.spawn(name, [sys.executable, "-m", "bench.floor", "--port", str(port),
+                               "--upstream", upstream.base], port, cwd=ROOT)
+    await wait_until(child, http_ok(f"{child.base}/healthz"), 15, procs)
+    return child
+
+
 def install_baseline(rev: str) -> tuple[Path, str]:
     """hal0d as it was at git revision `rev`, installed in a virtualenv of its own under
     bench/.peers/baseline-<commit>; returns its `hal0d` command and the full commit.

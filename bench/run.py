@@ -38,6 +38,7 @@ TARGET_TRANSLATOR_US = 10.0
 TARGET_KB_PER_STREAM = 30.0
 TARGET_LITELLM_FACTOR = 20.0
 BASELINE = "hal0d-baseline"  # the --baseline revision's hal0d, measured beside this tree's
+FLOOR = "aiohttp-floor"  # bench/floor.py: the bare proxy on hal0d's stack, in the latency rows
 LATENCY_BLOCKS = 20  # the hal0d processes' latency pairs, interleaved in this many rounds
 
 
@@ -66,7 +67,8 @@ async def latency_section(run: Run, targets: dict[str, str], pids: dict[str, int
                                                  chat_body(stream=True, tokens=8),
                                                  client.JSON_HEADERS)
         cpu = {name: functools.partial(procs.cpu_seconds, pids[name]) for name in targets}
-        ours = [name for name in targets if name.startswith("hal0d")]
+        # The floor takes turns with the hal0d processes: hal0d's own work is their difference.
+        ours = [name for name in targets if name.startswith("hal0d") or name == FLOOR]
         groups = [ours] + [[name] for name in targets if name not in ours]
         for kind, timer, key in (("whole", client.request_time, "latency"),
                                  ("stream", client.first_byte_time, "ttfb")):
@@ -369,9 +371,11 @@ async def measure(run: Run, peers: bool, profile: bool, sections: set[str],
         pids = {name: c.pid for name, c in children.items()}
 
         if "latency" in sections:
+            floor = await procs.start_floor(procset, upstream, FLOOR)
             await latency_section(
-                run, {k: v for k, v in bases.items() if k != "hal0d-noguard"}, pids,
-                upstream.base)
+                run, {**{k: v for k, v in bases.items() if k != "hal0d-noguard"},
+                      FLOOR: floor.base}, {**pids, FLOOR: floor.pid}, upstream.base)
+            floor.stop()
         if "throughput" in sections:
             await throughput_section(run, {"direct": upstream.base, **bases}, pids)
         if "anthropic" in sections:
@@ -451,6 +455,15 @@ def build_rows(run: Run) -> list[dict[str, Any]]:
                 f"< {TARGET_ADDED_MS} ms med", h["added_ms_median"] < TARGET_ADDED_MS,
                 f"direct {h['direct_ms_median']:.3f} ms, {h['pairs']} pairs; hal0d CPU "
                 f"{h['cpu_us_per_request']:.0f} us/request")
+    for key, label in (("latency", "non-streaming"), ("ttfb", "time to first byte")):
+        table = lat if key == "latency" else ttfb
+        if FLOOR in table and "hal0d" in table:
+            f, h = table[FLOOR], table["hal0d"]
+            row(f"aiohttp floor, {label}",
+                f"{f['added_ms_median']:.3f} ms med, {f['added_ms_p99']:.3f} p99", "-", None,
+                f"CPU {f['cpu_us_per_request']:.0f} us/request (bench/floor.py); hal0d's own "
+                f"work over it: {h['cpu_us_per_request'] - f['cpu_us_per_request']:+.0f} "
+                f"us/request, {h['added_ms_median'] - f['added_ms_median']:+.3f} ms")
     single, multi = r.get("single", {}), r.get("multi", {})
     for table, label in ((single, "relay 1 stream"), (multi, "relay 64 streams")):
         if "hal0d" not in table:
