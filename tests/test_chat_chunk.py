@@ -13,6 +13,9 @@ from typing import Any
 import orjson
 import pytest
 
+from hal0d.anthropic import stream as anthropic_stream
+from hal0d.ollama import stream as ollama_stream
+from hal0d.openai import responses_bridge
 from hal0d.protocol.chat_chunk import ChatChunk, MalformedChunk, ToolCallFragment, read_chunk
 from hal0d.protocol.sse import Decoder
 from tests.fixtures_util import fixture_path
@@ -218,3 +221,13 @@ def test_a_chunk_is_read_without_being_changed() -> None:
     before = orjson.dumps(chunk)
     read_chunk(chunk)
     assert orjson.dumps(chunk) == before
+
+
+def test_every_surface_raises_the_one_malformed_chunk() -> None:
+    """One definition: a caller catching any surface's MalformedChunk catches the reader's, and
+    Ollama's Incomplete (a stream that ends without a finish_reason) is one of them."""
+    assert issubclass(MalformedChunk, ValueError)
+    assert anthropic_stream.MalformedChunk is MalformedChunk
+    assert ollama_stream.MalformedChunk is MalformedChunk
+    assert responses_bridge.MalformedChunk is MalformedChunk
+    assert issubclass(ollama_stream.Incomplete, MalformedChunk)
