@@ -573,6 +573,10 @@ def test_impossible_orders_raise(make: Any, action: Any) -> None:
         ),
         pytest.param({"error": {"message": "CUDA out of memory"}}, id="upstream error object"),
         pytest.param({"object": "error", "message": "boom"}, id="vLLM error object"),
+        pytest.param(
+            {**finish("error"), "error": {"message": "provider disconnected"}},
+            id="error beside a finish_reason",
+        ),
     ],
 )
 def test_malformed_chunk_raises_and_fail_still_works(bad: Any) -> None:

@@ -113,6 +113,29 @@ def test_a_stream_without_finish_reason_ends_with_an_error_line() -> None:
     assert "error" in lines(failed.value.frame)[-1]
 
 
+@pytest.mark.parametrize(("bad", "message"), [
+    pytest.param({"object": "error", "message": "boom"}, "upstream reported an error: boom",
+                 id="vLLM error object"),
+    pytest.param({"choices": [], "usage": [7]}, "upstream chunk: usage is not an object",
+                 id="usage not an object"),
+    pytest.param(
+        delta(tool_calls=[{"index": 0, "function": {"name": "f", "arguments": {"q": 1}}}]),
+        "upstream chunk: tool call id, name or arguments is not a string",
+        id="arguments an object"),
+])
+def test_a_malformed_chunk_ends_the_stream_with_its_message_after_what_came_before(
+        bad: dict[str, Any], message: str) -> None:
+    """Each of these was once passed over: the error's message lost to "ended without a
+    finish_reason", the counts made up from the chunks, the call's arguments dropped."""
+    t = transform()
+    with pytest.raises(TransformFailed) as failed:
+        t.feed(b"data: " + orjson.dumps(delta(content="a")) + b"\n\n"
+               + b"data: " + orjson.dumps(bad) + b"\n\n")
+    assert failed.value.error_code == ErrorCode.UPSTREAM_MALFORMED
+    out = lines(failed.value.frame)
+    assert out[0]["message"]["content"] == "a" and out[-1] == {"error": message}
+
+
 def test_a_stall_ends_with_the_notice_done_length_and_x_hal0_stall_and_a_break_with_error() -> None:
     t = transform()
     t.feed(b"data: " + orjson.dumps(delta(content="a")) + b"\n\n")

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PURE_MODULES = (
     "hal0d.protocol.sse",
     "hal0d.protocol.transform",
+    "hal0d.protocol.chat_chunk",
     "hal0d.anthropic.stream",
     "hal0d.anthropic.request",
     "hal0d.anthropic.response",

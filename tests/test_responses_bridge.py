@@ -199,6 +199,9 @@ def test_output_after_the_finish_is_malformed() -> None:
     [], {"choices": {}}, {"choices": [{"delta": {"content": 3}}]},
     {"error": {"message": "boom"}}, {"choices": [], "usage": 3},
     {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}}]},
+    {"choices": [{"delta": {"tool_calls": "f"}}]},
+    {"choices": [{"delta": {}, "finish_reason": "error"}], "error": {"message": "cut"}},
+    {"choices": [], "usage": {"prompt_tokens": "9"}},
 ])
 def test_malformed_chunks_are_refused(bad: Any) -> None:
     with pytest.raises(MalformedChunk):

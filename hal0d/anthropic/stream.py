@@ -33,13 +33,12 @@ from __future__ import annotations
 import enum
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from hal0d.anthropic.stop import anthropic_stop
-from hal0d.errors import upstream_message
+from hal0d.protocol.chat_chunk import ChatChunk, MalformedChunk, read_chunk
 from hal0d.protocol.sse import encode
 
 __all__ = [
@@ -70,14 +69,11 @@ class State(enum.Enum):
 
 
 class TranslatorError(RuntimeError):
-    """The caller drove the translator in an order no stream can produce."""
+    """The caller drove the translator in an order no stream can produce.
 
-
-class MalformedChunk(TranslatorError):
-    """The upstream sent something that is not a usable chat.completion.chunk.
-
-    The translator's state is untouched by the offending chunk; the caller should `fail()` the
-    stream with this message.
+    An upstream's broken chunk or impossible order is MalformedChunk instead (the protocol's,
+    re-exported here): the translator's state is untouched by the offending chunk, and the
+    caller should `fail()` the stream with its message.
     """
 
 
@@ -91,21 +87,6 @@ def new_tool_use_id() -> str:
 
 # (opens a block, tool key, id, name, argument fragment)
 _ToolPiece = tuple[bool, object, str, str, str]
-
-
-# Not frozen: a frozen dataclass costs more to build, and one is built per upstream chunk.
-@dataclass(slots=True)
-class _Chunk:
-    """What one upstream chunk says, read and validated before it may change any state."""
-
-    choice: dict[str, Any] | None = None
-    content: str | None = None
-    reasoning: str | None = None
-    tools: list[_ToolPiece] | None = None
-    finish: str | None = None
-    has_usage: bool = False
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
 
 
 class Translator:
@@ -180,8 +161,9 @@ class Translator:
             return []
         if state is State.CLOSED or state is State.FAILED:
             raise TranslatorError(f"feed() after the stream was {state.value}")
-        read = self._read(chunk)
-        generated = bool(read.content or read.reasoning or read.tools)
+        read = read_chunk(chunk)
+        tools = self._tool_pieces(read) if read.tool_calls else ()
+        generated = bool(read.content or read.reasoning or tools)
         if generated and state is State.STOPPING:
             raise MalformedChunk("upstream sent output after its finish_reason")
 
@@ -196,8 +178,8 @@ class Translator:
             self._state = state = State.STREAMING
         if generated:
             self._fragments += 1
-            self._emit_output(events, read)
-        if read.finish is not None and state is State.STREAMING:
+            self._emit_output(events, read, tools)
+        if read.finish_reason is not None and state is State.STREAMING:
             assert read.choice is not None
             self._stop_reason, self._stop_sequence = anthropic_stop(
                 read.choice, self._stop_sequences, used_tools=bool(self._tool_keys)
@@ -208,57 +190,9 @@ class Translator:
             self._end_message(events)
         return events
 
-    def _read(self, chunk: object) -> _Chunk:
-        """What one chunk says, every field checked; raises MalformedChunk, changes nothing."""
-        if not isinstance(chunk, dict):
-            raise MalformedChunk("upstream chunk is not a JSON object")
-        read = _Chunk()
-        choices = chunk.get("choices")
-        if choices:
-            if not isinstance(choices, list):
-                raise MalformedChunk("upstream chunk: choices is not a list")
-            self._read_choice(choices[0], read)
-        elif choices is not None and not isinstance(choices, list):
-            raise MalformedChunk("upstream chunk: choices is not a list")
-        elif "error" in chunk or chunk.get("object") == "error":
-            raise MalformedChunk(f"upstream reported an error: {_error_message(chunk)}")
-
-        usage = chunk.get("usage")
-        if usage is not None:
-            if not isinstance(usage, dict):
-                raise MalformedChunk("upstream chunk: usage is not an object")
-            read.has_usage = True
-            read.prompt_tokens = usage.get("prompt_tokens")
-            read.completion_tokens = usage.get("completion_tokens")
-            if not _is_count(read.prompt_tokens) or not _is_count(read.completion_tokens):
-                raise MalformedChunk("upstream chunk: usage token counts are not integers")
-        return read
-
-    def _read_choice(self, choice: object, read: _Chunk) -> None:
-        if not isinstance(choice, dict):
-            raise MalformedChunk("upstream chunk: choices[0] is not an object")
-        read.choice = choice
-        delta = choice.get("delta")
-        if delta:
-            if not isinstance(delta, dict):
-                raise MalformedChunk("upstream chunk: delta is not an object")
-            content = delta.get("content")
-            if content is not None and not isinstance(content, str):
-                raise MalformedChunk("upstream chunk: delta.content is not a string")
-            # vLLM renamed reasoning_content to reasoning; versions sending both send the same.
-            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-            if reasoning is not None and not isinstance(reasoning, str):
-                raise MalformedChunk("upstream chunk: delta reasoning is not a string")
-            read.content, read.reasoning = content, reasoning
-            raw_tools = delta.get("tool_calls")
-            if raw_tools:
-                read.tools = self._tool_pieces(raw_tools, reopens=bool(content or reasoning))
-        finish = choice.get("finish_reason")
-        if finish is not None and not isinstance(finish, str):
-            raise MalformedChunk("upstream chunk: finish_reason is not a string")
-        read.finish = finish
-
-    def _emit_output(self, events: list[Event], read: _Chunk) -> None:
+    def _emit_output(
+        self, events: list[Event], read: ChatChunk, tools: Sequence[_ToolPiece]
+    ) -> None:
         """The chunk's generated output as block deltas, in the order thinking, text, tool calls;
         each kind opens its block first unless that block is the open one."""
         index = self._blocks - 1
@@ -272,7 +206,7 @@ class Translator:
             if self._open is not _TEXT:
                 index = self._start(events, _TEXT, {"type": "text", "text": ""})
             events.append(_delta(index, {"type": "text_delta", "text": read.content}))
-        for opens, key, call_id, name, arguments in read.tools or ():
+        for opens, key, call_id, name, arguments in tools:
             if opens:
                 index = self._start(
                     events,
@@ -317,29 +251,16 @@ class Translator:
         self._state = State.FAILED
         return [_error_event(message, error_type)]
 
-    def _tool_pieces(self, raw: object, *, reopens: bool) -> list[_ToolPiece]:
-        if not isinstance(raw, list):
-            raise MalformedChunk("upstream chunk: delta.tool_calls is not a list")
+    def _tool_pieces(self, read: ChatChunk) -> list[_ToolPiece]:
+        """Each fragment keyed to its call (the OpenAI index, else the id, else the open call),
+        and whether it opens a block: an Anthropic block once closed never reopens."""
         # Text or reasoning earlier in the same chunk closes the open tool block first.
+        reopens = bool(read.content or read.reasoning)
         current = None if reopens or self._open is not _TOOL_USE else self._open_tool
         pieces: list[_ToolPiece] = []
         opened: set[object] = set()
-        for call in raw:
-            if not isinstance(call, dict):
-                raise MalformedChunk("upstream chunk: a tool call is not an object")
-            index = call.get("index")
-            call_id = call.get("id")
-            function = call.get("function") or {}
-            if not isinstance(function, dict):
-                raise MalformedChunk("upstream chunk: tool call function is not an object")
-            name = function.get("name")
-            arguments = function.get("arguments")
-            if index is not None and type(index) is not int:
-                raise MalformedChunk("upstream chunk: tool call index is not an integer")
-            if not _is_str(call_id) or not _is_str(name) or not _is_str(arguments):
-                raise MalformedChunk(
-                    "upstream chunk: tool call id, name or arguments is not a string"
-                )
+        for fragment in read.tool_calls:
+            index, call_id, name = fragment.index, fragment.id, fragment.name
             key: object = index if index is not None else (call_id or current)
             if key is None:
                 raise MalformedChunk("upstream chunk: tool call fragment without index or id")
@@ -353,7 +274,7 @@ class Translator:
                     raise MalformedChunk("upstream chunk: a new tool call has no function name")
                 opened.add(key)
                 current = key
-            pieces.append((opens, key, call_id or new_tool_use_id(), name or "", arguments or ""))
+            pieces.append((opens, key, call_id or new_tool_use_id(), name or "", fragment.arguments))
         return pieces
 
     def _message_start(self) -> Event:
@@ -428,16 +349,3 @@ def _delta(index: int, delta: dict[str, Any]) -> Event:
 
 def _error_event(message: str, error_type: str) -> Event:
     return ("error", {"type": "error", "error": {"type": error_type, "message": message}})
-
-
-def _is_count(value: object) -> bool:
-    return value is None or (type(value) is int and value >= 0)
-
-
-def _is_str(value: object) -> bool:
-    return value is None or isinstance(value, str)
-
-
-def _error_message(chunk: dict[str, Any]) -> str:
-    message = upstream_message(chunk)
-    return "no message" if message is None else message

@@ -36,16 +36,25 @@ from typing import Any
 
 import orjson
 
-from hal0d.errors import upstream_message
+from hal0d.protocol.chat_chunk import ChatChunk, MalformedChunk, ToolCallFragment, read_chunk
 from hal0d.protocol.transform import STALL_KEY, StallTrip
+
+__all__ = [
+    "DONE_REASONS",
+    "NS",
+    "Clocks",
+    "Incomplete",
+    "MalformedChunk",
+    "State",
+    "Translator",
+    "encode",
+    "error_line",
+    "timestamp",
+]
 
 NS = 1_000_000_000
 # OpenAI's finish reasons as Ollama says them: a tool call is a stop, a cut answer a length.
 DONE_REASONS = {"length": "length"}
-
-
-class MalformedChunk(ValueError):
-    """The upstream sent something no Ollama object can be made of; the stream ends with it."""
 
 
 class Incomplete(MalformedChunk):
@@ -137,44 +146,27 @@ class Translator:
         """One parsed upstream chunk's objects; MalformedChunk when it is no chunk at all."""
         if self._state is State.DONE:
             return []  # usage after the last object, or a vLLM-style trailing chunk
-        if not isinstance(chunk, dict):
-            raise MalformedChunk("upstream chunk is not a JSON object")
-        if "error" in chunk and not chunk.get("choices"):
-            raise MalformedChunk(f"upstream reported an error: {upstream_message(chunk)}")
+        read = read_chunk(chunk)
         out: list[dict[str, Any]] = []
-        choices = chunk.get("choices") or []
-        if not isinstance(choices, list):
-            raise MalformedChunk("upstream chunk: choices is not a list")
-        if choices:
-            self._choice(choices[0], out)
-        usage = chunk.get("usage")
-        if isinstance(usage, dict):
-            self._usage(usage)
+        self._translate(read, out)
+        if read.has_usage:
+            self._usage(read)
             if self._state is State.FINISHING:
                 out.append(self._last())
         return out
 
-    def _choice(self, choice: object, out: list[dict[str, Any]]) -> None:
-        if not isinstance(choice, dict):
-            raise MalformedChunk("upstream chunk: choices[0] is not an object")
-        delta = choice.get("delta") or {}
-        if not isinstance(delta, dict):
-            raise MalformedChunk("upstream chunk: delta is not an object")
-        content = delta.get("content")
-        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-        if not isinstance(content, str | None) or not isinstance(reasoning, str | None):
-            raise MalformedChunk("upstream chunk: delta content is not a string")
-        if delta.get("tool_calls"):
-            self._gather(delta["tool_calls"])
+    def _translate(self, read: ChatChunk, out: list[dict[str, Any]]) -> None:
+        """The chunk's text, reasoning, tool calls and finish as Ollama objects."""
+        content, reasoning = read.content, read.reasoning
+        if read.tool_calls:
+            self._gather(read.tool_calls)
         if content or reasoning:
             self._generated()
             self.saw_thinking = self.saw_thinking or bool(reasoning)
             if content or (reasoning and self._think):
                 out.append(self._object(content or "", reasoning if self._think else None))
-        finish = choice.get("finish_reason")
+        finish = read.finish_reason
         if finish is not None and self._state is State.STREAMING:
-            if not isinstance(finish, str):
-                raise MalformedChunk("upstream chunk: finish_reason is not a string")
             self._done_reason = DONE_REASONS.get(finish, "stop")
             self._state = State.FINISHING
             if self._calls:
@@ -187,32 +179,26 @@ class Translator:
             self._clocks.first = now
         self._clocks.last = now
 
-    def _gather(self, calls: object) -> None:
-        if not isinstance(calls, list):
-            raise MalformedChunk("upstream chunk: delta.tool_calls is not a list")
+    def _gather(self, fragments: tuple[ToolCallFragment, ...]) -> None:
+        """Each fragment's arguments onto its call (by index, else id): Ollama sends the calls
+        whole, at the finish."""
         self._generated()
-        for call in calls:
-            function = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(function, dict):
-                raise MalformedChunk("upstream chunk: a tool call has no function object")
-            key = call.get("index", call.get("id"))
+        for fragment in fragments:
+            key = fragment.index if fragment.index is not None else fragment.id
             known = self._calls.get(key)
             if known is None:
-                name = function.get("name")
-                if not isinstance(name, str) or not name:
+                if not fragment.name:
                     raise MalformedChunk("upstream chunk: a new tool call has no function name")
-                known = self._calls[key] = _Call(str(call.get("id") or f"call_{len(self._calls)}"),
-                                                 name)
-            arguments = function.get("arguments")
-            if isinstance(arguments, str):
-                known.arguments.append(arguments)
+                known = self._calls[key] = _Call(fragment.id or f"call_{len(self._calls)}",
+                                                 fragment.name)
+            if fragment.arguments:
+                known.arguments.append(fragment.arguments)
 
-    def _usage(self, usage: dict[str, Any]) -> None:
-        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        if type(prompt) is int:
-            self._prompt_tokens = prompt
-        if type(completion) is int:
-            self._completion_tokens = completion
+    def _usage(self, read: ChatChunk) -> None:
+        if read.prompt_tokens is not None:
+            self._prompt_tokens = read.prompt_tokens
+        if read.completion_tokens is not None:
+            self._completion_tokens = read.completion_tokens
 
     def _tool_object(self) -> dict[str, Any]:
         calls = []

@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from hal0d.errors import ErrorCode, upstream_message
+from hal0d.errors import ErrorCode
 from hal0d.openai.responses_request import (
     FUNCTION,
     INCOMPLETE_REASONS,
@@ -54,6 +54,7 @@ from hal0d.openai.responses_request import (
     response_object,
     usage_of,
 )
+from hal0d.protocol.chat_chunk import ChatChunk, MalformedChunk, ToolCallFragment, read_chunk
 from hal0d.protocol.sse import Decoder, encode
 from hal0d.protocol.transform import STALL_KEY, StallTrip, TransformFailed
 
@@ -71,10 +72,6 @@ class State(enum.Enum):
     FAILED = "failed"
 
 
-class MalformedChunk(ValueError):
-    """The upstream sent something that is not a usable chat.completion.chunk."""
-
-
 @dataclass(slots=True)
 class _Open:
     """The output item being streamed."""
@@ -87,15 +84,6 @@ class _Open:
     call_id: str = ""
     name: str = ""  # a call's chat function name
     announced: bool = False  # a function call's output_item.added is out
-
-
-@dataclass(slots=True)
-class _Read:
-    content: str | None = None
-    reasoning: str | None = None
-    tools: list[tuple[object, str | None, str | None, str]] = field(default_factory=list)
-    finish: str | None = None
-    usage: dict[str, Any] | None = None
 
 
 class Bridge:
@@ -114,7 +102,7 @@ class Bridge:
         self._finish: str | None = None
         self._fragments = 0
         self._reasoning_fragments = 0
-        self._usage: dict[str, Any] | None = None
+        self._usage: ChatChunk | None = None  # the latest chunk that carried usage
 
     @property
     def done(self) -> bool:
@@ -128,27 +116,27 @@ class Bridge:
         """One parsed upstream chunk; MalformedChunk before any state changes."""
         if self.done:
             return []
-        read = _read(chunk)
-        generated = bool(read.content or read.reasoning or read.tools)
+        read = read_chunk(chunk)
+        generated = bool(read.content or read.reasoning or read.tool_calls)
         if generated and self.state is State.STOPPING:
             raise MalformedChunk("upstream sent output after its finish_reason")
         events = self._opening()
-        if read.usage is not None:
-            self._usage = read.usage
+        if read.has_usage:
+            self._usage = read
         if read.reasoning:
             self._reasoning_fragments += 1
             self._reason(events, read.reasoning)
         if read.content:
             self._write(events, read.content)
-        for key, call_id, name, arguments in read.tools:
-            self._call(events, key, call_id, name, arguments)
+        for fragment in read.tool_calls:
+            self._call(events, fragment)
         if generated:
             self._fragments += 1
-        if read.finish is not None and self.state is State.STREAMING:
-            self._finish = read.finish
+        if read.finish_reason is not None and self.state is State.STREAMING:
+            self._finish = read.finish_reason
             self._close(events)
             self.state = State.STOPPING
-        if read.usage is not None and self.state is State.STOPPING:
+        if read.has_usage and self.state is State.STOPPING:
             events += self._terminal()
         return events
 
@@ -233,8 +221,10 @@ class Bridge:
                                   output_index=current.index, content_index=0, part=part))
         return current
 
-    def _call(self, events: list[Event], key: object, call_id: str | None, name: str | None,
-              arguments: str) -> None:
+    def _call(self, events: list[Event], fragment: ToolCallFragment) -> None:
+        """A fragment continues the open call of its index (else id); any other opens one."""
+        call_id, name, arguments = fragment.id, fragment.name, fragment.arguments
+        key: object = fragment.index if fragment.index is not None else call_id
         current = self._open
         if key is None and current is not None and current.kind == _CALL:
             key = current.key  # a continuation that names neither its index nor its id
@@ -315,72 +305,17 @@ class Bridge:
     def _usage_now(self) -> dict[str, Any]:
         """The upstream's counts when it sent them; else the generated chunks (about one token
         each) and no prompt count."""
-        usage = self._usage or {}
-        prompt, generated = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        details = usage.get("completion_tokens_details")
-        reasoning = details.get("reasoning_tokens") if isinstance(details, dict) else None
-        return usage_of(prompt if type(prompt) is int else 0,
-                        generated if type(generated) is int else self._fragments,
-                        reasoning if type(reasoning) is int else self._reasoning_fragments)
+        usage = self._usage or ChatChunk()
+        prompt, generated = usage.prompt_tokens, usage.completion_tokens
+        reasoning = usage.reasoning_tokens
+        return usage_of(0 if prompt is None else prompt,
+                        self._fragments if generated is None else generated,
+                        self._reasoning_fragments if reasoning is None else reasoning)
 
     def _event(self, kind: str, **fields: Any) -> Event:
         payload = {"type": kind, "sequence_number": self._sequence, **fields}
         self._sequence += 1
         return kind, payload
-
-
-def _read(chunk: Any) -> _Read:
-    """What one chunk says, every field checked; raises MalformedChunk."""
-    if not isinstance(chunk, dict):
-        raise MalformedChunk("upstream chunk is not a JSON object")
-    read = _Read()
-    choices = chunk.get("choices")
-    if choices is not None and not isinstance(choices, list):
-        raise MalformedChunk("upstream chunk: choices is not a list")
-    if choices:
-        _read_choice(choices[0], read)
-    elif "error" in chunk or chunk.get("object") == "error":
-        message = upstream_message(chunk) or "no message"
-        raise MalformedChunk(f"upstream reported an error: {message}")
-    usage = chunk.get("usage")
-    if usage is not None:
-        if not isinstance(usage, dict):
-            raise MalformedChunk("upstream chunk: usage is not an object")
-        read.usage = usage
-    return read
-
-
-def _read_choice(choice: Any, read: _Read) -> None:
-    if not isinstance(choice, dict):
-        raise MalformedChunk("upstream chunk: choices[0] is not an object")
-    delta = choice.get("delta") or {}
-    if not isinstance(delta, dict):
-        raise MalformedChunk("upstream chunk: delta is not an object")
-    content = delta.get("content")
-    reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-    if not _is_str(content) or not _is_str(reasoning):
-        raise MalformedChunk("upstream chunk: delta content or reasoning is not a string")
-    read.content, read.reasoning = content, reasoning
-    for call in delta.get("tool_calls") or ():
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict | None):
-            raise MalformedChunk("upstream chunk: a tool call's function is not an object")
-        assert isinstance(call, dict)
-        function = function or {}
-        index, call_id = call.get("index"), call.get("id")
-        name, arguments = function.get("name"), function.get("arguments")
-        if not (_is_str(call_id) and _is_str(name) and _is_str(arguments)):
-            raise MalformedChunk("upstream chunk: tool call id, name or arguments is not a string")
-        key = index if index is not None else call_id
-        read.tools.append((key, call_id, name, arguments or ""))
-    finish = choice.get("finish_reason")
-    if not _is_str(finish):
-        raise MalformedChunk("upstream chunk: finish_reason is not a string")
-    read.finish = finish
-
-
-def _is_str(value: object) -> bool:
-    return value is None or isinstance(value, str)
 
 
 def encode_events(events: list[Event]) -> bytes:
