@@ -11,11 +11,13 @@ know) is a ClientError with a one-line message.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import http.client
 import json
 import os
 import queue
+import socket
 import sys
 import threading
 import time
@@ -211,35 +213,56 @@ def _watch_once(daemon: Daemon, out: TextIO) -> str:
     table is also redrawn every REDRAW_S between events: its ages (idle 5s, probing 12s) count
     up as the page's do, instead of standing still until the next event."""
     board = Board([], {})
-    metrics_at = 0.0
     with _open(daemon, "GET", "/api/events", WATCH_TIMEOUT_S) as response:
         frames: queue.Queue[Frame | BaseException | None] = queue.Queue()
-        threading.Thread(target=_read_frames, args=(response, frames), daemon=True).start()
-        while True:
+        reader = threading.Thread(target=_read_frames, args=(response, frames), daemon=True)
+        reader.start()
+        try:
+            return _draw_frames(daemon, out, board, frames)
+        finally:
+            if reader.is_alive():
+                # Leaving while the reader waits on the feed (Ctrl-C): closing the response
+                # would wait for the reader's read, until the next heartbeat, up to 15 s.
+                _wake_reader(response)
+
+
+def _wake_reader(response: http.client.HTTPResponse) -> None:
+    """Ends the read the reader thread is blocked in: the feed's socket shut down, through a
+    duplicate of its descriptor (http.client keeps the socket itself to itself)."""
+    with contextlib.suppress(OSError, ValueError), socket.fromfd(
+            response.fileno(), socket.AF_INET, socket.SOCK_STREAM) as duplicate:
+        duplicate.shutdown(socket.SHUT_RDWR)
+
+
+def _draw_frames(daemon: Daemon, out: TextIO, board: Board,
+                 frames: queue.Queue[Frame | BaseException | None]) -> str:
+    """The feed's frames drawn as they come, and at least every REDRAW_S; why the feed ended."""
+    metrics_at = 0.0
+    while True:
+        try:
+            item = frames.get(timeout=REDRAW_S)
+        except queue.Empty:
+            if board.views:
+                _draw(out, daemon, board)
+            continue
+        if item is None:
+            break
+        if isinstance(item, TimeoutError):
+            return f"hal0d at {daemon.url} went quiet (no heartbeat in {WATCH_TIMEOUT_S:g} s)"
+        if isinstance(item, (ConnectionError, http.client.HTTPException)):
+            return f"lost hal0d at {daemon.url}: {item}"
+        if isinstance(item, BaseException):
+            raise item
+        name, data = item
+        board.apply(name, data)
+        now = time.monotonic()
+        if name in ("hello", "request") and now - metrics_at >= METRICS_EVERY_S:
             try:
-                item = frames.get(timeout=REDRAW_S)
-            except queue.Empty:
-                if board.views:
-                    _draw(out, daemon, board)
-                continue
-            if item is None:
-                break
-            if isinstance(item, TimeoutError):
-                return f"hal0d at {daemon.url} went quiet (no heartbeat in {WATCH_TIMEOUT_S:g} s)"
-            if isinstance(item, (ConnectionError, http.client.HTTPException)):
-                return f"lost hal0d at {daemon.url}: {item}"
-            if isinstance(item, BaseException):
-                raise item
-            name, data = item
-            board.apply(name, data)
-            now = time.monotonic()
-            if name in ("hello", "request") and now - metrics_at >= METRICS_EVERY_S:
-                try:
-                    board.metrics = metrics(daemon)
-                except ClientError as exc:  # its metrics, asked as hal0d went away
-                    return str(exc)
-                metrics_at = now
-            _draw(out, daemon, board)
+                board.metrics = metrics(daemon)
+            except ClientError as exc:  # its metrics, asked as hal0d went away
+                return str(exc)
+            metrics_at = now
+        _draw(out, daemon, board)
     return f"hal0d at {daemon.url} ended the event stream (restarting?)"
 
 
