@@ -16,7 +16,14 @@ import pytest
 from hal0d.anthropic import stream as anthropic_stream
 from hal0d.ollama import stream as ollama_stream
 from hal0d.openai import responses_bridge
-from hal0d.protocol.chat_chunk import ChatChunk, MalformedChunk, ToolCallFragment, read_chunk
+from hal0d.protocol.chat_chunk import (
+    ChatChunk,
+    MalformedChunk,
+    ToolCallFragment,
+    Unreadable,
+    chunk_of,
+    read_chunk,
+)
 from hal0d.protocol.sse import Decoder
 from tests.fixtures_util import fixture_path
 
@@ -231,3 +238,16 @@ def test_every_surface_raises_the_one_malformed_chunk() -> None:
     assert ollama_stream.MalformedChunk is MalformedChunk
     assert responses_bridge.MalformedChunk is MalformedChunk
     assert issubclass(ollama_stream.Incomplete, MalformedChunk)
+
+
+def test_an_event_is_its_json_done_is_none_and_text_that_is_no_chunk_is_unreadable() -> None:
+    decoder = Decoder()
+    events = decoder.feed(b'data: {"choices": []}\n\ndata: [DONE]\n\ndata: {"cut\n\n'
+                          b"data: \xff\xfe\n\n")
+    assert [e.data[:6] for e in events[:2]] == ['{"choi', "[DONE]"]
+    assert chunk_of(events[0]) == {"choices": []}
+    assert chunk_of(events[1]) is None
+    with pytest.raises(Unreadable, match=r"^upstream sent a chunk that is not JSON$"):
+        chunk_of(events[2])
+    with pytest.raises(Unreadable, match=r"^upstream sent text that is not UTF-8$"):
+        chunk_of(events[3])

@@ -11,6 +11,7 @@ import orjson
 
 from hal0d.anthropic.stream import Event, MalformedChunk, Translator, encode_events
 from hal0d.errors import ErrorCode
+from hal0d.protocol.chat_chunk import Unreadable, chunk_of
 from hal0d.protocol.sse import Decoder
 from hal0d.protocol.transform import STALL_KEY, StallTrip, TransformFailed
 
@@ -30,27 +31,18 @@ class AnthropicTransform:
     def feed(self, chunk: bytes) -> bytes:
         translator = self.translator
         events: list[Event] = []
-        for event in self.decoder.feed(chunk):
-            if translator.done:
-                break  # message_stop was sent: trailing usage chunks and [DONE] change nothing
-            data = event.data
-            if event.invalid_utf8:
-                raise self._failed(
-                    events, ErrorCode.UPSTREAM_MALFORMED, "upstream sent text that is not UTF-8"
-                )
-            if data == "[DONE]":
-                events += self._finish(events)
-                continue
-            try:
-                events += translator.feed(orjson.loads(data))
-            except orjson.JSONDecodeError:
-                raise self._failed(
-                    events, ErrorCode.UPSTREAM_MALFORMED, "upstream sent a chunk that is not JSON"
-                ) from None
-            except MalformedChunk as exc:
-                raise self._failed(
-                    events, ErrorCode.UPSTREAM_MALFORMED, f"upstream sent a malformed chunk: {exc}"
-                ) from None
+        try:
+            for event in self.decoder.feed(chunk):
+                if translator.done:
+                    break  # message_stop was sent: trailing usage chunks and [DONE] change nothing
+                parsed = chunk_of(event)
+                events += self._finish(events) if parsed is None else translator.feed(parsed)
+        except Unreadable as exc:
+            raise self._failed(events, ErrorCode.UPSTREAM_MALFORMED, str(exc)) from None
+        except MalformedChunk as exc:
+            raise self._failed(
+                events, ErrorCode.UPSTREAM_MALFORMED, f"upstream sent a malformed chunk: {exc}"
+            ) from None
         return encode_events(events) if events else b""
 
     def _finish(self, done: list[Event] | None = None) -> list[Event]:

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
 from hal0d.errors import ErrorCode
 from hal0d.ollama.stream import Incomplete, MalformedChunk, Translator, encode, error_line
+from hal0d.protocol.chat_chunk import Unreadable, chunk_of
 from hal0d.protocol.sse import Decoder
 from hal0d.protocol.transform import StallTrip, TransformFailed
 
@@ -35,24 +34,18 @@ class OllamaTransform:
     def feed(self, chunk: bytes) -> bytes:
         translator = self.translator
         out: list[dict[str, Any]] = []
-        for event in self.decoder.feed(chunk):
-            if translator.done:
-                break
-            if event.invalid_utf8:
-                raise self._failed(out, ErrorCode.UPSTREAM_MALFORMED,
-                                   "upstream sent text that is not UTF-8")
-            try:
-                if event.data == "[DONE]":
-                    out += translator.finish()
-                else:
-                    out += translator.feed(orjson.loads(event.data))
-            except orjson.JSONDecodeError:
-                raise self._failed(out, ErrorCode.UPSTREAM_MALFORMED,
-                                   "upstream sent a chunk that is not JSON") from None
-            except Incomplete as exc:
-                raise self._failed(out, ErrorCode.UPSTREAM_INCOMPLETE, str(exc)) from None
-            except MalformedChunk as exc:
-                raise self._failed(out, ErrorCode.UPSTREAM_MALFORMED, str(exc)) from None
+        try:
+            for event in self.decoder.feed(chunk):
+                if translator.done:
+                    break
+                parsed = chunk_of(event)
+                out += translator.finish() if parsed is None else translator.feed(parsed)
+        except Unreadable as exc:
+            raise self._failed(out, ErrorCode.UPSTREAM_MALFORMED, str(exc)) from None
+        except Incomplete as exc:
+            raise self._failed(out, ErrorCode.UPSTREAM_INCOMPLETE, str(exc)) from None
+        except MalformedChunk as exc:
+            raise self._failed(out, ErrorCode.UPSTREAM_MALFORMED, str(exc)) from None
         return encode(out) if out else b""
 
     def end(self) -> bytes:

@@ -54,7 +54,14 @@ from hal0d.openai.responses_request import (
     response_object,
     usage_of,
 )
-from hal0d.protocol.chat_chunk import ChatChunk, MalformedChunk, ToolCallFragment, read_chunk
+from hal0d.protocol.chat_chunk import (
+    ChatChunk,
+    MalformedChunk,
+    ToolCallFragment,
+    Unreadable,
+    chunk_of,
+    read_chunk,
+)
 from hal0d.protocol.sse import Decoder, encode
 from hal0d.protocol.transform import STALL_KEY, StallTrip, TransformFailed
 
@@ -335,20 +342,16 @@ class BridgeTransform:
     def feed(self, chunk: bytes) -> bytes:
         bridge = self.bridge
         events: list[Event] = []
-        for event in self.decoder.feed(chunk):
-            if bridge.done:
-                break
-            if event.invalid_utf8:
-                raise self._failed(events, "upstream sent text that is not UTF-8")
-            if event.data == "[DONE]":
-                events += self._finish()
-                continue
-            try:
-                events += bridge.feed(orjson.loads(event.data))
-            except orjson.JSONDecodeError:
-                raise self._failed(events, "upstream sent a chunk that is not JSON") from None
-            except MalformedChunk as exc:
-                raise self._failed(events, f"upstream sent a malformed chunk: {exc}") from None
+        try:
+            for event in self.decoder.feed(chunk):
+                if bridge.done:
+                    break
+                parsed = chunk_of(event)
+                events += self._finish() if parsed is None else bridge.feed(parsed)
+        except Unreadable as exc:
+            raise self._failed(events, str(exc)) from None
+        except MalformedChunk as exc:
+            raise self._failed(events, f"upstream sent a malformed chunk: {exc}") from None
         return encode_events(events) if events else b""
 
     def _failed(self, done: list[Event], message: str) -> TransformFailed:

@@ -29,7 +29,11 @@ absent because real servers send it: `"finish_reason": null` until the last chun
 `"content": null` beside the role (llama-server), `"usage": null` on every chunk before the
 usage one (OpenAI, vLLM).
 
-Pure: stdlib only (and hal0d.errors, the base layer's reading of an upstream's error body).
+`chunk_of` is the step before, the same for every translating transform: one relayed SSE event
+as its parsed JSON, `[DONE]` as None, text that is not UTF-8 or not JSON refused (Unreadable).
+
+Pure: stdlib and orjson only (and hal0d.errors, the base layer's reading of an upstream's error
+body).
 """
 
 from __future__ import annotations
@@ -37,13 +41,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hal0d.errors import upstream_message
+import orjson
 
-__all__ = ["ChatChunk", "MalformedChunk", "ToolCallFragment", "read_chunk"]
+from hal0d.errors import upstream_message
+from hal0d.protocol.sse import Event
+
+__all__ = ["ChatChunk", "MalformedChunk", "ToolCallFragment", "Unreadable", "chunk_of",
+           "read_chunk"]
 
 
 class MalformedChunk(ValueError):
     """The upstream sent something that is not a usable chat.completion.chunk."""
+
+
+class Unreadable(ValueError):
+    """An upstream event that is no chunk at all: text that is not UTF-8, or not JSON."""
+
+
+def chunk_of(event: Event) -> Any | None:
+    """One relayed SSE event's parsed JSON, None for `data: [DONE]`; Unreadable when it is text
+    that is not UTF-8, or not JSON."""
+    if event.invalid_utf8:
+        raise Unreadable("upstream sent text that is not UTF-8")
+    if event.data == "[DONE]":
+        return None
+    try:
+        return orjson.loads(event.data)
+    except orjson.JSONDecodeError:
+        raise Unreadable("upstream sent a chunk that is not JSON") from None
 
 
 @dataclass(frozen=True, slots=True)
