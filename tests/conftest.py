@@ -29,6 +29,7 @@ from hal0d import logs
 from hal0d.app import make_app
 from hal0d.config import Config, DispatcherConfig, MetricsConfig, OllamaConfig, SlotConfig
 from hal0d.lifecycle.process import PRCTL
+from hal0d.observability.history import HistoryWriter
 from hal0d_stub.app import make_stub_app
 
 ROLE_CHUNK = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}\n\n'
@@ -385,3 +386,12 @@ async def start_ollama(start_hal0d: ServerFactory, tmp_path: Path) -> OllamaFact
         return server, f"http://127.0.0.1:{port}"
 
     return start
+
+
+@pytest.fixture
+async def writer(tmp_path: Path) -> AsyncIterator[HistoryWriter]:
+    """A started history writer on a fresh database, closed after the test."""
+    w = HistoryWriter(tmp_path / "history.db")
+    await w.start()
+    yield w
+    await w.close()

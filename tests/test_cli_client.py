@@ -54,12 +54,10 @@ def daemon_toml(tmp_path: Path, port: int) -> str:
     """).replace("'", '"')
 
 
-@pytest.fixture
-async def daemon(tmp_path: Path) -> AsyncIterator[Hal0d]:
-    port = free_port()
-    config = tmp_path / "hal0d.toml"
-    config.write_text(daemon_toml(tmp_path, port))
-    log = tmp_path / "hal0d.log"
+async def serving(config: Path, port: int) -> AsyncIterator[Hal0d]:
+    """`hal0d serve --config config` as a real process, without the caller's API key in its
+    environment, until the fixture ends."""
+    log = config.parent / "hal0d.log"
     with log.open("wb") as out:
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "hal0d", "serve", "--config", str(config),
@@ -72,6 +70,15 @@ async def daemon(tmp_path: Path) -> AsyncIterator[Hal0d]:
         yield served
     finally:
         await stop(process)
+
+
+@pytest.fixture
+async def daemon(tmp_path: Path) -> AsyncIterator[Hal0d]:
+    port = free_port()
+    config = tmp_path / "hal0d.toml"
+    config.write_text(daemon_toml(tmp_path, port))
+    async for served in serving(config, port):
+        yield served
 
 
 async def hal0d(*args: str, key: str | None = None) -> tuple[int, str, str]:
@@ -252,8 +259,6 @@ async def test_a_config_that_cannot_be_read_is_one_line_and_exit_1(tmp_path: Pat
     assert err.startswith(f"hal0d status: cannot use {tmp_path / 'missing.toml'}: ")
 
 
-
-
 @pytest.fixture
 async def slow_daemon(tmp_path: Path) -> AsyncIterator[Hal0d]:
     """A daemon whose on-demand slot `a` takes 30 s to load (its stub waits before listening)
@@ -270,19 +275,8 @@ async def slow_daemon(tmp_path: Path) -> AsyncIterator[Hal0d]:
         models = ["tool"]
         command = ["hal0d-no-such-program-b"]
     """))
-    log = tmp_path / "hal0d.log"
-    with log.open("wb") as out:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "hal0d", "serve", "--config", str(config),
-            stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
-            env=env_without("HAL0D_API_KEY"),
-        )
-    served = Hal0d(process, port, config, log)
-    try:
-        await served.wait_for_event("server.started", DEADLINE_S)
+    async for served in serving(config, port):
         yield served
-    finally:
-        await stop(process)
 
 
 async def test_status_without_watch_shows_a_loads_phase_and_why_a_slot_is_in_error(

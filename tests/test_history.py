@@ -9,11 +9,8 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
 from contextlib import closing
 from pathlib import Path
-
-import pytest
 
 from hal0d.observability.history import HistoryWriter, RequestRecord
 from tests.conftest import eventually
@@ -44,14 +41,6 @@ def record(i: int, *, ts: float | None = None, ok: bool = True) -> RequestRecord
 def count_rows(path: Path, where: str = "1") -> int:
     with closing(sqlite3.connect(path)) as conn:
         return int(conn.execute(f"SELECT count(*) FROM requests WHERE {where}").fetchone()[0])
-
-
-@pytest.fixture
-async def writer(tmp_path: Path) -> AsyncIterator[HistoryWriter]:
-    w = HistoryWriter(tmp_path / "history.db")
-    await w.start()
-    yield w
-    await w.close()
 
 
 async def test_rows_are_written_and_read_back_newest_first(writer: HistoryWriter) -> None:

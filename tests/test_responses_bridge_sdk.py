@@ -29,6 +29,7 @@ from hal0d_stub.app import (
     words,
 )
 from tests.conftest import Stub, eventually, free_port
+from tests.test_responses import sdk
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -50,13 +51,6 @@ async def chat_stub(aiohttp_server: Any, tmp_path: Path) -> Stub:
 async def hal0d(chat_stub: Stub, start_hal0d: Any) -> TestServer:
     return await start_hal0d(chat_stub.url, slot={"responses": "translate"},
                              aliases={"gpt-*": "chat"})
-
-
-def sdk(server: TestServer) -> AsyncOpenAI:
-    from openai import AsyncOpenAI
-
-    return AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="x", max_retries=0,
-                       timeout=10.0)
 
 
 @pytest.fixture

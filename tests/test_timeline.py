@@ -5,7 +5,6 @@ processes), and each group's memory."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +40,6 @@ def row(ts: float, slot: str, *, ok: bool = True, ttft_ms: float | None = None,
                          error_code=None if ok else "dispatch.upstream_unavailable",
                          queue_ms=queue_ms, ttft_ms=ttft_ms, total_ms=total_ms,
                          completion_tokens=completion_tokens)
-
-
-@pytest.fixture
-async def writer(tmp_path: Path) -> AsyncIterator[HistoryWriter]:
-    w = HistoryWriter(tmp_path / "history.db")
-    await w.start()
-    yield w
-    await w.close()
 
 
 def test_the_nearest_rank_percentile_is_always_a_measured_value() -> None:
