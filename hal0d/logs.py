@@ -146,9 +146,14 @@ def redact_secrets(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableM
     return event
 
 
+# What makes a logfmt value need its quotes: one search in C, where a test per character in
+# Python cost ~10 us of request.done's twenty fields.
+_NEEDS_QUOTES = re.compile(r'[ "=\n\t\\]')
+
+
 def _logfmt_value(value: Any) -> str:
-    text = value if isinstance(value, str) else str(value)
-    if text and not any(ch in text for ch in ' "=\n\t\\'):
+    text = value if type(value) is str else str(value)
+    if text and _NEEDS_QUOTES.search(text) is None:
         return text
     return orjson.dumps(text).decode()
 

@@ -84,6 +84,24 @@ def test_under_journald_lines_carry_the_syslog_priority_and_no_timestamp(
     assert not any(ISO_TIME.search(line) for line in lines)
 
 
+def test_a_logfmt_value_is_quoted_exactly_when_a_space_quote_equals_newline_tab_or_backslash(
+    configure_logs: Configure,
+) -> None:
+    path = configure_logs(fmt="journald")
+    plain = {"a": "/v1/chat/completions", "b": 200, "c": None, "d": True, "e": 0.31,
+             "f": "kv-cache_full"}
+    quoted = {"g": "two words", "h": 'say "hi"', "i": "k=v", "j": "line\nbreak", "k": "tab\tbed",
+              "l": "back\\slash", "m": ""}
+    logs.get_logger().info("request.done", **plain, **quoted)
+    line = path.read_text().strip()
+    assert line.startswith("<6>request.done ")
+    # Each quoted value is the JSON string of the text, so a reader gets back what was logged.
+    fields = dict(re.findall(r' ([a-m])=("(?:[^"\\]|\\.)*"|\S*)', line))
+    assert fields == {**{k: str(v) for k, v in plain.items()},
+                      **{k: orjson.dumps(v).decode() for k, v in quoted.items()}}
+    assert {k: orjson.loads(fields[k]) for k in quoted} == quoted
+
+
 def test_a_journal_stream_that_is_not_our_stdout_is_not_journald(
     configure_logs: Configure,
 ) -> None:
