@@ -7,6 +7,7 @@ and is stopped (by its own pid, SIGTERM then SIGKILL) when the run ends.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import resource
 import shutil
@@ -217,20 +218,30 @@ async def start_floor(procs: Processes, upstream: Child, name: str) -> Child:
     return child
 
 
-def install_baseline(rev: str) -> tuple[Path, str]:
-    """hal0d as it was at git revision `rev`, installed in a virtualenv of its own under
+def install_baseline(spec: str) -> tuple[Path, str]:
+    """hal0d as it was at a git revision, installed in a virtualenv of its own under
     bench/.peers/baseline-<commit>; returns its `hal0d` command and the full commit.
+
+    `spec` is the revision, optionally followed by `+PATCH` (repeatable): patch files, relative
+    to the repository's root, applied to that revision's tree before it is installed
+    (bench/counterfactuals/: the baseline with one of its choices undone, say). A patched
+    baseline gets a virtualenv of its own, named after the patches' content too.
 
     The virtualenv borrows this one's site-packages (a .pth line) for hal0d's dependencies and
     installs only hal0d itself (--no-deps): both hal0d versions run on the very same aiohttp,
     orjson and uvloop, so the comparison shows hal0d's own change.
-    Built once per commit; a failed build is removed so the next run starts clean.
+    Built once per commit and patches; a failed build is removed so the next run starts clean.
     """
+    rev, *patch_names = spec.split("+")
     commit = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=ROOT,
                             capture_output=True, text=True, check=False).stdout.strip()
     if not commit:
         raise RuntimeError(f"BASELINE={rev}: not a git revision of this repository")
-    venv = PEERS / f"baseline-{commit[:12]}"
+    patches = [ROOT / name for name in patch_names]
+    if missing := [str(patch) for patch in patches if not patch.is_file()]:
+        raise RuntimeError(f"BASELINE={spec}: no such patch file: {', '.join(missing)}")
+    digest = hashlib.sha256(b"".join(patch.read_bytes() for patch in patches)).hexdigest()
+    venv = PEERS / (f"baseline-{commit[:12]}" + (f"-{digest[:8]}" if patches else ""))
     command = venv / "bin" / "hal0d"
     stamp = venv / ".installed"
     if stamp.exists() and command.exists():
@@ -243,6 +254,10 @@ def install_baseline(rev: str) -> tuple[Path, str]:
         archive = subprocess.run(["git", "archive", "--format=tar", commit], cwd=ROOT,
                                  capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
+        for patch in patches:
+            # The ceiling keeps git apply from taking this repository's root for the tree's.
+            subprocess.run(["git", "apply", str(patch)], cwd=source, check=True,
+                           env={**os.environ, "GIT_CEILING_DIRECTORIES": str(venv)})
         python = venv / "bin" / "python"
         site = subprocess.run(
             [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -258,7 +273,7 @@ def install_baseline(rev: str) -> tuple[Path, str]:
                        check=True)
     except (OSError, subprocess.CalledProcessError) as exc:
         shutil.rmtree(venv, ignore_errors=True)
-        raise RuntimeError(f"BASELINE={rev}: could not install it: {exc}") from exc
+        raise RuntimeError(f"BASELINE={spec}: could not install it: {exc}") from exc
     stamp.touch()
     return command, commit
 

@@ -396,6 +396,32 @@ async def measure(run: Run, peers: bool, profile: bool, sections: set[str],
             await profile_section(run, hal0d)
     finally:
         procset.stop_all()
+        run.results["log_errors"] = log_errors(run.workdir, procset)
+
+
+# The hal0d processes every section shares: an error in their logs means a figure measured
+# something other than its name (a variant whose patch raised in every request's finish, say).
+SHARED_HAL0DS = ("hal0d", BASELINE, "hal0d-noguard", "hal0d-nometrics", "hal0d-uvloop")
+
+
+def log_errors(workdir: Path, procset: procs.Processes) -> dict[str, dict[str, Any]]:
+    """Per shared hal0d process, its error lines (JSON logs, `level` error or critical): how
+    many, and the first one's event."""
+    found: dict[str, dict[str, Any]] = {}
+    for name in {child.name for child in procset.children} & set(SHARED_HAL0DS):
+        count, first = 0, ""
+        with contextlib.suppress(OSError), open(workdir / f"{name}.log", "rb") as log:
+            for line in log:
+                try:
+                    event = orjson.loads(line)
+                except orjson.JSONDecodeError:
+                    continue  # not one of hal0d's lines (a child's own output)
+                if isinstance(event, dict) and event.get("level") in ("error", "critical"):
+                    count += 1
+                    first = first or str(event.get("event"))
+        if count:
+            found[name] = {"count": count, "first": first}
+    return found
 
 
 def machine() -> dict[str, Any]:
@@ -444,6 +470,10 @@ def build_rows(run: Run) -> list[dict[str, Any]]:
         rows.append({"row": name, "value": "-", "target": target, "verdict": "skipped",
                      "note": why})
 
+    errors = r.get("log_errors", {})
+    row("error lines in the hal0d logs", str(sum(e["count"] for e in errors.values())), "0",
+        not errors, "; ".join(f"{name}: {e['count']}, first {e['first']}"
+                             for name, e in sorted(errors.items())))
     lat, ttfb = r.get("latency", {}), r.get("ttfb", {})
     for key, label in (("latency", "added latency, non-streaming"),
                        ("ttfb", "added time to first byte")):
@@ -651,7 +681,8 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
         f"hal0d bench, {meta['date']}, {meta['machine']['cpu']} x{meta['machine']['cores']}, "
         f"Python {meta['machine']['python']}, aiohttp {meta['machine']['aiohttp']}, "
-        f"hal0d {meta['machine']['hal0d_commit']}, {meta['duration_s']:.0f} s",
+        f"hal0d {meta['machine']['hal0d_commit']}, {meta['duration_s']:.0f} s"
+        + (f", baseline {meta['machine']['baseline']}" if "baseline" in meta["machine"] else ""),
         "  ".join(h.ljust(widths.get(h, 0)) for h in heads).rstrip(),
         "  ".join("-" * widths.get(h, 4) for h in heads).rstrip(),
     ]
@@ -671,9 +702,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated subset of the default")
     parser.add_argument("--uvloop", action="store_true",
                         help="experiment: add a hal0d-uvloop instance (bench/.peers/uvloop)")
-    parser.add_argument("--baseline", metavar="REV",
+    parser.add_argument("--baseline", metavar="REV[+PATCH...]",
                         help="also measure hal0d at git revision REV (installed in "
-                        "bench/.peers/baseline-<commit>) side by side; rows for both and ratio")
+                        "bench/.peers/baseline-<commit>) side by side; rows for both and ratio; "
+                        "+PATCH applies a patch file to REV's tree first (bench/counterfactuals)")
     parser.add_argument("--out", type=Path, default=RESULTS / "latest.json")
     parser.add_argument("--keep-logs", action="store_true",
                         help="keep the run folder (configs, process logs)")
@@ -688,6 +720,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline:
         say(f"baseline: installing hal0d at {args.baseline}")
         baseline, meta_machine["baseline_commit"] = procs.install_baseline(args.baseline)
+        meta_machine["baseline"] = args.baseline
     say(f"run folder {workdir}")
     try:
         asyncio.run(measure(run, args.peers, args.profile, set(args.sections.split(",")),
