@@ -404,6 +404,41 @@ async def test_a_slow_client_is_not_blamed_on_the_upstream(upstream_app, start_h
     assert raw == b"".join(pieces)
 
 
+async def test_a_loop_that_was_away_past_the_idle_bound_does_not_blame_an_upstream_that_spoke(
+    upstream_app, start_hal0d, http
+):
+    """A turn of hal0d's event loop that takes longer than the idle bound (a long callback, a
+    collection, a starved process) makes the guard's check late: what the upstream sent while
+    the loop was away is still unread, and is no stall."""
+    role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant"}}]}\n\n'
+    rest = (b'data: {"choices":[{"index":0,"delta":{"content":"Hello"}}]}\n\n'
+            b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+            b"data: [DONE]\n\n")
+
+    async def upstream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={hdrs.CONTENT_TYPE: "text/event-stream"})
+        await response.prepare(request)
+        await response.write(role)
+        await asyncio.sleep(0.1)  # well inside the idle bound, but due while the loop is away
+        await response.write(rest)
+        await response.write_eof()
+        return response
+
+    url = await upstream_app({"POST /v1/chat/completions": upstream})
+    hal0d = await start_hal0d(url, dispatcher=guard(total=0, idle=0.3))
+    with structlog.testing.capture_logs() as logs:
+        async with asyncio.timeout(5), http.post(hal0d.make_url("/v1/chat/completions"),
+                                                 json=chat_body()) as resp:
+            first = await resp.content.readany()
+            # hal0d, its upstream and this client share one loop here: all of them away at once,
+            # past both the upstream's next write and the guard's idle check.
+            time.sleep(0.5)
+            raw = first + await resp.read()
+
+    assert not [e for e in logs if e["event"] == TRIPPED]
+    assert raw == role + rest
+
+
 def llm_slot(snapshot: dict[str, Any]) -> dict[str, Any]:
     [slot] = [s for s in snapshot["slots"] if s["name"] == "llm"]
     return slot

@@ -16,6 +16,13 @@ to drain leaves aiohttp's response writer holding a cancelled future, and the te
 the request's record are lost with it. Failing the read is deterministic: the relay sees
 StallTripped at its next read, whatever it was doing when the bound ran out.
 
+A check that runs late (the loop was away: a long callback, a collection, a starved process)
+may find a bound run out while what the upstream sent meanwhile is still unread in the socket,
+or a drained write not yet seen by the relay: the event loop runs due timers before the reads
+that arrived in the same turn reach the relay. Such a check gives the read or write one more look,
+as long again as the loop was away (at most one bound), before it calls it a stall; once per read
+or write, so a loop that is always late still trips, by at most that much later.
+
 A client that takes no bytes for `max(stream_idle_timeout_s, direct_read_timeout_s)` is cut too
 (its connection aborted, error_code client_stalled): otherwise a client that stops reading but
 keeps its socket open would hold a slot and an upstream generation for as long as it likes.
@@ -38,6 +45,9 @@ from hal0d.logs import get_logger
 from hal0d.protocol.transform import STALL_KEY, StallTrip
 
 log = get_logger()
+
+# A check this late after its due time ran after the loop was away (see the module's text).
+LATE_S = 0.01
 
 # What the metrics tap looks for to skip the stall frame of a hal0d standing upstream of this one.
 STALL_MARKER = f'"{STALL_KEY}"'.encode()
@@ -86,6 +96,9 @@ class StallGuard:
         # When the write now awaited began; None while the upstream is awaited.
         self._writing_since: float | None = None
         self._check_timer: asyncio.TimerHandle | None = None
+        self._due = 0.0  # when the armed check was asked to run
+        # The read or write (its start) that a late check gave one more look.
+        self._second_look: float | None = None
 
     def start(self) -> None:
         self._arm(self.started + (self.idle_s or self.client_s))
@@ -99,7 +112,18 @@ class StallGuard:
         stream has been ended, only a stalled client is still looked for)."""
         if self.total_s > 0 and self.reason is None:
             due = min(due, self.started + self.total_s)
+        self._due = due
         self._check_timer = self._loop.call_at(due, self._check)
+
+    def _look_again(self, since: float, now: float, bound: float) -> bool:
+        """Whether a late check re-armed for one more look at the read or write begun at
+        `since`, under `bound`, instead of ending it (see the module's text)."""
+        away = now - self._due
+        if away <= LATE_S or self._second_look == since:
+            return False
+        self._second_look = since
+        self._arm(now + min(away, bound))
+        return True
 
     # Called for every chunk, so they only note the time: no timer is moved per chunk.
     def awaiting_upstream(self) -> None:
@@ -118,9 +142,12 @@ class StallGuard:
         if self.total_s > 0 and now - self.started >= self.total_s - 0.001:
             self.end_now("total")  # a write that waits on the client is still watched below
         if reading is not None and self.idle_s > 0 and now - reading >= self.idle_s - 0.001:
-            self.end_now("idle")
+            if not self._look_again(reading, now, self.idle_s):
+                self.end_now("idle")
             return
         if writing is not None and now - writing >= self.client_s - 0.001:
+            if self._look_again(writing, now, self.client_s):
+                return
             self.reason = self.reason or "client"
             self.client_cut = True
             log.warning(
