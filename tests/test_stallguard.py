@@ -439,6 +439,39 @@ async def test_a_loop_that_was_away_past_the_idle_bound_does_not_blame_an_upstre
     assert raw == role + rest
 
 
+async def test_a_loop_that_was_away_past_the_client_bound_does_not_cut_a_client_that_read(
+    upstream_app, start_hal0d, http
+):
+    """The same for the client's side: a write that waits on a client which reads again while
+    hal0d's loop is away is no stalled client."""
+    pieces = [bytes([i]) * 2**20 for i in range(16)]
+
+    async def upstream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={hdrs.CONTENT_TYPE: "audio/wav"})
+        await response.prepare(request)
+        for piece in pieces:
+            await response.write(piece)
+        await response.write_eof()
+        return response
+
+    url = await upstream_app({"POST /v1/audio/speech": upstream})
+    hal0d = await start_hal0d(url, dispatcher=guard(total=0, idle=0.3, direct_read_timeout_s=0.3))
+    loop = asyncio.get_running_loop()
+    with structlog.testing.capture_logs() as logs:
+        async with asyncio.timeout(5), http.post(
+            hal0d.make_url("/v1/audio/speech"), json={"model": "chat", "input": "x"}
+        ) as resp:
+            first = await resp.content.readany()
+            # hal0d's writes wait on this client, which reads again after 0.1 s; the loop they
+            # share is away from 0.05 s to 0.55 s, past the guard's client bound (0.3 s).
+            loop.call_later(0.05, time.sleep, 0.5)
+            await asyncio.sleep(0.1)
+            raw = first + await resp.read()
+
+    assert not [e for e in logs if e["event"] in (TRIPPED, "dispatch.client_stalled")]
+    assert raw == b"".join(pieces)
+
+
 def llm_slot(snapshot: dict[str, Any]) -> dict[str, Any]:
     [slot] = [s for s in snapshot["slots"] if s["name"] == "llm"]
     return slot
