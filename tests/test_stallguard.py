@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -379,8 +380,8 @@ async def test_each_trip_logs_one_line_with_reason_elapsed_and_upstream(
     assert done["error_code"] == "stream_stall_idle"
 
 
-async def test_a_slow_client_is_not_blamed_on_the_upstream(upstream_app, start_hal0d, http):
-    pieces = [bytes([i]) * 2**20 for i in range(24)]
+def audio_upstream(pieces: list[bytes]) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """An upstream that writes `pieces` of audio as fast as hal0d takes them."""
 
     async def upstream(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={hdrs.CONTENT_TYPE: "audio/wav"})
@@ -390,7 +391,13 @@ async def test_a_slow_client_is_not_blamed_on_the_upstream(upstream_app, start_h
         await response.write_eof()
         return response
 
-    url = await upstream_app({"POST /v1/audio/speech": upstream})
+    return upstream
+
+
+async def test_a_slow_client_is_not_blamed_on_the_upstream(upstream_app, start_hal0d, http):
+    pieces = [bytes([i]) * 2**20 for i in range(24)]
+
+    url = await upstream_app({"POST /v1/audio/speech": audio_upstream(pieces)})
     hal0d = await start_hal0d(url, dispatcher=guard(total=0, idle=0.3))
     with structlog.testing.capture_logs() as logs:
         async with asyncio.timeout(5), http.post(
@@ -446,15 +453,7 @@ async def test_a_loop_that_was_away_past_the_client_bound_does_not_cut_a_client_
     hal0d's loop is away is no stalled client."""
     pieces = [bytes([i]) * 2**20 for i in range(16)]
 
-    async def upstream(request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={hdrs.CONTENT_TYPE: "audio/wav"})
-        await response.prepare(request)
-        for piece in pieces:
-            await response.write(piece)
-        await response.write_eof()
-        return response
-
-    url = await upstream_app({"POST /v1/audio/speech": upstream})
+    url = await upstream_app({"POST /v1/audio/speech": audio_upstream(pieces)})
     hal0d = await start_hal0d(url, dispatcher=guard(total=0, idle=0.3, direct_read_timeout_s=0.3))
     loop = asyncio.get_running_loop()
     with structlog.testing.capture_logs() as logs:
