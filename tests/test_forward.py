@@ -8,7 +8,9 @@ import time
 import aiohttp
 import orjson
 from aiohttp import hdrs, web
+from multidict import CIMultiDict, CIMultiDictProxy
 
+from hal0d.transport.upstream import response_headers
 from tests.conftest import (
     ROLE_CHUNK,
     chat_body,
@@ -142,6 +144,20 @@ async def test_malformed_json_and_missing_model_are_400(stub, start_hal0d, http)
             body = await resp.json()
         assert resp.status == 400, data
         assert body["error"]["type"] == "invalid_request_error"
+
+
+def test_hop_by_hop_headers_of_an_answer_and_those_its_connection_names_stay_behind() -> None:
+    upstream = CIMultiDictProxy(CIMultiDict([
+        ("Connection", "keep-alive, X-Upstream-Private"), ("Keep-Alive", "timeout=5"),
+        ("x-upstream-private", "hop"), ("Transfer-Encoding", "chunked"), ("Date", "today"),
+        ("Server", "llama"), ("Content-Type", "text/event-stream"), ("Set-Cookie", "a=1"),
+        ("Set-Cookie", "b=2"), ("X-Request-Id", "up-1"),
+    ]))
+    out = response_headers(upstream)
+    assert list(out.items()) == [
+        ("Content-Type", "text/event-stream"), ("Set-Cookie", "a=1"), ("Set-Cookie", "b=2"),
+        ("X-Request-Id", "up-1"), ("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no"),
+    ]
 
 
 async def test_credentials_and_hop_by_hop_headers_are_not_forwarded(

@@ -103,8 +103,12 @@ def _connection_tokens(headers: Mapping[str, str]) -> set[str]:
 
 def _without(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
     """A copy of `headers` without the names in `drop` (lower case; the multidict compares
-    names case-insensitively): a copy and a few deletions, in C, rather than a filter of
-    every header in Python."""
+    names case-insensitively) nor those their Connection header names: a copy and a few
+    deletions, in C, rather than a filter of every header in Python."""
+    named = _connection_tokens(headers)
+    # Most name nothing or only keep-alive (dropped anyway): no new set per request.
+    if not named <= drop:
+        drop = drop | named
     out = headers.copy()
     for name in drop:
         if name in out:
@@ -113,10 +117,7 @@ def _without(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDic
 
 
 def request_headers(client: CIMultiDictProxy[str], slot: SlotConfig) -> CIMultiDict[str]:
-    named = _connection_tokens(client)
-    # Most clients name nothing or only keep-alive (dropped anyway): no new set per request.
-    drop = DROP_REQUEST if named <= DROP_REQUEST else DROP_REQUEST | named
-    out = _without(client, drop)
+    out = _without(client, DROP_REQUEST)
     # A client's own User-Agent goes through, as proxies keep it: the upstream's logs and
     # per-client behaviour see the real client. Without one, the request is hal0d's.
     if hdrs.USER_AGENT not in out:
@@ -146,8 +147,7 @@ SSE_HEADERS = {hdrs.CONTENT_TYPE: "text/event-stream; charset=utf-8", **SSE_UNBU
 
 
 def response_headers(upstream: CIMultiDictProxy[str]) -> CIMultiDict[str]:
-    named = _connection_tokens(upstream)
-    out = _without(upstream, DROP_RESPONSE if named <= DROP_RESPONSE else DROP_RESPONSE | named)
+    out = _without(upstream, DROP_RESPONSE)
     if out.get(hdrs.CONTENT_TYPE, "").startswith("text/event-stream"):
         out.update(SSE_UNBUFFERED)
     return out
