@@ -96,7 +96,6 @@ class StallGuard:
         # When the write now awaited began; None while the upstream is awaited.
         self._writing_since: float | None = None
         self._check_timer: asyncio.TimerHandle | None = None
-        self._due = 0.0  # when the armed check was asked to run
         # The read or write (its start) that a late check gave one more look.
         self._second_look: float | None = None
 
@@ -112,13 +111,13 @@ class StallGuard:
         stream has been ended, only a stalled client is still looked for)."""
         if self.total_s > 0 and self.reason is None:
             due = min(due, self.started + self.total_s)
-        self._due = due
         self._check_timer = self._loop.call_at(due, self._check)
 
     def _look_again(self, since: float, now: float, bound: float) -> bool:
-        """Whether a late check re-armed for one more look at the read or write begun at
-        `since`, under `bound`, instead of ending it (see the module's text)."""
-        away = now - self._due
+        """Whether a late check (the one running now) re-armed for one more look at the read or
+        write begun at `since`, under `bound`, instead of ending it (see the module's text)."""
+        assert self._check_timer is not None  # the check that runs was armed
+        away = now - self._check_timer.when()
         if away <= LATE_S or self._second_look == since:
             return False
         self._second_look = since
