@@ -1,0 +1,252 @@
+"""The configuration as the rest of hal0d is handed it: frozen dataclasses, one per TOML table.
+
+They hold no checking, no file reading and no rendering, so a `Config` built by hand (as the
+tests do) is the same thing `load` returns. Beside them: the error that lists every problem
+found, the constants the dataclasses answer by (a slot's start modes, a group's policies, the
+timeouts a slot may set, a key's scopes) and the two readings of their values that run while
+serving (a `host:port`, a model alias).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ConfigError(Exception):
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    # listen(2)'s queue of connections not yet accepted; the kernel clips it to somaxconn.
+    backlog: int = 2048
+    shutdown_grace_s: float = 30.0
+    # A connection that has not sent a whole first request head within this is closed.
+    header_timeout_s: float = 10.0
+    # An idle keep-alive connection is closed after this (aiohttp's own bound).
+    keepalive_timeout_s: float = 75.0
+    max_body_bytes: int = 32 * 1024 * 1024
+    api_keys: tuple[str, ...] = ()
+    api_keys_file: str | None = None
+    protect_metrics: bool = False
+    # Host names (beyond loopback and the listening address) and browser origins let in.
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
+    # The keys clients may present: api_keys plus the lines of api_keys_file, read at load time.
+    # Kept out of repr and of print-config's output.
+    accepted_keys: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class DispatcherConfig:
+    """The `[dispatcher]` section: the bounds on a request's way to its upstream. It holds
+    timeouts and nothing else, so code that is handed one (often a slot's effective copy,
+    SlotConfig.timeouts()) names it `timeouts`."""
+
+    direct_read_timeout_s: float = 300.0
+    stream_total_timeout_s: float = 900.0
+    stream_idle_timeout_s: float = 300.0
+    connect_timeout_s: float = 5.0
+    write_timeout_s: float = 10.0
+    pool_timeout_s: float = 5.0
+
+
+START_ALWAYS = "always"
+START_ON_DEMAND = "on_demand"
+# The keys that only mean something for a slot hal0d starts and stops itself (it has a command).
+LIFECYCLE_KEYS = ("idle_unload_s", "group")
+
+# The [dispatcher] timeouts a slot may set for itself.
+SLOT_TIMEOUT_KEYS = ("direct_read_timeout_s", "stream_total_timeout_s", "stream_idle_timeout_s")
+
+
+@dataclass(frozen=True, slots=True)
+class SlotConfig:
+    name: str
+    upstream: str
+    models: tuple[str, ...]
+    max_concurrent: int = 8
+    max_queue: int = 32
+    queue_timeout_s: float = 30.0
+    api_key: str | None = None
+    api_key_env: str | None = None
+    command: tuple[str, ...] | None = None
+    max_output_tokens: int | None = None
+    # This slot's own stall and read bounds; None means the [dispatcher] value. A remote
+    # provider and a local 70B model deserve different bounds, and so does the demo's stub.
+    direct_read_timeout_s: float | None = None
+    stream_total_timeout_s: float | None = None
+    stream_idle_timeout_s: float | None = None
+    # Model lifecycle: "always" starts the command with hal0d and keeps it up; "on_demand" starts
+    # it for the first request and stops it after idle_unload_s with nothing to do (0 = never).
+    start: str = "always"
+    idle_unload_s: float = 0.0
+    load_timeout_s: float = 600.0
+    group: str | None = None
+    memory_mib: int | None = None
+    # The Anthropic Messages surface for this slot's models: "translate" (to chat completions),
+    # "native" (relayed raw to the upstream's own /v1/messages), "auto" (native when it has one).
+    anthropic: str = "translate"
+    # The Responses API for this slot's models: "native" (relayed raw to the upstream's own
+    # /v1/responses), "translate" (to chat completions), "auto" (native when it has one).
+    responses: str = "native"
+    # "openai": an OpenAI-compatible server; "hal0d": another hal0d, whose models' states are
+    # followed (lifecycle/remote.py) so a route's prefer_loaded knows what is loaded there.
+    kind: str = "openai"
+
+    @property
+    def on_demand(self) -> bool:
+        return self.start == START_ON_DEMAND
+
+    def timeouts(self, dispatcher: DispatcherConfig) -> DispatcherConfig:
+        """The timeouts this slot's requests run on: `dispatcher` with the slot's own bounds
+        in place of the ones it sets (the very same object when it sets none)."""
+        own = {
+            key: value for key in SLOT_TIMEOUT_KEYS if (value := getattr(self, key)) is not None
+        }
+        return dataclasses.replace(dispatcher, **own) if own else dispatcher
+
+    def bearer_token(self) -> str | None:
+        if self.api_key is not None:
+            return self.api_key
+        if self.api_key_env is not None:
+            return os.environ.get(self.api_key_env)
+        return None
+
+
+POLICY_BATCH = "batch"
+POLICY_FIFO = "fifo"
+
+
+@dataclass(frozen=True, slots=True)
+class GroupConfig:
+    """Slots that share a device: at most `max_loaded` of them loaded at once, the sum of their
+    `memory_mib` within `memory_mib`, and each load only when `free_memory_command` reports room.
+    `policy` says when a model waiting for room may unload a busy one: `batch` once it has
+    waited `max_wait_s` (a loaded model serves its queue first), `fifo` at once."""
+
+    name: str
+    max_loaded: int | None = None
+    memory_mib: int | None = None
+    free_memory_command: tuple[str, ...] | None = None
+    policy: str = "batch"
+    max_wait_s: float = 30.0
+
+    @property
+    def batch(self) -> bool:
+        return self.policy == POLICY_BATCH
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    database: str = "hal0d-history.sqlite3"
+    retention_days: int = 30
+    ttft_samples: int = 256
+
+
+@dataclass(frozen=True, slots=True)
+class LoggingConfig:
+    level: str = "info"
+    format: str = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class RouteConfig:
+    """A `[[routes]]` table: one model name served by several slots, tried in order while
+    nothing has reached the client (hal0d.forward)."""
+
+    model: str
+    slots: tuple[str, ...]
+    # The model name each slot is asked for; a slot not named here is asked for `model`.
+    served: dict[str, str] = field(default_factory=dict)
+    first_byte_timeout_s: float = 0.0  # 0 = off
+    spill_when_busy: bool = False
+    prefer_loaded: bool = False
+
+    def served_by(self, slot: str) -> str:
+        return self.served.get(slot, self.model)
+
+
+@dataclass(frozen=True, slots=True)
+class OllamaConfig:
+    """The `[ollama]` section: a second listener that speaks Ollama's API (off unless set)."""
+
+    listen: str | None = None  # "host:port", e.g. "127.0.0.1:11434"
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """(host, port) of `listen` (an IPv6 host without its brackets), None when off."""
+        return None if self.listen is None else split_address(self.listen)
+
+
+def split_address(listen: str) -> tuple[str, int] | None:
+    """`host:port` (`[::1]:11434` for IPv6) as (host, port); None when it is no such thing."""
+    host, colon, port = listen.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        return None  # an IPv6 address needs its brackets before the port
+    return (host, int(port)) if host and " " not in host else None
+
+
+KEY_SCOPES = ("inference", "read", "admin")
+KEY_SECRET_SOURCES = ("key", "key_env", "key_file")
+
+
+@dataclass(frozen=True, slots=True)
+class KeyConfig:
+    """A `[[keys]]` table: a client key with a name (shown in the history, the log and /metrics
+    instead of the key), what it may reach and how much at once (hal0d.keys)."""
+
+    name: str
+    scopes: tuple[str, ...]
+    # Where the secret comes from: one of the three (systemd credentials: key_file =
+    # "${CREDENTIALS_DIRECTORY}/NAME").
+    key: str | None = None
+    key_env: str | None = None
+    key_file: str | None = None
+    models: tuple[str, ...] | None = None  # globs of the model names it may use
+    max_concurrent: int | None = None
+    requests_per_minute: int | None = None
+    # The secret itself, read from its source at load time; never printed.
+    secret: str = field(default="", repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    dispatcher: DispatcherConfig = field(default_factory=DispatcherConfig)
+    slots: tuple[SlotConfig, ...] = ()
+    groups: dict[str, GroupConfig] = field(default_factory=dict)
+    models: dict[str, str] = field(default_factory=dict)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    keys: tuple[KeyConfig, ...] = ()
+    routes: tuple[RouteConfig, ...] = ()
+    ollama: OllamaConfig = field(default_factory=OllamaConfig)
+    # The folder relative paths (the metrics database) resolve against.
+    base_dir: Path = field(default_factory=Path.cwd, compare=False)
+
+    def database_path(self) -> Path:
+        path = Path(self.metrics.database)
+        return path if path.is_absolute() else self.base_dir / path
+
+
+def alias_target(aliases: dict[str, str], model: str) -> str | None:
+    """The served model an alias pattern maps `model` to; exact names win over globs."""
+    if model in aliases:
+        return aliases[model]
+    for pattern, target in aliases.items():
+        if fnmatch.fnmatchcase(model, pattern):
+            return target
+    return None

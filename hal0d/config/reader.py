@@ -1,0 +1,113 @@
+"""Reading a config file: TOML in, a checked `Config` out, or a `ConfigError` with every problem.
+
+Every section is checked before anything fails, so `hal0d check-config` prints all that is wrong
+at once and nothing starts half-configured; a reload reads the file the same way, and a config
+that fails leaves the running one in place. `parse` is the same without the file, for a document
+already decoded.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from hal0d.config.checks import (
+    allowed_names,
+    check_groups,
+    check_models,
+    check_ollama,
+    check_routes,
+    check_slots,
+)
+from hal0d.config.client_keys import access_keys, check_keys
+from hal0d.config.model import (
+    Config,
+    ConfigError,
+    DispatcherConfig,
+    LoggingConfig,
+    MetricsConfig,
+    OllamaConfig,
+    ServerConfig,
+)
+from hal0d.config.spec import (
+    DISPATCHER_SPEC,
+    LOG_FORMATS,
+    LOG_LEVELS,
+    LOGGING_SPEC,
+    METRICS_SPEC,
+    SERVER_SPEC,
+    check_table,
+)
+
+
+def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
+    """Validate a decoded TOML document; raise ConfigError listing every problem."""
+    problems: list[str] = []
+    known = {"server", "dispatcher", "slots", "groups", "models", "metrics", "logging", "keys",
+             "routes", "ollama"}
+    for key in raw:
+        if key not in known:
+            problems.append(f"{key}: unknown section (known: {', '.join(sorted(known))})")
+    base_dir = base_dir or Path.cwd()
+    server = check_table(raw.get("server", {}), SERVER_SPEC, "server", problems)
+    access_keys(server, base_dir, problems)
+    allowed_names(server, problems)
+    keys = check_keys(raw.get("keys", []), server, base_dir, problems)
+    dispatcher = check_table(raw.get("dispatcher", {}), DISPATCHER_SPEC, "dispatcher", problems)
+    metrics = check_table(raw.get("metrics", {}), METRICS_SPEC, "metrics", problems)
+    logging_ = check_table(raw.get("logging", {}), LOGGING_SPEC, "logging", problems)
+    if logging_.get("level", "info") not in LOG_LEVELS:
+        problems.append(f"logging.level: {logging_['level']!r} is not one of {LOG_LEVELS}")
+    if logging_.get("format", "auto") not in LOG_FORMATS:
+        problems.append(f"logging.format: {logging_['format']!r} is not one of {LOG_FORMATS}")
+    ollama = check_ollama(raw.get("ollama", {}), server, problems)
+    slots = check_slots(raw.get("slots", []), problems, base_dir)
+    raw_slots = raw.get("slots", [])
+    groups = check_groups(raw.get("groups", {}), slots, problems,
+                          raw_slots if isinstance(raw_slots, list) else [])
+    routes = check_routes(raw.get("routes", []), slots, problems)
+    models = check_models(raw.get("models", {}), slots, problems, routes)
+    for pattern in models:
+        if not any(ch in pattern for ch in "*?[") and (
+                any(pattern in s.models for s in slots) or any(pattern == r.model for r in routes)):
+            problems.append(f"models.{pattern}: is already a served model name")
+    if problems:
+        raise ConfigError(problems)
+    return Config(
+        server=ServerConfig(**server),
+        dispatcher=DispatcherConfig(**dispatcher),
+        slots=slots,
+        groups=groups,
+        models=models,
+        metrics=MetricsConfig(**metrics),
+        logging=LoggingConfig(**logging_),
+        keys=keys,
+        routes=routes,
+        ollama=OllamaConfig(**ollama),
+        base_dir=base_dir,
+    )
+
+
+def load(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot be read ({exc.strerror or exc})"]) from None
+    try:
+        raw = tomllib.loads(text.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{path}: not UTF-8 ({exc.reason})"]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{path}: invalid TOML ({exc})"]) from None
+    metrics = raw.get("metrics")
+    if (isinstance(metrics, dict) and "database" not in metrics) or "metrics" not in raw:
+        # Named after the config file: two configs in one folder keep two histories.
+        raw.setdefault("metrics", {})["database"] = default_database(path)
+    return parse(raw, base_dir=path.resolve().parent)
+
+
+def default_database(config_path: Path) -> str:
+    """The history of a config file that names none: `two.toml` keeps `two.history.sqlite3`."""
+    return f"{config_path.stem}.history.sqlite3"
