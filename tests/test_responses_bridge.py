@@ -380,6 +380,17 @@ def test_done_without_a_finish_reason_is_an_incomplete_upstream() -> None:
     assert raised.value.error_code == ErrorCode.UPSTREAM_INCOMPLETE
 
 
+def test_done_without_a_finish_reason_keeps_the_good_events_of_the_same_read() -> None:
+    transform = BridgeTransform(Bridge(request(), "m"))
+    with pytest.raises(TransformFailed) as raised:
+        transform.feed(b"data: " + orjson.dumps(text("a")) + b"\n\ndata: [DONE]\n\n")
+    payloads = [orjson.loads(e.data) for e in Decoder().feed(raised.value.frame)]
+    kinds = [p["type"] for p in payloads]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert "response.output_text.delta" in kinds and kinds[-2:] == ["error", "response.failed"]
+    assert [p["sequence_number"] for p in payloads] == list(range(len(payloads)))
+
+
 def test_a_break_is_an_error_then_failed_and_nothing_after() -> None:
     transform = BridgeTransform(Bridge(request(), "m"))
     transform.feed(b"data: " + orjson.dumps(text("a")) + b"\n\n")

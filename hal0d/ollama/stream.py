@@ -48,7 +48,7 @@ __all__ = [
     "State",
     "Translator",
     "encode",
-    "error_line",
+    "error_object",
     "timestamp",
 ]
 
@@ -274,8 +274,9 @@ class Translator:
         return [obj]
 
 
-def error_line(message: str) -> bytes:
-    return orjson.dumps({"error": message}) + b"\n"
+def error_object(message: str) -> dict[str, Any]:
+    """The one object that ends a stream that cannot end well: a client raises on it."""
+    return {"error": message}
 
 
 def encode(objects: list[dict[str, Any]]) -> bytes:

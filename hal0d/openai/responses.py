@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import orjson
 
@@ -37,7 +38,7 @@ from hal0d.errors import ErrorCode
 from hal0d.protocol.sse import Decoder
 from hal0d.protocol.transform import STALL_KEY, StallTrip, TransformFailed
 
-__all__ = ["TERMINAL_EVENTS", "ResponsesTransform", "response_id_of"]
+__all__ = ["TERMINAL_EVENTS", "ResponsesTransform", "failure_events", "response_id_of"]
 
 TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 # The events whose fields the transform needs; every other event is only counted.
@@ -48,6 +49,21 @@ _TRACKED = frozenset({
     "response.content_part.added",
     "response.content_part.done",
 }) | TERMINAL_EVENTS
+
+
+E = TypeVar("E")
+
+
+def failure_events(event: Callable[..., E], response: dict[str, Any], message: str,
+                   code: str) -> list[E]:
+    """How hal0d ends a Responses stream that cannot end well, here and in the bridge
+    (hal0d/openai/responses_bridge.py): an `error` event with the `error` object the OpenAI SDK
+    raises on, then `response.failed` carrying `response` with its error. `event(kind,
+    **fields)` makes one event and numbers it."""
+    error = {"message": message, "type": "upstream_error", "code": f"dispatch.{code}"}
+    response["error"] = {"code": "server_error", "message": message}
+    return [event("error", code=code, message=message, param=None, error=error),
+            event("response.failed", response=response)]
 
 
 def response_id_of(body: Any) -> str | None:
@@ -160,14 +176,10 @@ class ResponsesTransform:
         return self._failed(message, ErrorCode.UPSTREAM_BROKEN)
 
     def _failed(self, message: str, code: str) -> bytes:
-        """An `error` event (with the `error` object the OpenAI SDK raises on), then
-        `response.failed`; after a blank line in case a line was left half-written."""
+        """The failure's events (failure_events), after a blank line in case a line was left
+        half-written."""
         frames = self._opening()
-        error = {"message": message, "type": "upstream_error", "code": f"dispatch.{code}"}
-        frames.append(self._event("error", code=code, message=message, param=None, error=error))
-        response = self._response("failed")
-        response["error"] = {"code": "server_error", "message": message}
-        frames.append(self._event("response.failed", response=response))
+        frames += failure_events(self._event, self._response("failed"), message, code)
         self.done = True
         return b"\n\n" + b"".join(frames)
 

@@ -4,7 +4,8 @@ responses_request.py).
 
 Sans-I/O like the Anthropic translator (hal0d/anthropic/stream.py): `Bridge` takes parsed
 chat.completion.chunk dicts and returns events, `BridgeTransform` is the relay's Transform
-around it (SSE bytes in, SSE frames out, `data: [DONE]` consumed).
+around it (SSE bytes in, SSE frames out, `data: [DONE]` consumed), the skeleton every
+translating surface shares (hal0d/protocol/translating.py) with the bridge's endings.
 
     IDLE ──first chunk──► STREAMING ──finish_reason──► STOPPING ──usage chunk or end──► DONE
      │                        │                            (response.completed, or
@@ -42,6 +43,7 @@ from typing import Any
 import orjson
 
 from hal0d.errors import ErrorCode
+from hal0d.openai.responses import failure_events
 from hal0d.openai.responses_request import (
     FUNCTION,
     INCOMPLETE_REASONS,
@@ -54,16 +56,10 @@ from hal0d.openai.responses_request import (
     response_object,
     usage_of,
 )
-from hal0d.protocol.chat_chunk import (
-    ChatChunk,
-    MalformedChunk,
-    ToolCallFragment,
-    Unreadable,
-    chunk_of,
-    read_chunk,
-)
-from hal0d.protocol.sse import Decoder, encode
-from hal0d.protocol.transform import STALL_KEY, StallTrip, TransformFailed
+from hal0d.protocol.chat_chunk import ChatChunk, MalformedChunk, ToolCallFragment, read_chunk
+from hal0d.protocol.sse import encode
+from hal0d.protocol.transform import STALL_KEY, StallTrip
+from hal0d.protocol.translating import Translating, Unfinished
 
 __all__ = ["Bridge", "BridgeTransform", "Event", "MalformedChunk", "State", "encode_events"]
 
@@ -162,11 +158,7 @@ class Bridge:
         if self.done:
             return []
         events = self._opening()
-        error = {"message": message, "type": "upstream_error", "code": f"dispatch.{code}"}
-        events.append(self._event("error", code=code, message=message, param=None, error=error))
-        response = self._response("failed")
-        response["error"] = {"code": "server_error", "message": message}
-        events.append(self._event("response.failed", response=response))
+        events += failure_events(self._event, self._response("failed"), message, code)
         self.state = State.FAILED
         return events
 
@@ -329,51 +321,25 @@ def encode_events(events: list[Event]) -> bytes:
     return b"".join([encode(name, orjson.dumps(payload)) for name, payload in events])
 
 
-class BridgeTransform:
+class BridgeTransform(Translating[Event]):
     """The relay's Transform for a translated Responses stream."""
 
+    __slots__ = ("bridge",)
+
+    encode = staticmethod(encode_events)
+
     def __init__(self, bridge: Bridge) -> None:
+        super().__init__(bridge)
         self.bridge = bridge
-        self.decoder = Decoder()
 
-    def start(self) -> bytes:
-        return b""
-
-    def feed(self, chunk: bytes) -> bytes:
-        bridge = self.bridge
-        events: list[Event] = []
-        try:
-            for event in self.decoder.feed(chunk):
-                if bridge.done:
-                    break
-                parsed = chunk_of(event)
-                events += self._finish() if parsed is None else bridge.feed(parsed)
-        except Unreadable as exc:
-            raise self._failed(events, str(exc)) from None
-        except MalformedChunk as exc:
-            raise self._failed(events, f"upstream sent a malformed chunk: {exc}") from None
-        return encode_events(events) if events else b""
-
-    def _failed(self, done: list[Event], message: str) -> TransformFailed:
-        """What the good events of this read became, then the failure: nothing is lost."""
-        code = ErrorCode.UPSTREAM_MALFORMED
-        return TransformFailed(code, encode_events(done + self.bridge.failed(message, code)))
-
-    def _finish(self) -> list[Event]:
+    def finish(self) -> list[Event]:
         events = self.bridge.finish()
         if self.bridge.state is State.FAILED:
-            raise TransformFailed(ErrorCode.UPSTREAM_INCOMPLETE, encode_events(events))
+            raise Unfinished(events)  # the bridge's own `error`, then response.failed
         return events
 
-    def complete(self) -> bool:
-        return self.bridge.done
+    def failure(self, message: str, error_code: str) -> list[Event]:
+        return self.bridge.failed(message, error_code)
 
-    def end(self) -> bytes:
-        self.decoder.close()
-        return encode_events(self._finish())
-
-    def stalled(self, trip: StallTrip) -> bytes:
-        return encode_events(self.bridge.stalled(trip))
-
-    def broken(self, message: str) -> bytes:
-        return encode_events(self.bridge.failed(message))
+    def stall(self, trip: StallTrip) -> list[Event]:
+        return self.bridge.stalled(trip)

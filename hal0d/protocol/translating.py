@@ -1,0 +1,153 @@
+"""The skeleton of a translating transform: upstream chat-completion SSE bytes in, a surface's own
+frames out (pure).
+
+Three surfaces translate the stream an OpenAI-style upstream sends (hal0d/anthropic/transform.py,
+hal0d/ollama/transform.py, the Responses bridge in hal0d/openai/responses_bridge.py); the way a
+stream is read and ended is the same for all of them, and written here once:
+
+    each read ──sse.Decoder──► events ──chunk_of──► a chunk ──translator.feed──► items
+                                          └─ [DONE] ──finish──► the items that end the answer
+    translator done                        the rest of the stream is not read (trailing usage
+                                           chunks and [DONE] change nothing)
+    unreadable or malformed chunk,         TransformFailed, its frame what the good events of
+      [DONE] without a finish_reason         the same read became, then the failure: nothing
+                                             is lost
+    end of the body                        the finish, unless a terminal frame is out
+    stall trip, broken upstream            the surface's stall or failure frame, once
+
+A surface fills in only what is its own (Translating's hooks): `finish` (raising Unfinished when
+the upstream gave no finish_reason), `failure`, `stall`, `encode`, and the words before a
+malformed chunk's message. Pure: neither asyncio nor aiohttp (tests/test_purity.py, through
+the surfaces' transforms).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, Protocol, TypeVar
+
+from hal0d.errors import ErrorCode
+from hal0d.protocol.chat_chunk import MalformedChunk, Unreadable, chunk_of
+from hal0d.protocol.sse import Decoder
+from hal0d.protocol.transform import StallTrip, TransformFailed
+
+__all__ = ["ChunkTranslator", "Translating", "Unfinished"]
+
+Item = TypeVar("Item")
+
+
+class ChunkTranslator(Protocol[Item]):
+    """A surface's sans-I/O translator: parsed chat-completion chunks in, its own items out."""
+
+    @property
+    def done(self) -> bool:
+        """Its terminal item is out: nothing more it says can reach the client."""
+        ...
+
+    def feed(self, chunk: Any) -> list[Item]:
+        """One parsed chunk's items; MalformedChunk when it cannot be translated."""
+        ...
+
+
+class Unfinished(Exception):
+    """Translating.finish's way of saying the upstream ended without a finish_reason; `items`
+    are the surface's failure items, which follow the good ones of the same read."""
+
+    def __init__(self, items: list[Any]) -> None:
+        super().__init__("the upstream ended the stream without a finish_reason")
+        self.items = items
+
+
+class Translating(Generic[Item]):
+    """The relay's Transform for a translating surface, less the surface's own hooks.
+
+    The per-read loop calls the translator's `feed` and `done` directly and the surface's
+    encoder (bound as a staticmethod) once, as a hand-written transform would: it runs for every
+    relayed chunk of every translated stream. A terminal frame (the finish at the end of the
+    body, a failure, a stall, a break) is rendered once; after it, the others are b"".
+    """
+
+    __slots__ = ("_ended", "_translator", "decoder")
+
+    # Put before a MalformedChunk's own words in the failure the client reads.
+    malformed_prefix = "upstream sent a malformed chunk: "
+
+    def __init__(self, translator: ChunkTranslator[Item]) -> None:
+        self._translator = translator
+        self.decoder = Decoder()
+        self._ended = False
+
+    # What each surface fills in.
+
+    def finish(self) -> list[Item]:
+        """The upstream said it is done ([DONE] or the end of the body): the items that end the
+        answer. Raises Unfinished with the failure's items when no finish_reason came."""
+        raise NotImplementedError
+
+    def failure(self, message: str, error_code: str) -> list[Item]:
+        """The items that end the stream failed, saying `message`."""
+        raise NotImplementedError
+
+    def stall(self, trip: StallTrip) -> list[Item]:
+        """The items that end a stream the stall guard cut."""
+        raise NotImplementedError
+
+    @staticmethod
+    def encode(items: list[Item], /) -> bytes:
+        """The items as the bytes the client reads (a staticmethod: no call in between)."""
+        raise NotImplementedError
+
+    # The Transform (hal0d/protocol/transform.py).
+
+    def start(self) -> bytes:
+        return b""  # the first frame waits for the first chunk, which may carry the prompt's usage
+
+    def feed(self, chunk: bytes) -> bytes:
+        translator = self._translator
+        items: list[Item] = []
+        try:
+            for event in self.decoder.feed(chunk):
+                if translator.done:
+                    break
+                parsed = chunk_of(event)
+                items += self.finish() if parsed is None else translator.feed(parsed)
+        except Unfinished as exc:
+            raise self._ending(ErrorCode.UPSTREAM_INCOMPLETE, items + exc.items) from None
+        except Unreadable as exc:
+            raise self._failed(items, ErrorCode.UPSTREAM_MALFORMED, str(exc)) from None
+        except MalformedChunk as exc:
+            raise self._failed(items, ErrorCode.UPSTREAM_MALFORMED,
+                               f"{self.malformed_prefix}{exc}") from None
+        return self.encode(items) if items else b""
+
+    def end(self) -> bytes:
+        self.decoder.close()
+        if self._ended or self._translator.done:
+            return b""
+        try:
+            items = self.finish()
+        except Unfinished as exc:
+            raise self._ending(ErrorCode.UPSTREAM_INCOMPLETE, exc.items) from None
+        self._ended = True
+        return self.encode(items)
+
+    def stalled(self, trip: StallTrip) -> bytes:
+        if self._ended or self._translator.done:
+            return b""
+        self._ended = True
+        return self.encode(self.stall(trip))
+
+    def broken(self, message: str) -> bytes:
+        if self._ended or self._translator.done:
+            return b""
+        self._ended = True
+        return self.encode(self.failure(message, ErrorCode.UPSTREAM_BROKEN))
+
+    def complete(self) -> bool:
+        return self._translator.done
+
+    def _failed(self, done: list[Item], error_code: str, message: str) -> TransformFailed:
+        return self._ending(error_code, done + self.failure(message, error_code))
+
+    def _ending(self, error_code: str, items: list[Item]) -> TransformFailed:
+        self._ended = True
+        return TransformFailed(error_code, self.encode(items))
