@@ -19,7 +19,6 @@ import orjson
 import structlog
 from aiohttp import hdrs, web
 
-from hal0d import access
 from hal0d.appkeys import (
     EVENTS,
     HEADS,
@@ -31,13 +30,13 @@ from hal0d.appkeys import (
     RUNTIME,
 )
 from hal0d.config import Config
-from hal0d.connections import HeadWatch
 from hal0d.contexts import dispatch_context, recorder_context
 from hal0d.errors import ErrorCode, Hal0Error, MethodNotAllowed, NoRoute
+from hal0d.front import access
+from hal0d.front.heads import HeadWatch
 from hal0d.handlers import admin, anthropic, openai, page, responses, timeline
 from hal0d.handlers import ollama as ollama_handlers
 from hal0d.keys import KEY, KeyLimits
-from hal0d.lifecycle.routing import Runtime, RuntimeRef
 from hal0d.logs import get_logger
 from hal0d.observability.events import EventHub
 from hal0d.observability.recorder import (
@@ -48,7 +47,8 @@ from hal0d.observability.recorder import (
     record_of,
 )
 from hal0d.observability.requestinfo import INFO, RequestInfo
-from hal0d.openai.owners import ResponseOwners
+from hal0d.response_owners import ResponseOwners
+from hal0d.routing import Runtime, RuntimeRef
 
 log = get_logger()
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from hal0d.connections import HeadWatch
+from hal0d.front.heads import HeadWatch
 from hal0d.keys import KeyLimits
-from hal0d.lifecycle.routing import RuntimeRef
 from hal0d.lifecycle.slots import SlotTable
-from hal0d.openai.owners import ResponseOwners
+from hal0d.response_owners import ResponseOwners
+from hal0d.routing import RuntimeRef
 
 if TYPE_CHECKING:
     from hal0d.forward import Dispatch

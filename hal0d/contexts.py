@@ -18,6 +18,7 @@ from hal0d import appkeys
 from hal0d.appkeys import DISPATCH, EVENTS, HEADS, LIFECYCLE, RECORDER, RUNTIME, SLOTS, VIEWS
 from hal0d.config import SlotConfig
 from hal0d.forward import Dispatch
+from hal0d.forward.modes import AnthropicModes, ResponsesModes
 from hal0d.lifecycle.manager import LifecycleManager
 from hal0d.lifecycle.remote import RemoteModels
 from hal0d.lifecycle.runner import log_state_change
@@ -26,7 +27,6 @@ from hal0d.observability.events import SlotFeed, SlotViews
 from hal0d.observability.history import HistoryWriter
 from hal0d.observability.recorder import Recorder
 from hal0d.observability.timeline import FreeMemory, LifecycleLog, Timeline
-from hal0d.transport.anthropic_mode import AnthropicModes, ResponsesModes
 from hal0d.transport.tokens import TokenCounter
 from hal0d.transport.upstream import UpstreamClient
 

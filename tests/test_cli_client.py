@@ -12,9 +12,12 @@ import sys
 import textwrap
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import orjson
 import pytest
+from aiohttp import hdrs, web
 
 from tests.conftest import eventually, free_port
 from tests.test_cli import ROOT, env_without
@@ -340,3 +343,53 @@ async def test_status_watch_counts_idle_up_between_events(
     finally:
         watcher.kill()
         await watcher.wait()
+
+
+@pytest.mark.parametrize("ending", [b"\r", b"\r\n"], ids=["CR", "CRLF"])
+async def test_status_watch_reads_a_feed_whose_lines_end_in_cr_or_crlf(
+    upstream_app: Any, ending: bytes
+) -> None:
+    """--watch reads the feed as the relay reads an upstream: lines end at CR, LF or CRLF. A
+    daemon (here the two admin paths --watch asks, nothing else) whose feed ends its lines in CR
+    alone, or CRLF, in one read with a heartbeat between the events, is drawn as hal0d's is."""
+    view = {"name": "a", "state": "starting", "models": ["chat"], "in_flight": 0, "queued": 0}
+    frames = [
+        b"event: hello\ndata: " + orjson.dumps({"slots": [view]}) + b"\n\n",
+        b": heartbeat\n\n",
+        b"event: slot\ndata: " + orjson.dumps({"slot": "a", "old": "starting", "new": "ready",
+                                               "view": {**view, "state": "ready"}}) + b"\n\n",
+    ]
+
+    async def feed(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={hdrs.CONTENT_TYPE: "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"".join(frames).replace(b"\n", ending))
+        await asyncio.Event().wait()  # open until the watcher leaves
+        return response
+
+    async def no_metrics(request: web.Request) -> web.Response:
+        return web.json_response({"slots": []})
+
+    url = await upstream_app({"GET /api/events": feed, "GET /api/slots/metrics": no_metrics})
+    watcher = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "hal0d", "status", "--watch", "--url", url, cwd=ROOT,
+        env=env_without("HAL0D_API_KEY"), stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    stdout = watcher.stdout
+    assert stdout is not None
+    seen = bytearray()
+
+    async def last_screen() -> str:
+        with contextlib.suppress(TimeoutError):
+            seen.extend(await asyncio.wait_for(stdout.read(65536), 0.2))
+        screen = seen.decode(errors="replace").split("\x1b[H\x1b[2J")[-1]
+        return screen if "last: a: starting -> ready" in screen else ""
+
+    try:
+        screen = await eventually(last_screen, DEADLINE_S, "both events drawn")
+        assert row_of(screen, "a")[:3] == ["a", "ready", "chat"], screen
+        watcher.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(watcher.wait(), QUIT_S) == 0
+    finally:
+        await stop(watcher)

@@ -1,4 +1,4 @@
-"""The one forward path (hal0d/forward.py) and the one transport boundary (upstream_errors), over
+"""The one forward path (hal0d/forward/) and the one transport boundary (upstream_errors), over
 real sockets: every surface and endpoint takes the slot through the same lease and gives it back
 on every exit, and a failure to reach an upstream reads the same wherever it happens."""
 

@@ -19,20 +19,21 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hal0d"
 # From the top down: a module may import its own layer's modules and the layers below it. Each
 # entry names a module, or with ".*" a package and every module in it.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
-    ("the command line", frozenset({"hal0d.__main__", "hal0d.cli", "hal0d.client"})),
+    ("the command line", frozenset({"hal0d.__main__", "hal0d.cli.*"})),
     ("the server: start, signals, reload, drain", frozenset({"hal0d.server", "hal0d.preflight"})),
     ("the app: routes, middleware, wiring", frozenset({"hal0d.app", "hal0d.contexts"})),
     ("the handlers, one per surface", frozenset({"hal0d.handlers.*"})),
     ("the app's shared objects", frozenset({"hal0d.appkeys"})),
-    ("the forward path", frozenset({"hal0d.forward"})),
+    ("the forward path", frozenset({"hal0d.forward.*"})),
     ("observability", frozenset({"hal0d.observability.*"})),
     ("the lifecycle", frozenset({"hal0d.lifecycle.*"})),
     ("the transport", frozenset({"hal0d.transport.*"})),
     ("the surfaces' pure translations", frozenset({"hal0d.openai.*", "hal0d.anthropic.*",
                                                   "hal0d.ollama.*"})),
     ("the protocol", frozenset({"hal0d.protocol.*"})),
-    ("the base", frozenset({"hal0d", "hal0d.config", "hal0d.errors", "hal0d.logs", "hal0d.keys",
-                           "hal0d.systemd", "hal0d.access", "hal0d.connections"})),
+    ("the base", frozenset({"hal0d", "hal0d.config.*", "hal0d.errors", "hal0d.logs", "hal0d.keys",
+                           "hal0d.systemd", "hal0d.front.*", "hal0d.routing",
+                           "hal0d.response_owners"})),
 )
 
 

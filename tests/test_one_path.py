@@ -63,7 +63,7 @@ def aiohttp_errors_named(tree: ast.Module) -> list[int]:
 def test_only_the_forward_path_opens_an_upstream_request() -> None:
     callers = {name: lines for name, tree in modules().items()
                if (lines := calls_to(tree, "upstreams", "open"))}
-    assert callers.keys() == {"hal0d/forward.py"}, callers
+    assert callers.keys() == {"hal0d/forward/path.py"}, callers
 
 
 def test_only_the_upstream_client_holds_a_client_session() -> None:
@@ -94,3 +94,19 @@ def test_the_scans_find_what_they_look_for() -> None:
                  "ClientSession") == [1]
     assert names(ast.parse("x.session.get()\n"), "session") == [1]
     assert aiohttp_errors_named(tree) == [2, 6]
+
+
+# What the forward path keeps to itself: an upstream's response, and the steps of an exchange.
+UPSTREAM_NAMES = ("ClientResponse", "read_whole", "relay", "_open", "open")
+
+
+def test_no_handler_touches_an_upstream_response() -> None:
+    """A handler builds an exchange and hands it to the forward path: none names aiohttp's
+    ClientResponse, nor opens, reads or relays an upstream itself."""
+    touching = {name: lines for name, tree in modules().items()
+                if name.startswith("hal0d/handlers/")
+                and (lines := sorted({line for word in UPSTREAM_NAMES
+                                      for line in names(tree, word)}))}
+    assert touching == {}, touching
+    tree = ast.parse("import aiohttp\ndef f(r: aiohttp.ClientResponse):\n    fwd.open()\n")
+    assert sorted({line for word in UPSTREAM_NAMES for line in names(tree, word)}) == [2, 3]

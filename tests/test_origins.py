@@ -142,7 +142,7 @@ async def test_allowed_hosts_and_origins_are_let_in_and_only_an_allowed_origin_g
 ])
 def test_the_address_hal0d_listens_on_is_its_own_host(listening: str, host: str,
                                                       allowed: bool) -> None:
-    from hal0d.access import host_allowed
+    from hal0d.front.access import host_allowed
 
     assert host_allowed(host, ServerConfig(host=listening)) is allowed
 

@@ -18,7 +18,7 @@ import pytest
 from aiohttp import hdrs, web
 from aiohttp.test_utils import TestServer
 
-from hal0d.openai.owners import ResponseOwners
+from hal0d.response_owners import ResponseOwners
 from hal0d_stub.app import CONTENT_TEXT, TOKENS_BEFORE_TROUBLE, words
 from tests.conftest import Stub, eventually
 

@@ -8,18 +8,20 @@ import math
 import time
 
 import orjson
-from aiohttp import hdrs, web
+from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from hal0d import __version__, access
+from hal0d import __version__
 from hal0d.appkeys import EVENTS, LIFECYCLE, RECORDER, RUNTIME, SLOTS, VIEWS
 from hal0d.errors import Conflict, InvalidRequest, NoRoute
+from hal0d.front import access
 from hal0d.lifecycle.manager import LifecycleManager
 from hal0d.lifecycle.runner import UnloadReason
 from hal0d.lifecycle.slots import Slot, SlotState
 from hal0d.observability import events as feed
 from hal0d.observability.requestinfo import INFO
 from hal0d.observability.tally import HOUR_S
+from hal0d.transport.upstream import SSE_HEADERS
 
 MAX_HISTORY_ROWS = 1000
 # A comment this often keeps a quiet feed's connection from looking dead to proxies and readers.
@@ -71,11 +73,7 @@ async def events(request: web.Request) -> web.StreamResponse:
     view). Each frame is written as soon as it is published; a reader that falls behind loses
     events (told by a `dropped` event), never slows anyone else, and is forgotten when it leaves.
     """
-    response = web.StreamResponse(headers={
-        hdrs.CONTENT_TYPE: "text/event-stream",
-        hdrs.CACHE_CONTROL: "no-cache",
-        "X-Accel-Buffering": "no",
-    })
+    response = web.StreamResponse(headers=SSE_HEADERS)
     hub = request.app[EVENTS]
     try:
         await response.prepare(request)

@@ -13,24 +13,25 @@ this load's idle timer of an on-demand slot.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, Final, TypeVar
+from collections.abc import Mapping
+from typing import Any, Final
 
-import aiohttp
 import orjson
-from aiohttp import hdrs, web
+from aiohttp import web
 
 from hal0d.appkeys import DISPATCH, LIFECYCLE, OLLAMA_THINKERS, RUNTIME, SLOTS
-from hal0d.errors import InvalidRequest, NoRoute, UpstreamInvalid
-from hal0d.forward import Forward
-from hal0d.handlers.anthropic import upstream_status_error
+from hal0d.errors import Hal0Error, InvalidRequest, NoRoute, UpstreamInvalid
+from hal0d.forward import Answer, Attempt, Call, Exchange
+from hal0d.forward.exchange import upstream_refusal
 from hal0d.handlers.body import parse_json_object, read_body
 from hal0d.keys import KEY
+from hal0d.lifecycle.manager import LifecycleManager
 from hal0d.lifecycle.slots import SlotState
 from hal0d.logs import get_logger
 from hal0d.ollama import response as shapes
 from hal0d.ollama.request import (
     LOAD_OPTIONS,
+    EmbedRequest,
     OllamaRequest,
     parse_chat,
     parse_embed,
@@ -38,14 +39,13 @@ from hal0d.ollama.request import (
 )
 from hal0d.ollama.stream import Clocks, MalformedChunk, Translator, timestamp
 from hal0d.ollama.transform import OllamaTransform
+from hal0d.protocol.transform import Transform
+from hal0d.transport.upstream import NDJSON_HEADERS
 
 log = get_logger()
-T = TypeVar("T")
 
 # The Ollama release whose API (api/types.go) this surface speaks.
 OLLAMA_VERSION: Final = "0.32.15"
-NDJSON_HEADERS: Final = {hdrs.CONTENT_TYPE: "application/x-ndjson",
-                         hdrs.CACHE_CONTROL: "no-cache", "X-Accel-Buffering": "no"}
 # The models are hal0d's configuration's: known since it started.
 STARTED: Final = time.time()
 UNMANAGED: Final = ("pull", "push", "create", "copy", "delete")
@@ -64,14 +64,11 @@ async def version(_: web.Request) -> web.Response:
 
 def served(request: web.Request) -> list[shapes.Served]:
     """Every model the request's key may use, with its slot (a route's model: its first)."""
-    key = request.get(KEY)
     thinkers = request.app[OLLAMA_THINKERS]
-    config = request.app[RUNTIME].current.config
-    own = [shapes.Served(model, slot.name, slot.memory_mib, model in thinkers)
-           for slot in config.slots for model in slot.models]
-    routed = [shapes.Served(route.model, route.slots[0], None, route.model in thinkers)
-              for route in config.routes]
-    return [entry for entry in own + routed if key is None or key.may_use(entry.model)]
+    return [shapes.Served(plan.model, plan.first.slot.name,
+                          plan.first.slot.memory_mib if plan.route is None else None,
+                          plan.model in thinkers)
+            for plan in request.app[RUNTIME].current.router.listed(request.get(KEY))]
 
 
 async def tags(request: web.Request) -> web.Response:
@@ -133,69 +130,94 @@ def log_ignored(options: tuple[str, ...]) -> None:
         log.info("ollama.option_ignored", option=name, reason=why)
 
 
-async def serve(request: web.Request, model: str, *, stream: bool,
-                attempt: Callable[[Forward], Awaitable[T]]) -> T:
+async def serve(request: web.Request, model: str, exchange: Exchange) -> web.StreamResponse:
     """The forward path's way to `model` (each slot of a route in turn); an unknown model is
     Ollama's 404, in its words."""
     try:
-        return await request.app[DISPATCH].serve(request, model, stream=stream, attempt=attempt)
+        return await request.app[DISPATCH].serve(request, model, exchange)
     except NoRoute as exc:
         if exc.field != "model":
             raise
         raise NoRoute(f"model {model!r} not found: {exc.message}", field="model") from None
 
 
-def keep_alive(request: web.Request, fwd: Forward, seconds: float | None) -> None:
-    if seconds is not None:
-        request.app[LIFECYCLE].keep_alive(fwd.slot.name, seconds)
+class OllamaExchange(Exchange):
+    """What Ollama's model calls share: `keep_alive` told to the lifecycle manager under the
+    lease (it sets this load's idle timer of an on-demand slot), the upstream's error status in
+    Ollama's `{"error": ...}`, and the clocks Ollama's durations are read from."""
+
+    translated = True
+
+    def __init__(self, req: OllamaRequest | EmbedRequest, lifecycle: LifecycleManager,
+                 thinkers: set[str]) -> None:
+        self.lifecycle, self.thinkers = lifecycle, thinkers
+        self.keep_alive_s = req.keep_alive_s
+        self.clocks: Clocks | None = None
+
+    def under_lease(self, fwd: Attempt) -> None:
+        if self.keep_alive_s is not None:
+            self.lifecycle.keep_alive(fwd.slot.name, self.keep_alive_s)
+        self.clocks = Clocks(started=fwd.info.started, opened=time.monotonic(),
+                             load_s=(fwd.info.load_ms or 0.0) / 1000)
+
+    def refused(self, answer: Answer, data: bytes) -> Hal0Error:
+        return upstream_refusal(answer, data)
+
+    def parsed(self, fwd: Attempt, data: bytes) -> Any:
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            raise UpstreamInvalid(f"slot {fwd.slot.name!r} answered with invalid JSON") from None
+
+
+class Converse(OllamaExchange):
+    """/api/chat and /api/generate as a chat completion, the answer as Ollama's objects."""
+
+    def __init__(self, req: OllamaRequest, lifecycle: LifecycleManager, thinkers: set[str], *,
+                 chat: bool) -> None:
+        super().__init__(req, lifecycle, thinkers)
+        self.req, self.chat, self.stream = req, chat, req.stream
+
+    async def call(self, fwd: Attempt) -> Call | web.StreamResponse:
+        self.under_lease(fwd)
+        if self.req.load_only:
+            return loaded(self.req, chat=self.chat)
+        return Call("/v1/chat/completions",
+                    orjson.dumps(self.req.payload(fwd.route.served_model)))
+
+    def whole(self, fwd: Attempt, answer: Answer, data: bytes) -> web.StreamResponse:
+        assert self.clocks is not None
+        parsed = self.parsed(fwd, data)
+        try:
+            whole = shapes.whole_answer(parsed, self.req.model, self.clocks, chat=self.chat,
+                                        think=self.req.think)
+        except MalformedChunk as exc:
+            raise UpstreamInvalid(f"slot {fwd.slot.name!r}: {exc}") from None
+        if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
+            fwd.info.apply_usage(parsed["usage"])
+        if shapes.reasoned(parsed):
+            self.thinkers.add(fwd.route.served_model)
+        return web.json_response(whole)
+
+    def relay(self, fwd: Attempt, answer: Answer) -> tuple[Mapping[str, str], Transform]:
+        assert self.clocks is not None
+        translator = Translator(self.req.model, self.clocks, chat=self.chat,
+                                think=self.req.think)
+        return NDJSON_HEADERS, OllamaTransform(translator)
+
+    def relayed(self, fwd: Attempt, transform: Transform) -> None:
+        assert isinstance(transform, OllamaTransform)
+        if transform.translator.saw_thinking:
+            self.thinkers.add(fwd.route.served_model)
+        if fwd.info.prompt_tokens is None:
+            fwd.info.prompt_tokens = transform.translator.prompt_tokens
 
 
 async def converse(request: web.Request, req: OllamaRequest, *,
                    chat: bool) -> web.StreamResponse:
     log_ignored(req.ignored)
-
-    async def attempt(fwd: Forward) -> web.StreamResponse:
-        async with fwd:
-            keep_alive(request, fwd, req.keep_alive_s)
-            if req.load_only:
-                return loaded(req, chat=chat)
-            return await answer(fwd, req, chat=chat)
-
-    return await serve(request, req.model, stream=req.stream, attempt=attempt)
-
-
-async def opened(fwd: Forward, path: str, payload: dict[str, Any]
-                 ) -> tuple[Clocks, aiohttp.ClientResponse]:
-    """The upstream opened at `path` with `payload` (an error status raised as the upstream's),
-    and the clocks Ollama's durations are read from."""
-    clocks = Clocks(started=fwd.info.started, opened=time.monotonic(),
-                    load_s=(fwd.info.load_ms or 0.0) / 1000)
-    upstream = await fwd.open(path, orjson.dumps(payload))
-    if upstream.status >= 400:
-        raise await upstream_status_error(fwd, upstream)
-    return clocks, upstream
-
-
-async def answer(fwd: Forward, req: OllamaRequest, *, chat: bool) -> web.StreamResponse:
-    """The chat completion for `req` on the slot, its answer as Ollama's objects."""
-    clocks, upstream = await opened(fwd, "/v1/chat/completions",
-                                    req.payload(fwd.route.served_model))
-    if not req.stream:
-        return await whole(fwd, req, clocks, chat=chat)
-    if upstream.content_type != "text/event-stream":
-        raise UpstreamInvalid(f"slot {fwd.slot.name!r} answered a streaming request with "
-                              f"content-type {upstream.content_type!r}, not "
-                              "text/event-stream")
-    translator = Translator(req.model, clocks, chat=chat, think=req.think)
-    response = web.StreamResponse(status=200, headers=NDJSON_HEADERS)
-    try:
-        await fwd.relay(response, OllamaTransform(translator))
-    finally:
-        if translator.saw_thinking:
-            fwd.request.app[OLLAMA_THINKERS].add(fwd.route.served_model)
-    if fwd.info.prompt_tokens is None:
-        fwd.info.prompt_tokens = translator.prompt_tokens
-    return response
+    exchange = Converse(req, request.app[LIFECYCLE], request.app[OLLAMA_THINKERS], chat=chat)
+    return await serve(request, req.model, exchange)
 
 
 def loaded(req: OllamaRequest, *, chat: bool) -> web.Response:
@@ -210,50 +232,39 @@ def loaded(req: OllamaRequest, *, chat: bool) -> web.Response:
     return web.Response(body=orjson.dumps(answer) + b"\n", content_type="application/json")
 
 
-async def whole(fwd: Forward, req: OllamaRequest, clocks: Clocks, *,
-                chat: bool) -> web.Response:
-    parsed = await read_json(fwd)
-    try:
-        answer = shapes.whole_answer(parsed, req.model, clocks, chat=chat, think=req.think)
-    except MalformedChunk as exc:
-        raise UpstreamInvalid(f"slot {fwd.slot.name!r}: {exc}") from None
-    if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
-        fwd.info.apply_usage(parsed["usage"])
-    if shapes.reasoned(parsed):
-        fwd.request.app[OLLAMA_THINKERS].add(fwd.route.served_model)
-    return web.json_response(answer)
+class Embed(OllamaExchange):
+    """/api/embed and /api/embeddings as an OpenAI embeddings request."""
 
+    def __init__(self, req: EmbedRequest, lifecycle: LifecycleManager, thinkers: set[str], *,
+                 legacy: bool) -> None:
+        super().__init__(req, lifecycle, thinkers)
+        self.req, self.legacy = req, legacy
 
-async def read_json(fwd: Forward) -> Any:
-    raw = await fwd.read_whole()
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise UpstreamInvalid(f"slot {fwd.slot.name!r} answered with invalid JSON") from None
+    async def call(self, fwd: Attempt) -> Call:
+        self.under_lease(fwd)
+        return Call("/v1/embeddings", orjson.dumps(self.req.payload(fwd.route.served_model)))
 
-
-async def embed(request: web.Request) -> web.Response:
-    return await embeddings_of(request, legacy=False)
-
-
-async def embeddings(request: web.Request) -> web.Response:
-    return await embeddings_of(request, legacy=True)
-
-
-async def embeddings_of(request: web.Request, *, legacy: bool) -> web.Response:
-    req = parse_embed(parse_json_object(await read_body(request)), legacy=legacy)
-
-    async def attempt(fwd: Forward) -> web.Response:
-        async with fwd:
-            keep_alive(request, fwd, req.keep_alive_s)
-            clocks, _ = await opened(fwd, "/v1/embeddings", req.payload(fwd.route.served_model))
-            parsed = await read_json(fwd)
+    def whole(self, fwd: Attempt, answer: Answer, data: bytes) -> web.StreamResponse:
+        assert self.clocks is not None
+        parsed = self.parsed(fwd, data)
         try:
-            answer = shapes.embed_answer(parsed, req.model, clocks, legacy=legacy)
+            whole = shapes.embed_answer(parsed, self.req.model, self.clocks, legacy=self.legacy)
         except MalformedChunk as exc:
             raise UpstreamInvalid(f"slot {fwd.slot.name!r}: {exc}") from None
         if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
             fwd.info.apply_usage(parsed["usage"])
-        return web.json_response(answer)
+        return web.json_response(whole)
 
-    return await serve(request, req.model, stream=False, attempt=attempt)
+
+async def embed(request: web.Request) -> web.StreamResponse:
+    return await embeddings_of(request, legacy=False)
+
+
+async def embeddings(request: web.Request) -> web.StreamResponse:
+    return await embeddings_of(request, legacy=True)
+
+
+async def embeddings_of(request: web.Request, *, legacy: bool) -> web.StreamResponse:
+    req = parse_embed(parse_json_object(await read_body(request)), legacy=legacy)
+    exchange = Embed(req, request.app[LIFECYCLE], request.app[OLLAMA_THINKERS], legacy=legacy)
+    return await serve(request, req.model, exchange)

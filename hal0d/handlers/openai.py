@@ -1,20 +1,21 @@
 """The OpenAI surface: POST /v1/<endpoint> (and /llm/v1/<endpoint>) dispatched to a slot.
 
-The request is checked here and sent through the forward path (forward.py), which opens the
-upstream eagerly (so a dead upstream is a clean 502); the answer is relayed byte for byte.
+The request is checked here and handed to the forward path (hal0d/forward/) as an exchange that
+passes the answer on as it came: the forward path opens the upstream eagerly (so a dead upstream
+is a clean 502) and relays the answer byte for byte.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
-from hal0d.appkeys import DISPATCH, RUNTIME, SLOTS
-from hal0d.errors import ErrorCode, InvalidRequest, UpstreamInvalid
-from hal0d.forward import Forward
+from hal0d.appkeys import DISPATCH
+from hal0d.errors import InvalidRequest
+from hal0d.forward import Answer, Attempt, Call, Exchange
 from hal0d.handlers.body import (
     check_model_and_stream,
     multipart_field,
@@ -26,6 +27,7 @@ from hal0d.keys import KEY
 from hal0d.observability.requestinfo import INFO, client_of
 from hal0d.openai.transform import Passthrough
 from hal0d.protocol.limits import MAX_MESSAGES, MAX_TOKENS_LIMIT
+from hal0d.protocol.transform import Transform
 from hal0d.transport.upstream import response_headers
 
 ENDPOINTS = (
@@ -42,16 +44,6 @@ ALWAYS_STREAMING = frozenset({"audio/speech"})
 # Endpoints whose stream is SSE.
 SSE_ENDPOINTS = frozenset({"chat/completions", "completions"})
 OPENAI_FIELD = "'{}'"  # how the OpenAI surface names a field in an error message
-
-
-def not_streamed(endpoint: str, upstream: aiohttp.ClientResponse) -> bool:
-    return (
-        endpoint in SSE_ENDPOINTS
-        and upstream.status == 200
-        and upstream.content_type != "text/event-stream"
-    )
-
-
 
 
 def check_fields(endpoint: str, payload: dict[str, Any]) -> None:
@@ -116,97 +108,56 @@ def with_model(body: bytes, served_model: str) -> bytes:
     return orjson.dumps(payload)
 
 
+class Relayed(Exchange):
+    """An OpenAI request at the slot's same endpoint, its answer passed on as it came: each slot
+    gets the body as the client sent it, its own model name in it."""
+
+    __slots__ = ("body", "endpoint", "model", "params", "sse", "stream")
+
+    def __init__(self, endpoint: str, body: bytes, model: str, *, stream: bool,
+                 params: Any) -> None:
+        self.endpoint, self.body, self.model, self.params = endpoint, body, model, params
+        self.stream = stream or endpoint in ALWAYS_STREAMING
+        self.sse = endpoint in SSE_ENDPOINTS
+
+    async def call(self, fwd: Attempt) -> Call:
+        served_model = fwd.route.served_model
+        sent = self.body
+        if served_model != self.model:
+            if self.endpoint == "audio/transcriptions":
+                sent = replace_multipart_field(sent, "model", self.model, served_model)
+            else:
+                sent = with_model(sent, served_model)
+        # Parsed as JSON: said so even when the client did not (`curl -d` sends a form
+        # content-type, which strict upstreams such as llama-cpp-python refuse).
+        return Call(f"/v1/{self.endpoint}", sent, params=self.params,
+                    json_body=self.endpoint != "audio/transcriptions")
+
+    def relay(self, fwd: Attempt, answer: Answer) -> tuple[Mapping[str, str], Transform]:
+        sse = answer.content_type == "text/event-stream"
+        return response_headers(answer.headers), Passthrough(
+            sse=sse, legacy_completion=self.endpoint == "completions", model=self.model,
+            expect_done=sse)
+
+
 async def dispatch(request: web.Request) -> web.StreamResponse:
     endpoint = request.match_info["endpoint"]
     body = await read_body(request)
     model, stream, client = await requested_model(request, endpoint, body)
-    streaming = stream or endpoint in ALWAYS_STREAMING
-
-    async def attempt(fwd: Forward) -> web.StreamResponse:
-        served_model = fwd.route.served_model
-        sent = body  # each slot gets the body as the client sent it, its own model name in it
-        if served_model != model:
-            if endpoint == "audio/transcriptions":
-                sent = replace_multipart_field(body, "model", model, served_model)
-            else:
-                sent = with_model(body, served_model)
-        async with fwd:
-            upstream = await fwd.open(
-                f"/v1/{endpoint}",
-                sent,
-                # Parsed as JSON: said so even when the client did not (`curl -d` sends a form
-                # content-type, which strict upstreams such as llama-cpp-python refuse).
-                json_body=endpoint != "audio/transcriptions",
-                params=request.query,
-            )
-            if not streaming:
-                return await copy_whole(fwd, upstream)
-            if not_streamed(endpoint, upstream):
-                # Asked for a stream, answered with something else: relayed as it came (status
-                # and content-type are the upstream's), but recorded as the failure it is.
-                whole = await copy_whole(fwd, upstream)
-                fwd.info.fail(ErrorCode.UPSTREAM_INVALID)
-                return whole
-            response = web.StreamResponse(
-                status=upstream.status, headers=response_headers(upstream.headers)
-            )
-            sse = upstream.content_type == "text/event-stream"
-            transform = Passthrough(
-                sse=sse,
-                legacy_completion=endpoint == "completions",
-                model=model,
-                expect_done=sse and upstream.status == 200,
-            )
-            await fwd.relay(response, transform)
-            return response
-
-    return await request.app[DISPATCH].serve(request, model, stream=streaming, attempt=attempt,
-                                             client=client)
-
-
-async def copy_whole(fwd: Forward, upstream: aiohttp.ClientResponse) -> web.Response:
-    """A non-streaming answer, copied through as it came; its usage noted when it has one."""
-    data = await fwd.read_whole()
-    if not data and upstream.status == 200:
-        raise UpstreamInvalid(f"slot {fwd.slot.name!r} answered 200 with an empty body")
-    if upstream.content_type == "application/json" and b'"usage"' in data:
-        try:
-            parsed = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            parsed = None
-        if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
-            fwd.info.apply_usage(parsed["usage"])
-    return web.Response(
-        body=data, status=upstream.status, headers=response_headers(upstream.headers)
-    )
+    exchange = Relayed(endpoint, body, model, stream=stream, params=request.query)
+    return await request.app[DISPATCH].serve(request, model, exchange, client=client)
 
 
 async def list_models(request: web.Request) -> web.Response:
-    config = request.app[RUNTIME].current.config
-    table = request.app[SLOTS]
-    key = request.get(KEY)
-
-    def state(slot: str) -> str:
-        return str(table[slot].state) if slot in table else "offline"
-
-    # Every model the key may use, loaded or not; `state` tells a client whether the first
-    # request will load it (a route's: its best slot's, a warm one before one that must load).
-    data = [
-        {"id": model, "object": "model", "created": 0, "owned_by": slot.name,
-         "state": state(slot.name)}
-        for slot in config.slots
-        for model in slot.models
-        if key is None or key.may_use(model)
-    ]
+    """Every model the key may use, loaded or not; `state` tells a client whether the first
+    request will load it (a route's: its best slot's, a warm one before one that must load)."""
     dispatch = request.app[DISPATCH]
-    for route in config.routes:
-        if key is not None and not key.may_use(route.model):
-            continue
-        first = dispatch.order(dispatch.runtime.current.router.plan(route.model))[0]
-        # Another hal0d's slot: the state that hal0d reports for the model, when known.
-        remote = dispatch.remote.state(first.slot.name, first.served_model) if (
-            dispatch.remote is not None) else None
-        data.append({"id": route.model, "object": "model", "created": 0,
-                     "owned_by": first.slot.name, "state": remote or state(first.slot.name),
-                     "slots": list(route.slots)})
+    data = []
+    for plan in dispatch.runtime.current.router.listed(request.get(KEY)):
+        first = dispatch.order(plan)[0]
+        entry = {"id": plan.model, "object": "model", "created": 0,
+                 "owned_by": first.slot.name, "state": dispatch.state_of(first)}
+        if plan.route is not None:
+            entry["slots"] = list(plan.route.slots)
+        data.append(entry)
     return web.json_response({"object": "list", "data": data})

@@ -16,6 +16,7 @@ the gauges.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
@@ -45,16 +46,13 @@ class SlotPlacement(Protocol):
     def memory_mib(self) -> int | None: ...
 
 
+# The collectors are handed what they read at scrape time (PromMetrics.watch_*). eq=False keeps
+# the identity hash the registry keys its collectors by.
+@dataclass(frozen=True, eq=False)
 class SlotCollector(Collector):
-    def __init__(
-        self,
-        slots: Callable[[], SlotTable],
-        live: Mapping[str, SlotMetrics],
-        restarts: Callable[[], Mapping[str, int]],
-    ) -> None:
-        self._slots = slots
-        self._live = live
-        self._restarts = restarts
+    slots: Callable[[], SlotTable]
+    live: Mapping[str, SlotMetrics]
+    restarts: Callable[[], Mapping[str, int]]
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         state = GaugeMetricFamily(
@@ -73,34 +71,29 @@ class SlotCollector(Collector):
         restarts = CounterMetricFamily(
             "hal0d_upstream_process_restarts", "restarts of the slot's command", labels=["slot"]
         )
-        restart_counts = self._restarts()
-        for slot in self._slots():
+        restart_counts = self.restarts()
+        for slot in self.slots():
             for candidate in SlotState:
                 state.add_metric([slot.name, str(candidate)], 1.0 if slot.state == candidate else 0)
             in_flight.add_metric([slot.name], slot.in_flight)
             queued.add_metric([slot.name], slot.queued)
-            live = self._live.get(slot.name)
+            live = self.live.get(slot.name)
             if live is not None and live.tokens_per_s is not None:
                 speed.add_metric([slot.name], live.tokens_per_s)
             restarts.add_metric([slot.name], restart_counts.get(slot.name, 0))
         yield from (state, in_flight, queued, speed, restarts)
 
 
+@dataclass(frozen=True, eq=False)
 class LifecycleCollector(Collector):
     """Loaded or not per slot, and the memory in use per group, read at scrape time.
 
     A slot counts as loaded while its process occupies its device (lifecycle.groups.LOADED: from the
     start of a load until its process is gone), which is what a group's limits count too."""
 
-    def __init__(
-        self,
-        slots: Callable[[], SlotTable],
-        configs: Callable[[], Mapping[str, SlotPlacement]],
-        groups: Callable[[], Iterator[str]],
-    ) -> None:
-        self._slots = slots
-        self._configs = configs
-        self._groups = groups
+    slots: Callable[[], SlotTable]
+    configs: Callable[[], Mapping[str, SlotPlacement]]
+    groups: Callable[[], Iterator[str]]
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         loaded = GaugeMetricFamily(
@@ -111,9 +104,9 @@ class LifecycleCollector(Collector):
             "hal0d_group_memory_mib", "the memory_mib of the group's loaded slots, summed",
             labels=["group"],
         )
-        configs = self._configs()
-        in_use = dict.fromkeys(self._groups(), 0)
-        for slot in self._slots():
+        configs = self.configs()
+        in_use = dict.fromkeys(self.groups(), 0)
+        for slot in self.slots():
             is_loaded = slot.state in LOADED
             loaded.add_metric([slot.name], 1.0 if is_loaded else 0.0)
             config = configs.get(slot.name)
@@ -178,9 +171,9 @@ class DescriptorCollector(Collector):
         )
 
 
+@dataclass(frozen=True, eq=False)
 class ConnectionCollector(Collector):
-    def __init__(self, closed: Callable[[], int]) -> None:
-        self.closed = closed
+    closed: Callable[[], int]
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         family = CounterMetricFamily(

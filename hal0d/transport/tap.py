@@ -2,7 +2,8 @@
 
 The tap sees every raw upstream chunk and must cost the stream nothing: after the first token,
 per-chunk work is one substring count and one clock read. Only until the first token does it
-look inside chunks, to skip llama-server's role-only opening chunk.
+look inside chunks, to skip llama-server's role-only opening chunk. It looks at one read at a
+time, its lines cut as every event-stream reader cuts them (protocol.sse: at CR, LF and CRLF).
 
 It reads three stream shapes the same way: chat completions chunks (`choices[].delta`), the
 Responses API's events (`response.output_text.delta` and the other `*.delta` events carry their
@@ -19,6 +20,7 @@ from typing import Any
 
 import orjson
 
+from hal0d.protocol.sse import data_lines
 from hal0d.transport.stallguard import STALL_MARKER
 
 # Fields of a chunk's delta (or legacy choice) that carry generated output.
@@ -28,11 +30,9 @@ _ANTHROPIC_GENERATED = ("text", "thinking", "partial_json")
 
 
 def _carries_generated_text(chunk: bytes) -> bool:
-    for line in chunk.split(b"\n"):
-        if not line.startswith(b"data:"):
-            continue
+    for data in data_lines(chunk):
         try:
-            obj = orjson.loads(line[5:])
+            obj = orjson.loads(data)
         except orjson.JSONDecodeError:
             continue  # [DONE], or an event split across reads: the next chunk decides
         if not isinstance(obj, dict):
@@ -59,10 +59,10 @@ def _carries_generated_text(chunk: bytes) -> bool:
 
 def _usage_of(chunk: bytes) -> dict[str, Any] | None:
     found = None
-    for line in chunk.split(b"\n"):
-        if line.startswith(b"data:") and b'"usage"' in line:
+    for data in data_lines(chunk):
+        if b'"usage"' in data:
             try:
-                obj = orjson.loads(line[5:])
+                obj = orjson.loads(data)
             except orjson.JSONDecodeError:
                 continue
             if not isinstance(obj, dict):

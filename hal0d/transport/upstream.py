@@ -140,10 +140,12 @@ def own_headers(slot: SlotConfig) -> dict[str, str]:
     return headers
 
 
-# Proxies and browsers must not hold SSE back, nor compress it.
+# Proxies and browsers must not hold a stream back, nor compress it.
 SSE_UNBUFFERED = {hdrs.CACHE_CONTROL: "no-cache", "X-Accel-Buffering": "no"}
-# The headers of an event stream hal0d writes itself (the Anthropic surface's translation).
+# The headers of an event stream hal0d writes itself (a translated surface, the event feed).
 SSE_HEADERS = {hdrs.CONTENT_TYPE: "text/event-stream; charset=utf-8", **SSE_UNBUFFERED}
+# The headers of the Ollama API's stream: one JSON object a line.
+NDJSON_HEADERS = {hdrs.CONTENT_TYPE: "application/x-ndjson", **SSE_UNBUFFERED}
 
 
 def response_headers(upstream: CIMultiDictProxy[str]) -> CIMultiDict[str]:

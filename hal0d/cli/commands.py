@@ -1,11 +1,12 @@
 """The command line: serve | check-config | print-config | stub | status | load | unload |
-requests, and --version. The operator's commands talk to a running daemon through client.py."""
+requests, and --version. The operator's commands talk to a running daemon through daemon.py."""
 
 from __future__ import annotations
 
 import argparse
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +16,23 @@ from hal0d import config as configuration
 DEFAULT_CONFIG = "/etc/hal0d/hal0d.toml"
 
 
-def port_number(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is outside 1-65535")
-    return port
+def whole_number(low: int, high: int, noun: str) -> Callable[[str], int]:
+    """An argparse type: a whole number from low to high, else a one-line reason it is not."""
+
+    def parse(text: str) -> int:
+        try:
+            number = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {noun}") from None
+        if not low <= number <= high:
+            raise argparse.ArgumentTypeError(f"{number} is outside {low}-{high}")
+        return number
+
+    return parse
+
+
+port_number = whole_number(1, 65535, "port number")
+count_of_rows = whole_number(1, 1000, "number")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,16 +76,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def count_of_rows(text: str) -> int:
-    try:
-        count = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 1 <= count <= 1000:
-        raise argparse.ArgumentTypeError(f"{count} is outside 1-1000")
-    return count
-
-
 def add_client_commands(commands: Any) -> None:
     """The commands that talk to a running daemon, each with --config or --url."""
 
@@ -104,26 +104,26 @@ def add_client_commands(commands: Any) -> None:
 
 
 def run_client(args: argparse.Namespace) -> int:
-    from hal0d import client
+    from hal0d.cli import daemon
 
     try:
-        daemon = client.locate(args.config, args.url, DEFAULT_CONFIG)
+        running = daemon.locate(args.config, args.url, DEFAULT_CONFIG)
         if args.command == "status" and args.watch:
             # Ctrl-C ends it even when started from a shell that ignores SIGINT (a background job).
             signal.signal(signal.SIGINT, signal.default_int_handler)
             try:
-                client.watch(daemon)
+                daemon.watch(running)
             except KeyboardInterrupt:
                 return 0
         elif args.command == "status":
-            print(client.status(daemon))
+            print(daemon.status(running))
         elif args.command == "load":
-            print(client.load(daemon, args.name))
+            print(daemon.load(running, args.name))
         elif args.command == "unload":
-            print(client.unload(daemon, args.name, args.force))
+            print(daemon.unload(running, args.name, args.force))
         else:
-            print(client.requests(daemon, args.count, args.key))
-    except client.ClientError as exc:
+            print(daemon.requests(running, args.count, args.key))
+    except daemon.ClientError as exc:
         print(f"hal0d {args.command}: {exc}", file=sys.stderr)
         return 1
     return 0

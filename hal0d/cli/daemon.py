@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from hal0d import config as configuration
+from hal0d.protocol import sse
 
 KEY_VARIABLE = "HAL0D_API_KEY"
 TIMEOUT_S = 30.0
@@ -38,8 +39,9 @@ METRICS_EVERY_S = 1.0  # --watch asks /api/slots/metrics at most this often
 RECONNECT_S = 1.0  # --watch asks for the feed again this often while hal0d is away
 REDRAW_S = 1.0  # --watch redraws at least this often, so its ages count up between events
 CLEAR = "\x1b[H\x1b[2J"
-# The addresses that mean "every interface" when listened on; a client reaches them on loopback.
+READ_BYTES = 65536  # the most of the feed one read takes
 Frame = tuple[str, dict[str, Any]]  # one event of the feed: its name and its data
+# The addresses that mean "every interface" when listened on; a client reaches them on loopback.
 _ANY = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}
 
 
@@ -286,20 +288,15 @@ def _draw(out: TextIO, daemon: Daemon, board: Board) -> None:
     out.flush()
 
 
-def sse_events(response: http.client.HTTPResponse) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(event name, parsed data) per frame; comments (the heartbeat) yield ("", {})."""
-    name, data = "", ""
-    for raw in iter(response.readline, b""):
-        line = raw.decode("utf-8", "replace").rstrip("\r\n")
-        if line.startswith(":"):
-            yield "", {}
-        elif line.startswith("event:"):
-            name = line[len("event:"):].strip()
-        elif line.startswith("data:"):
-            data += line[len("data:"):].strip()
-        elif not line and name:
-            yield name, json.loads(data) if data else {}
-            name, data = "", ""
+def sse_events(response: http.client.HTTPResponse) -> Iterator[Frame]:
+    """(event name, parsed data) per named event of the feed, decoded as the relay decodes an
+    upstream (protocol.sse: lines end at CR, LF or CRLF). Read as it arrives, not by line: a
+    line that never ends in LF would hold `readline` until the feed ends."""
+    decoder = sse.Decoder()
+    while chunk := response.read1(READ_BYTES):
+        for event in decoder.feed(chunk):
+            if event.event:
+                yield event.event, json.loads(event.data) if event.data else {}
 
 
 class Board:

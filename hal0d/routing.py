@@ -4,7 +4,7 @@ the Runtime (the settings, the router and the keys) a request runs on.
 A model a slot lists is served by that slot alone. A `[[routes]]` model is served by its slots in
 their order (each asked for its `served` name), so the forward path can hand a request on to the
 next while nothing has reached the client; the order is the plan, and with `prefer_loaded` the
-slots that have their model loaded go first (forward.py asks the slot table)."""
+slots that have their model loaded go first (hal0d/forward/dispatch.py asks the slot table)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from hal0d.config import Config, RouteConfig, SlotConfig, alias_target
 from hal0d.errors import NoRoute
-from hal0d.keys import KeyRing
+from hal0d.keys import Key, KeyRing
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +49,12 @@ class Router:
 
     def served_models(self) -> list[str]:
         return sorted(self._plans)
+
+    def listed(self, key: Key | None) -> list[Plan]:
+        """Every model `key` may use (None: every model), as the model lists show them: the
+        slots' own models in the configuration's order, then the routes'."""
+        return [plan for plan in self._plans.values()
+                if key is None or key.may_use(plan.model)]
 
     def plan(self, model: str) -> Plan:
         served = model if model in self._plans else alias_target(self._aliases, model)

@@ -1,0 +1,19 @@
+"""The one forward path: every request that reaches a slot's upstream goes through here.
+
+    handler: parse, validate, build an Exchange      (handlers/, exchange.py)
+        dispatch.serve(request, model, exchange)     the model's plan (NoRoute 404) that the key
+                                                     may take (Forbidden 403), each slot in turn
+                                                     while it hands on (dispatch.py)
+            Forward.run(exchange)                    one slot: lease, open, classify, whole or
+                                                     relay, release (attempt.py)
+
+A handler never touches an upstream response: the exchange is its whole say in how the request
+meets an upstream, and everything that is the same for every surface (hand-on, the stall guard,
+the record of what the relay saw) is written once, here. `modes.py` asks a slot's upstream once
+whether it serves the Anthropic and Responses APIs itself.
+"""
+
+from hal0d.forward.exchange import Answer, Attempt, Call, Exchange
+from hal0d.forward.path import Dispatch, Forward, HandOn
+
+__all__ = ["Answer", "Attempt", "Call", "Dispatch", "Exchange", "Forward", "HandOn"]

@@ -1,0 +1,1 @@
+"""The front door: what every connection and request passes before a handler."""
