@@ -58,16 +58,20 @@ class Key:
     def limited(self) -> bool:
         return self.max_concurrent is not None or self.requests_per_minute is not None
 
-    def may_use(self, *names: str) -> bool:
-        """Whether a glob of the key matches one of `names` (the model as the client named it,
-        and as it is served: an alias reaches its target's slot)."""
+    def may_use(self, model: str) -> bool:
+        """Whether a glob of the key matches `model`, a served model: the one a request's name
+        resolves to (its alias applied), a route's own model for a route. Never the name the
+        client typed: with a glob alias (`"*" = "reasoning"`) every name would match a glob."""
         if self.models is None:
             return True
-        return any(fnmatch.fnmatchcase(name, glob) for name in names for glob in self.models)
+        return any(fnmatch.fnmatchcase(model, glob) for glob in self.models)
 
     def check_model(self, requested: str, served: str) -> None:
-        if not self.may_use(requested, served):
-            raise Forbidden(f"key {self.name!r} may not use model {requested!r} (it may use "
+        """Forbidden (403, naming the key) unless the key may use `served`, the model
+        `requested` resolves to."""
+        if not self.may_use(served):
+            named = repr(requested) if requested == served else f"{requested!r} ({served!r})"
+            raise Forbidden(f"key {self.name!r} may not use model {named} (it may use "
                             f"{', '.join(self.models or ())})", field="model")
 
 

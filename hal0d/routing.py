@@ -56,20 +56,22 @@ class Router:
         return [plan for plan in self._plans.values()
                 if key is None or key.may_use(plan.model)]
 
-    def plan(self, model: str) -> Plan:
+    def plan(self, model: str, key: Key | None = None) -> Plan:
+        """The plan for the name a client asked for, its alias applied; NoRoute (404) listing
+        the served models, those `key` may use when the request has a key."""
         served = model if model in self._plans else alias_target(self._aliases, model)
         plan = self._plans.get(served) if served is not None else None
         if plan is None:
+            listed = [name for name in self.served_models() if key is None or key.may_use(name)]
             raise NoRoute(
-                f"no slot serves model {model!r}; served models: "
-                + (", ".join(self.served_models()) or "none"),
+                f"no slot serves model {model!r}; served models: " + (", ".join(listed) or "none"),
                 field="model",
             )
         return plan
 
-    def resolve(self, model: str) -> Route:
+    def resolve(self, model: str, key: Key | None = None) -> Route:
         """The first slot of the model's plan."""
-        return self.plan(model).first
+        return self.plan(model, key).first
 
 
 @dataclass(frozen=True, slots=True)

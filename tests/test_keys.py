@@ -6,6 +6,7 @@ Every refusal is also shown to reach nothing: the stub's request log has no line
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import signal
 import sys
@@ -20,8 +21,16 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestServer
 
-from hal0d.config import ConfigError, parse
-from tests.conftest import ServerFactory, Stub, StubFactory, chat_body, free_port
+from hal0d.config import ConfigError, KeyConfig, parse
+from tests.conftest import (
+    OllamaFactory,
+    ServerFactory,
+    Stub,
+    StubFactory,
+    chat_body,
+    free_port,
+    make_config,
+)
 from tests.test_loader import stub_command, stub_pids
 from tests.test_server import Hal0d, Stream, launch, open_stream, stop
 
@@ -37,7 +46,7 @@ KEYS_TOML = f"""
 name = "laptop"
 key = "{INFERENCE_KEY}"
 scopes = ["inference"]
-models = ["plain*"]
+models = ["chat*"]
 
 [[keys]]
 name = "dashboard"
@@ -64,8 +73,9 @@ requests_per_minute = 2
 
 
 def keyed_config_text(upstream: str, tmp_path: Path) -> str:
-    # The aliases give the key's glob names to the stub's own models; `ondemand` is a slot
-    # hal0d starts and stops itself (what an admin key loads and unloads).
+    # The aliases are other names of the stub's own models: a key's globs name the served model
+    # an alias resolves to; `ondemand` is a slot hal0d starts and stops itself (what an admin
+    # key loads and unloads).
     port = free_port()
     command = orjson.dumps(list(stub_command(port, tmp_path / "ondemand.log"))).decode()
     return f"""
@@ -114,7 +124,7 @@ def chat(model: str) -> dict[str, Any]:
     return chat_body(model, stream=False)
 
 
-async def test_an_inference_key_limited_to_plain_globs_gets_its_models_and_nothing_else(
+async def test_an_inference_key_limited_by_globs_gets_its_models_and_nothing_else(
     start_hal0d: ServerFactory, stub: Stub, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     hal0d = await start_keyed(start_hal0d, stub, tmp_path)
@@ -148,7 +158,7 @@ async def test_an_inference_key_limited_to_plain_globs_gets_its_models_and_nothi
     status, answer, _ = await call(http, hal0d, "GET", "/v1/models", INFERENCE_KEY)
     assert status == 200
     # Only the served models its globs name (aliases are not listed models).
-    assert [model["id"] for model in answer["data"]] == []
+    assert [model["id"] for model in answer["data"]] == ["chat"]
     status, answer, _ = await call(http, hal0d, "GET", "/v1/models", ONE_AT_A_TIME_KEY)
     assert {model["id"] for model in answer["data"]} == {"chat", "tool", "reasoning", "think-only"}
 
@@ -464,3 +474,56 @@ def test_key_env_and_key_file_read_their_secrets_and_print_config_hides_them(
     assert "from-the-environment-77" not in printed and "from-a-credential-88" not in printed
     again = parse(tomllib.loads(printed), base_dir=tmp_path)
     assert again.keys == config.keys
+
+
+async def test_a_glob_alias_is_no_way_past_a_keys_globs_on_any_surface(
+    start_ollama: OllamaFactory, stub: Stub, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """A key scoped to `chat*` beside the alias `"*" = "reasoning"`: `chat-please` matches the
+    key's glob as typed, but is served by `reasoning`, which the key may not use. The scope is
+    the served model's on every surface, and nothing reaches the upstream."""
+    config = dataclasses.replace(
+        make_config(stub.url, tmp_path=tmp_path, aliases={"*": "reasoning"}),
+        keys=(KeyConfig(name="scoped", scopes=("inference",), key=INFERENCE_KEY,
+                        secret=INFERENCE_KEY, models=("chat*",)),))
+    hal0d, ollama = await start_ollama(stub.url, config=config)
+    hi = [{"role": "user", "content": "hi"}]
+    refused = [
+        (str(hal0d.make_url("/v1/chat/completions")), chat("chat-please")),
+        (str(hal0d.make_url("/v1/messages")),
+         {"model": "chat-please", "max_tokens": 8, "messages": hi}),
+        (str(hal0d.make_url("/v1/messages/count_tokens")),
+         {"model": "chat-please", "messages": hi}),
+        (str(hal0d.make_url("/v1/responses")), {"model": "chat-please", "input": "hi"}),
+        (f"{ollama}/api/chat", {"model": "chat-please", "messages": hi, "stream": False}),
+        (f"{ollama}/api/generate", {"model": "chat-please", "prompt": "hi", "stream": False}),
+        (f"{ollama}/api/show", {"model": "chat-please"}),
+    ]
+    for url, body in refused:
+        async with http.post(url, json=body, headers=bearer(INFERENCE_KEY)) as resp:
+            answer = await resp.json()
+            assert resp.status == 403, (url, answer)
+            message = answer["error"] if isinstance(answer["error"], str) else (
+                answer["error"]["message"])
+            assert "'scoped'" in message and "'reasoning'" in message, (url, message)
+    assert stub.lines() == []  # none of them reached the upstream
+    # The key's own model, under its own name, is served.
+    status, answer, _ = await call(http, hal0d, "POST", "/v1/chat/completions", INFERENCE_KEY,
+                                   body=chat("chat"))
+    assert status == 200, answer
+
+
+async def test_an_unknown_model_answered_to_a_scoped_key_lists_only_the_models_it_may_use(
+    start_ollama: OllamaFactory, stub: Stub, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    config = dataclasses.replace(make_config(stub.url, tmp_path=tmp_path), keys=(
+        KeyConfig(name="scoped", scopes=("inference",), key=INFERENCE_KEY,
+                  secret=INFERENCE_KEY, models=("chat*", "tool")),))
+    hal0d, ollama = await start_ollama(stub.url, config=config)
+    for url in (str(hal0d.make_url("/v1/chat/completions")), f"{ollama}/api/chat"):
+        async with http.post(url, json=chat("nope"), headers=bearer(INFERENCE_KEY)) as resp:
+            answer = await resp.json()
+        assert resp.status == 404, answer
+        message = answer["error"] if isinstance(answer["error"], str) else (
+            answer["error"]["message"])
+        assert message.endswith("served models: chat, chatty, tool"), message

@@ -415,8 +415,9 @@ class Dispatch:
         """The model's plan, that the request's key may take (NoRoute 404, Forbidden 403)."""
         info = request[INFO]
         info.model, info.stream = model, stream  # recorded even when no slot serves it
-        plan = self.runtime.current.router.plan(model)
-        if (key := request.get(KEY)) is not None:
+        key = request.get(KEY)
+        plan = self.runtime.current.router.plan(model, key)
+        if key is not None:
             key.check_model(model, plan.model)  # 403 naming the key
         return info, plan
 

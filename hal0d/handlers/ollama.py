@@ -80,12 +80,14 @@ async def show(request: web.Request) -> web.Response:
     model = body.get("model") or body.get("name")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("model is required", field="model")
+    key = request.get(KEY)
     try:
-        route = request.app[RUNTIME].current.router.resolve(model)
+        plan = request.app[RUNTIME].current.router.plan(model, key)
     except NoRoute as exc:
         raise NoRoute(f"model {model!r} not found: {exc.message}", field="model") from None
-    if (key := request.get(KEY)) is not None:
-        key.check_model(model, route.served_model)
+    if key is not None:
+        key.check_model(model, plan.model)
+    route = plan.first
     thinks = route.served_model in request.app[OLLAMA_THINKERS]
     model_shape = shapes.Served(model, route.slot.name, route.slot.memory_mib, thinks)
     return web.json_response(shapes.show(model_shape, STARTED))
