@@ -155,13 +155,39 @@ async def test_a_first_slot_that_never_answers_is_left_after_first_byte_timeout_
 ) -> None:
     text = route_config(silent_socket, stub.url, tmp_path, route="first_byte_timeout_s = 1.0")
     hal0d = await start_routed(start_hal0d, text, tmp_path)
-    for stream in (False, True):
-        status, body, took = await chat(http, hal0d, stream=stream)
-        assert status == 200, body
-        row = await last_row(http, hal0d)
-        assert (row["slot"], row["failover"]) == ("two", "one=first_byte_timeout")
-        # The bound, then the second slot's own answer (the stub's few tokens, well under 1 s).
-        assert 1.0 <= took < 1.0 + 1.0, took
+    status, body, took = await chat(http, hal0d, stream=True)
+    assert status == 200, body
+    row = await last_row(http, hal0d)
+    assert (row["slot"], row["failover"]) == ("two", "one=first_byte_timeout")
+    # The bound, then the second slot's own answer (the stub's few tokens, well under 1 s).
+    assert 1.0 <= took < 1.0 + 1.0, took
+
+
+async def test_a_whole_answer_slower_than_first_byte_timeout_s_is_the_first_slots_alone(
+    start_hal0d: ServerFactory, stub: Stub, upstream_app: Upstream, tmp_path: Path,
+    http: aiohttp.ClientSession
+) -> None:
+    """A whole answer's headers come when its generation ends: one that takes longer than the
+    route's first_byte_timeout_s is waited for (its read timeout bounds it), not generated again
+    on the next slot while the first one generates on."""
+    asked: list[str] = []
+
+    async def slow_whole(request: web.Request) -> web.Response:
+        asked.append("one")
+        await asyncio.sleep(1.0)
+        return web.json_response({"id": "c", "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "slow but whole"},
+             "finish_reason": "stop"}]})
+
+    slow = await upstream_app({"POST /v1/chat/completions": slow_whole})
+    text = route_config(slow, stub.url, tmp_path, route="first_byte_timeout_s = 0.3")
+    hal0d = await start_routed(start_hal0d, text, tmp_path)
+    status, body, _ = await chat(http, hal0d, stream=False)
+    assert status == 200, body
+    assert orjson.loads(body)["choices"][0]["message"]["content"] == "slow but whole"
+    row = await last_row(http, hal0d)
+    assert (row["slot"], row["failover"], row["attempts"]) == ("one", None, 1), row
+    assert asked == ["one"] and stub.lines() == []  # generated once, by the first slot alone
 
 
 async def test_a_stream_whose_headers_came_but_no_first_byte_is_left_after_the_bound_too(

@@ -231,9 +231,13 @@ class Forward:
     async def _open_or_hand_on(self, opening: Awaitable[aiohttp.ClientResponse]
                                ) -> aiohttp.ClientResponse:
         """The open, when another slot is left: no answer (UpstreamUnavailable), a 5xx or a 429,
-        or for a stream no first byte of its body, within first_byte_timeout_s (0: no bound of
-        its own) is HandOn. The stream's first chunk, read here, is relayed first."""
-        bound = self.route_config.first_byte_timeout_s if self.route_config else 0.0
+        and for a stream no headers or no first byte of its body within first_byte_timeout_s
+        (0: no bound of its own) is HandOn. The stream's first chunk, read here, is relayed
+        first. A whole answer's headers come only when its generation ends: it is not handed on
+        for being slow once its upstream took the request (that would generate it twice); its
+        wait is its read timeout."""
+        bound = self.route_config.first_byte_timeout_s if (
+            self.route_config and self.stream) else 0.0
         started = time.monotonic()
         try:
             async with asyncio.timeout(bound or None):
