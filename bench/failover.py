@@ -113,8 +113,10 @@ async def measure(run: Any, procset: procs.Processes, upstream: procs.Child,
         await procs.wait_until(hal0d, procs.http_ok(f"{hal0d.base}/healthz"), 30, procset)
         async with client.session() as session:
             async def timed(model: str) -> float:
+                # Streamed: first_byte_timeout_s bounds a stream's first byte only (a whole
+                # answer is waited for, not generated twice).
                 ep = client.Endpoint(model, session, hal0d.base + client.CHAT,
-                                     client.chat_body(stream=False, model=model),
+                                     client.chat_body(stream=True, model=model),
                                      client.JSON_HEADERS)
                 return await client.request_time(ep)
 
