@@ -381,6 +381,30 @@ async def test_max_loaded_1_swaps_models_and_never_runs_two_at_once(
     assert [entry["event"] for entry in logs].count("slot.loaded") == 5  # one load per swap
 
 
+async def test_count_tokens_for_a_model_that_is_not_loaded_estimates_and_evicts_nothing(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """A count never swaps: with `a` serving in a group of one model at a time, a count for `b`
+    (stopped) is an estimate that says so, and `a` stays loaded with `b` never started."""
+    group = {"gpu0": GroupConfig("gpu0", max_loaded=1)}
+    slots = [on_demand(name, tmp_path, group="gpu0") for name in ("a", "b")]
+    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, *slots, groups=group))
+    status, answer = await chat(http, hal0d, "chat")
+    assert status == 200, answer
+    with capture_logs() as logs:
+        async with http.post(hal0d.make_url("/v1/messages/count_tokens"), json={
+                "model": "think-only", "messages": [{"role": "user", "content": "hi " * 40}]},
+                ) as resp:
+            counted = await resp.json()
+            assert resp.status == 200, counted
+            assert resp.headers["X-Hal0d-Token-Count"] == "estimate"
+    assert counted["input_tokens"] > 0
+    states = {name: view["state"] for name, view in (await views(http, hal0d)).items()}
+    assert states == {"a": "ready", "b": "stopped"}
+    assert "slot.load_started" not in [entry["event"] for entry in logs]
+    assert not (tmp_path / "b.log").exists()
+
+
 async def test_a_memory_budget_evicts_the_least_recently_used_and_free_memory_one_more(
     start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:

@@ -253,6 +253,26 @@ async def test_keep_alive_0_unloads_an_on_demand_slot_once_answered_and_10m_show
     assert (await client.ps()).models == []
 
 
+async def test_ollama_stop_loads_nothing_and_unloads_a_loaded_model(
+        tmp_path: Path, start_ollama: OllamaFactory) -> None:
+    """`ollama stop` is a generate with no prompt and keep_alive 0: for a model that is not
+    loaded, Ollama's answer (done, done_reason unload) without starting anything; for one that
+    is, the unload."""
+    slot = on_demand("a", tmp_path)
+    hal0d, base = await start_ollama("http://unused", config=lifecycle_config(tmp_path, slot))
+    table = hal0d.app[SLOTS]
+    client = AsyncClient(host=base, timeout=STARTUP_S + 10)
+    stopped = await client.generate("chat", keep_alive=0)
+    assert (stopped.done, stopped.done_reason) == (True, "unload")
+    assert table["a"].state is SlotState.STOPPED and not (tmp_path / "a.log").exists()
+    await client.generate("chat", keep_alive="10m")  # no prompt: loads it
+    assert table["a"].state is SlotState.READY
+    stopped = await client.generate("chat", keep_alive=0)
+    assert (stopped.done, stopped.done_reason) == (True, "unload")
+    await eventually(lambda: table["a"].state is SlotState.STOPPED, STARTUP_S,
+                     "the loaded model unloaded")
+
+
 async def test_with_keys_set_an_ollama_client_sends_its_key_as_a_bearer_token(
         stub: Stub, start_ollama: OllamaFactory, tmp_path: Path) -> None:
     config = dataclasses.replace(make_config(stub.url, tmp_path=tmp_path), keys=(

@@ -6,6 +6,7 @@ answer. Per slot, the forward path calls, in this order:
 
     prepare(route)          before the lease: the surface's own checks for this slot (a request
                             to translate is parsed whole, so a bad one is a 400 before any wait)
+    unleased(fwd)           an answer that needs no lease (so loads nothing), or None
     await call(fwd)         under the lease: what to send (a Call: path, body, ...), or an answer
                             made without the upstream (a token count, an Ollama load)
     (the forward path opens the upstream and classifies its answer: status, content type)
@@ -52,6 +53,11 @@ class Attempt(Protocol):
 
     @property
     def slot(self) -> SlotConfig: ...
+
+    @property
+    def warm(self) -> bool:
+        """The slot answers without a load (its lease would not start or swap anything)."""
+        ...
 
     async def count_tokens(self, openai_request: dict[str, Any], text: str
                            ) -> tuple[int, str]: ...
@@ -109,6 +115,11 @@ class Exchange:
 
     def prepare(self, route: Route) -> None:
         """Before the slot's lease is taken: what the surface must check for this slot."""
+
+    def unleased(self, fwd: Attempt) -> web.StreamResponse | None:
+        """An answer given without taking the slot, so without loading it (a token count for a
+        model that is not loaded, an unload asked of one that is not), or None to take it."""
+        return None
 
     async def call(self, fwd: Attempt) -> Call | web.StreamResponse:
         raise NotImplementedError

@@ -7,6 +7,7 @@ slot of the plan, from the lease to the record.
                                               slots first)
         Forward.run(exchange)
           exchange.prepare(route)             the surface's checks for this slot, before a wait
+          exchange.unleased(fwd)              an answer that needs no lease (loads nothing)
           async with the lease:               the slot is made ready (the one place a request
                                               waits for its slot: its queue, its client's turn,
                                               a load)
@@ -131,11 +132,17 @@ class Forward:
     def slot(self) -> SlotConfig:
         return self.route.slot
 
+    @property
+    def warm(self) -> bool:
+        return self.dispatch.warm(self.route)
+
     async def run(self, exchange: Exchange) -> web.StreamResponse:
         """The exchange on this slot, from its checks to its answer (the module's docstring).
         On every exit the upstream is released (kept for reuse when read to the end, else
         closed), then the lease."""
         exchange.prepare(self.route)
+        if (unleased := exchange.unleased(self)) is not None:
+            return unleased
         async with AsyncExitStack() as held:
             await self._take_lease(held)
             held.callback(self._release_upstream)

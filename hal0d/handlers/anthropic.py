@@ -30,7 +30,7 @@ from hal0d.anthropic.response import to_anthropic
 from hal0d.anthropic.stream import Translator
 from hal0d.anthropic.transform import AnthropicTransform
 from hal0d.appkeys import DISPATCH
-from hal0d.errors import Hal0Error, UpstreamInvalid
+from hal0d.errors import Hal0Error, InvalidRequest, UpstreamInvalid
 from hal0d.forward import Answer, Attempt, Call, Exchange
 from hal0d.forward.exchange import upstream_refusal
 from hal0d.forward.modes import NATIVE, TRANSLATE
@@ -39,10 +39,12 @@ from hal0d.handlers.openai import with_model
 from hal0d.observability.requestinfo import INFO, client_of
 from hal0d.protocol.transform import Transform
 from hal0d.routing import Route
+from hal0d.transport.tokens import estimate
 from hal0d.transport.upstream import SSE_HEADERS, response_headers
 
 ANTHROPIC_FIELD = "{}:"  # how the Anthropic surface names a field in an error message
 COUNT_PATH = "/v1/messages/count_tokens"
+ESTIMATE = "estimate"  # X-Hal0d-Token-Count of a count made without the model's tokenizer
 
 
 def model_and_stream(body: dict[str, Any]) -> tuple[str, bool]:
@@ -147,13 +149,28 @@ class Messages(Exchange):
 
 
 class CountTokens(Messages):
-    """count_tokens: counted with the slot's own tokenizer, or by a native upstream itself."""
+    """count_tokens: counted with the slot's own tokenizer, or by a native upstream itself. A
+    model that is not loaded is never loaded for a count (in a group that holds one model at a
+    time it would evict the one serving): its count is an estimate, and says so."""
+
+    def unleased(self, fwd: Attempt) -> web.StreamResponse | None:
+        if fwd.warm:
+            return None
+        try:
+            text = prompt_text(to_openai(self.request(), served_model=fwd.route.served_model))
+        except InvalidRequest:
+            # A request only a native upstream reads (fields the translator does not know):
+            # the body's own text is what there is to estimate from.
+            text = self.native.raw.decode("utf-8", "replace")
+        return self.counted(fwd, estimate(text), ESTIMATE)
 
     async def call(self, fwd: Attempt) -> Call | web.StreamResponse:
         if await self.native_mode(fwd):
             return self.native.native_call(fwd)
         payload = to_openai(self.request(), served_model=fwd.route.served_model)
-        count, source = await fwd.count_tokens(payload, prompt_text(payload))
+        return self.counted(fwd, *await fwd.count_tokens(payload, prompt_text(payload)))
+
+    def counted(self, fwd: Attempt, count: int, source: str) -> web.Response:
         fwd.info.prompt_tokens = count
         return web.Response(body=orjson.dumps({"input_tokens": count}),
                             content_type="application/json",

@@ -180,6 +180,15 @@ class Converse(OllamaExchange):
         super().__init__(req, lifecycle, thinkers)
         self.req, self.chat, self.stream = req, chat, req.stream
 
+    def unleased(self, fwd: Attempt) -> web.StreamResponse | None:
+        """`ollama stop` (no prompt, keep_alive 0) loads nothing: a loaded model unloads once
+        idle, and one that is not loaded stays so, as Ollama answers it."""
+        if not (self.req.load_only and self.keep_alive_s == 0):
+            return None
+        if fwd.warm:
+            self.lifecycle.keep_alive(fwd.slot.name, 0)
+        return loaded(self.req, chat=self.chat)
+
     async def call(self, fwd: Attempt) -> Call | web.StreamResponse:
         self.under_lease(fwd)
         if self.req.load_only:
