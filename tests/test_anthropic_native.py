@@ -216,3 +216,21 @@ async def test_native_slot_leaves_the_body_to_its_upstream_and_translate_checks_
         error = await answer.json()
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in error["error"]["message"]
+
+
+async def test_a_native_slot_holds_an_answer_to_its_max_output_tokens(
+    native_stub: Stub, start_hal0d: Any
+) -> None:
+    """max_output_tokens clamps a Messages request's max_tokens on a native slot as on a
+    translated one: the upstream is asked for at most that many, whole or streamed."""
+    server = await start_hal0d(native_stub.url,
+                               slot={"anthropic": "native", "max_output_tokens": 3})
+    client = sdk(server)
+    message = await client.messages.create(model="chat", max_tokens=256, messages=HI)
+    assert (message.stop_reason, message.usage.output_tokens) == ("max_tokens", 3)
+    async with client.messages.stream(model="chat", max_tokens=256, messages=HI) as stream:
+        streamed = await stream.get_final_message()
+    assert (streamed.stop_reason, streamed.usage.output_tokens) == ("max_tokens", 3)
+    # A request under the limit goes through as sent.
+    message = await client.messages.create(model="chat", max_tokens=2, messages=HI)
+    assert message.usage.output_tokens == 2

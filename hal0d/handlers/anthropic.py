@@ -35,7 +35,6 @@ from hal0d.forward import Answer, Attempt, Call, Exchange
 from hal0d.forward.exchange import upstream_refusal
 from hal0d.forward.modes import NATIVE, TRANSLATE
 from hal0d.handlers.body import check_model_and_stream, parse_json_object, read_body
-from hal0d.handlers.openai import with_model
 from hal0d.observability.requestinfo import INFO, client_of
 from hal0d.protocol.transform import Transform
 from hal0d.routing import Route
@@ -60,9 +59,21 @@ class Native(Exchange):
         self.raw, self.model, self.path, self.stream = raw, model, path, stream
 
     def native_call(self, fwd: Attempt) -> Call:
-        served = fwd.route.served_model
-        body = self.raw if served == self.model else with_model(self.raw, served)
-        return Call(self.path, body, params=fwd.request.query, answered_by=self)
+        return Call(self.path, self.body_for(fwd), params=fwd.request.query, answered_by=self)
+
+    def body_for(self, fwd: Attempt) -> bytes:
+        """The client's bytes, unless the slot serves the model by another name or holds its
+        answers to max_output_tokens (docs/configuration.md): then the body with those two
+        fields set, every other field as the client sent it."""
+        served, limit = fwd.route.served_model, fwd.slot.max_output_tokens
+        if served == self.model and limit is None:
+            return self.raw
+        payload: dict[str, Any] = orjson.loads(self.raw)
+        payload["model"] = served
+        asked = payload.get("max_tokens")
+        if limit is not None and type(asked) is int and asked > limit:
+            payload["max_tokens"] = limit
+        return orjson.dumps(payload)
 
     async def call(self, fwd: Attempt) -> Call:
         return self.native_call(fwd)
