@@ -395,3 +395,20 @@ async def writer(tmp_path: Path) -> AsyncIterator[HistoryWriter]:
     await w.start()
     yield w
     await w.close()
+
+
+@pytest.fixture
+async def silent_socket() -> AsyncIterator[str]:
+    """An upstream that accepts connections and never answers a byte."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def accept(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}"
+    for writer in held:
+        writer.close()
+    server.close()
+    await server.wait_closed()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import tomllib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,23 +75,6 @@ async def last_row(http: aiohttp.ClientSession, hal0d: TestServer) -> dict[str, 
     async with http.get(hal0d.make_url("/api/requests?limit=1")) as resp:
         [row] = (await resp.json())["requests"]
         return row
-
-
-@pytest.fixture
-async def silent_socket() -> AsyncIterator[str]:
-    """An upstream that accepts connections and never answers a byte."""
-    held: list[asyncio.StreamWriter] = []
-
-    async def accept(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        held.append(writer)
-
-    server = await asyncio.start_server(accept, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}"
-    for writer in held:
-        writer.close()
-    server.close()
-    await server.wait_closed()
 
 
 def answering(status: int) -> Callable[[web.Request], Awaitable[web.Response]]:

@@ -293,3 +293,33 @@ async def test_a_reloaded_memory_mib_of_an_always_slot_counts_for_the_next_load(
     assert reloaded["slots_changed"] == ["b"]
     status, answer = await chat(http, hal0d.url, "reasoning")  # 6 + 4 > 8 GiB
     assert status == 503 and "no room" in answer["error"]["message"], answer
+
+
+async def test_a_route_slot_a_reload_removed_mid_request_hands_on_to_the_next(
+    serve: Serve, silent_socket: str, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """A request's plan is the one it started with: while its first slot sits out
+    first_byte_timeout_s, a reload removes the second. The second is handed on from (its
+    lease refused: it is gone) like any slot that cannot take the request, and the third
+    answers, where the removed slot's refusal used to end the request with a 503."""
+    def slots(*names: str) -> str:
+        members = ", ".join(f'"{name}"' for name in ("one", *names))
+        served = ", ".join(f'{name} = "reasoning"' for name in ("one", *names))
+        return (f'[[slots]]\nname = "one"\nupstream = "{silent_socket}"\nmodels = ["one-only"]\n'
+                + "".join(slot_toml(name, f"{name}-only", tmp_path) for name in names)
+                + f'[[routes]]\nmodel = "qwen"\nslots = [{members}]\n'
+                  f"served = {{ {served} }}\nfirst_byte_timeout_s = 3.0\n")
+
+    hal0d = await serve(slots("two", "three"))
+    for name in ("two", "three"):
+        await state_is(http, hal0d, name, "ready")
+    stream = Stream("qwen")
+    request = asyncio.create_task(open_stream(http, hal0d.url, stream, chat_body("qwen")))
+    await asyncio.sleep(0.5)  # the request is at its first slot, waiting out the bound
+    await reload(hal0d, slots("three"))
+    assert not request.done()  # the reload came within the first slot's bound
+    await asyncio.wait_for(request, STARTUP_S)
+    assert stream.error is None and stream.raw.rstrip().endswith(b"data: [DONE]"), stream.raw
+    [done] = [line for line in hal0d.named("request.done") if line["model"] == "qwen"]
+    assert (done["slot"], done["failover"]) == (
+        "three", "one=first_byte_timeout,two=loading"), done
