@@ -29,7 +29,7 @@ from hal0d.observability import events
 from hal0d.observability.events import EventHub
 from hal0d.observability.history import RequestRecord
 from hal0d.protocol.sse import Decoder
-from tests.conftest import Stub, chat_body, eventually, logs_into_buffer, make_config
+from tests.conftest import STUB_MODELS, Stub, chat_body, eventually, logs_into_buffer, make_config
 from tests.test_loader import STARTUP_S, Start, lifecycle_config, on_demand, start
 
 Event = tuple[str, dict[str, Any]]
@@ -237,6 +237,96 @@ async def test_a_reader_that_stops_reading_delays_no_stream_and_its_drops_are_co
     await eventually(lambda: not hub.subscribers, 5, "the second reader forgotten")
 
 
+# How long the next test's feed waits for a reader to take bytes: [dispatcher]'s
+# max(stream_idle_timeout_s, direct_read_timeout_s), the bound a relayed stream's client has.
+READER_BOUND_S = 1.0
+
+
+async def test_a_reader_that_takes_no_bytes_for_the_client_bound_is_cut_and_forgotten(
+    start_hal0d: Start, stub: Stub, http: aiohttp.ClientSession
+) -> None:
+    """A suspended `hal0d status --watch` or a stuck proxy: once the socket's buffers are full
+    the feed's write waits on it, and after the bound a relayed stream's client has, its
+    connection is aborted, its subscription dropped, and one line says so; a reader that reads
+    meanwhile keeps its feed."""
+    # A slot that serves many names: its view, in each of a request's two `slot` events, is some
+    # kilobytes, so a few hundred requests fill the socket's buffers.
+    many = (*STUB_MODELS, *(f"fine-tune-{i:04d}-of-a-long-family-name" for i in range(200)))
+    hal0d = await start_hal0d(stub.url, models=many, dispatcher={
+        "stream_idle_timeout_s": READER_BOUND_S / 2, "direct_read_timeout_s": READER_BOUND_S})
+    hub = hub_of(hal0d)
+    with logs_into_buffer("json", "info") as buffer:
+        sock = stuck_reader(hal0d.port or 0)
+        stuck = await eventually(lambda: next(iter(hub.subscribers), None), 10, "the raw reader")
+        reader = Reader(http, hal0d)
+        await reader.wait_for("hello", "the reading reader's hello")
+
+        # Requests until the feed's write waits on the stuck reader: its handler takes each frame
+        # the moment it is queued unless it is blocked in a write, so frames that stay queued
+        # say it is (the write began before that, so the cut comes within the bound of it).
+        async def one() -> None:
+            async with http.post(hal0d.make_url("/v1/chat/completions"),
+                                 json=chat_body(stream=False)) as resp:
+                assert resp.status == 200, await resp.text()
+
+        enough = asyncio.Event()
+
+        async def produce() -> None:
+            while not enough.is_set():
+                await asyncio.gather(*(one() for _ in range(16)))
+
+        producer = asyncio.create_task(produce())
+        deadline = time.monotonic() + 60
+        while stuck.pending < 20:
+            assert time.monotonic() < deadline, "the feed's write never waited on its reader"
+            assert stuck in hub.subscribers, "cut before its write waited on it"
+            if producer.done():
+                producer.result()  # its failure, if it failed
+            await asyncio.sleep(0.005)
+        blocked = time.monotonic()
+        enough.set()
+        await eventually(lambda: stuck not in hub.subscribers, READER_BOUND_S + 3,
+                         "the stuck reader's feed ended")
+        took = time.monotonic() - blocked
+        assert took < READER_BOUND_S + 2, f"cut {took:.1f} s after its write waited"
+        await producer
+
+        def lines(event: str) -> list[dict[str, Any]]:
+            parsed = [orjson.loads(line) for line in buffer.getvalue().splitlines()]
+            return [e for e in parsed if e["event"] == event]
+
+        stalled = await eventually(lambda: lines("events.reader_stalled"), 5, "the stall line")
+        assert len(stalled) == 1 and stalled[0]["bound_s"] == READER_BOUND_S, stalled
+        assert stalled[0]["level"] == "warning"
+        done = await eventually(
+            lambda: [e for e in lines("request.done") if e["path"] == "/api/events"], 5,
+            "the cut feed's request.done")
+        assert [(e["ok"], e["error_code"]) for e in done] == [(False, "client_stalled")], done
+
+    # What was in the socket's buffers when it was aborted, and then its end, with no last
+    # chunk (a cut, not an end of stream).
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    received = bytearray()
+    async with asyncio.timeout(10):
+        try:
+            while chunk := await loop.sock_recv(sock, 1 << 20):
+                received.extend(chunk)
+        except ConnectionResetError:
+            pass
+    sock.close()
+    assert received.startswith(b"HTTP/1.1 200 OK\r\n") and b"event: hello" in received
+    assert not received.endswith(b"\r\n0\r\n\r\n")
+
+    # The reader that read was not cut, and still gets what happens.
+    assert len(hub.subscribers) == 1 and not reader.ended
+    async with http.post(hal0d.make_url("/v1/chat/completions"),
+                         json=chat_body(stream=False)) as resp:
+        request_id = resp.headers["X-Request-Id"]
+    await reader.wait_for("request", "a later request event", request_id=request_id)
+    await reader.close()
+
+
 # -- keys, heartbeats, shutdown ---------------------------------------------------------------
 
 async def test_the_feed_needs_a_key_when_keys_are_set(
@@ -300,7 +390,7 @@ async def test_a_quiet_feed_sends_a_heartbeat_comment(
     monkeypatch.setattr(admin, "HEARTBEAT_S", 0.2)
     hal0d = await start_hal0d(stub.url)
     async with http.get(hal0d.make_url("/api/events")) as resp:
-        assert resp.headers["Content-Type"] == "text/event-stream"
+        assert resp.content_type == "text/event-stream"  # a charset may follow
         assert resp.headers["Cache-Control"] == "no-cache"
         assert "Content-Encoding" not in resp.headers
         seen = b""

@@ -13,14 +13,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hal0d import __version__
 from hal0d.appkeys import EVENTS, LIFECYCLE, RECORDER, RUNTIME, SLOTS, VIEWS
-from hal0d.errors import Conflict, InvalidRequest, NoRoute
+from hal0d.config import DispatcherConfig
+from hal0d.errors import Conflict, ErrorCode, InvalidRequest, NoRoute
 from hal0d.front import access
 from hal0d.lifecycle.manager import LifecycleManager
 from hal0d.lifecycle.runner import UnloadReason
 from hal0d.lifecycle.slots import Slot, SlotState
+from hal0d.logs import get_logger
 from hal0d.observability import events as feed
 from hal0d.observability.requestinfo import INFO
 from hal0d.observability.tally import HOUR_S
+from hal0d.transport.stallguard import client_bound_s
 from hal0d.transport.upstream import SSE_HEADERS
 
 MAX_HISTORY_ROWS = 1000
@@ -28,6 +31,8 @@ MAX_HISTORY_ROWS = 1000
 HEARTBEAT_S = 15.0
 # The states in which a slot takes a request without waiting for a start or a recovery.
 READY_STATES = frozenset({SlotState.READY, SlotState.SERVING})
+
+log = get_logger()
 
 
 def json(body: object, status: int = 200) -> web.Response:
@@ -72,9 +77,13 @@ async def events(request: web.Request) -> web.StreamResponse:
     """GET /api/events: the event feed as server-sent events, starting with `hello` (every slot's
     view). Each frame is written as soon as it is published; a reader that falls behind loses
     events (told by a `dropped` event), never slows anyone else, and is forgotten when it leaves.
+    A reader that takes no bytes for as long as a relayed stream's client may (`reader_bound`)
+    is cut: a suspended `hal0d status --watch` or a stuck proxy would otherwise hold its
+    connection and this handler for good once the socket's buffers are full.
     """
     response = web.StreamResponse(headers=SSE_HEADERS)
     hub = request.app[EVENTS]
+    bound = reader_bound(request.app[RUNTIME].current.config.dispatcher)
     try:
         await response.prepare(request)
     except ConnectionResetError:
@@ -85,24 +94,54 @@ async def events(request: web.Request) -> web.StreamResponse:
         request.app[VIEWS](slot) for slot in request.app[SLOTS]
     ]})
     try:
-        await response.write(hello)
-        # A feed has no end of its own: its reader leaving is how it ends, not a failure.
-        request[INFO].answered = True
-        while True:
+        data: bytes | None = hello
+        while data is not None:
+            if not await write_within(response, data, bound):
+                reader_stalled(request, subscriber, bound)
+                break
+            # A feed has no end of its own: its reader leaving is how it ends, not a failure.
+            request[INFO].answered = True
             try:
                 async with asyncio.timeout(HEARTBEAT_S):
-                    data = await subscriber.next()
+                    data = await subscriber.next()  # None once hal0d is stopping
             except TimeoutError:
-                await response.write(feed.HEARTBEAT)
-                continue
-            if data is None:
-                break  # hal0d is stopping
-            await response.write(data)
+                data = feed.HEARTBEAT
     except ConnectionResetError:
         pass  # the reader left
     finally:
         hub.unsubscribe(subscriber)
     return response
+
+
+def reader_bound(timeouts: DispatcherConfig) -> float | None:
+    """How long a feed write may wait for its reader to take bytes: the stall guard's bound on a
+    relayed stream's client (transport/stallguard.py), so one setting says how long any client
+    of hal0d may sit on a full socket. None (no bound) only when both are 0, as tests may set."""
+    bound = client_bound_s(timeouts)
+    return bound if bound > 0 else None
+
+
+async def write_within(response: web.StreamResponse, data: bytes, bound: float | None) -> bool:
+    """Whether the reader took `data` within `bound`. The timeout is around the raw write (the
+    wait for the socket to drain); the response is not written to again after one ran out."""
+    try:
+        async with asyncio.timeout(bound):
+            await response.write(data)
+    except TimeoutError:
+        return False
+    return True
+
+
+def reader_stalled(request: web.Request, subscriber: feed.Subscriber, bound: float | None
+                   ) -> None:
+    """The feed ends for a reader that took nothing within its bound: its connection is aborted
+    (a close would wait on the very buffers it does not drain) and its request is a failure
+    (client_stalled, as a relayed stream's stalled client is)."""
+    log.warning("events.reader_stalled", bound_s=bound, queued=subscriber.pending,
+                dropped=subscriber.dropped)
+    request[INFO].fail(ErrorCode.CLIENT_STALLED)
+    if request.transport is not None:
+        request.transport.abort()
 
 
 async def status(request: web.Request) -> web.Response:

@@ -11,8 +11,9 @@ task behind.
 
 Frames are encoded once per event (``event: NAME`` / ``data: JSON``), whatever the number of
 readers. This module knows nothing of the HTTP side: the handler in handlers/admin.py writes the
-frames. ``SlotFeed`` turns the slots', the lifecycle manager's and the recorder's happenings into
-events.
+frames, and ends the feed of a reader that takes none for as long as a stream's client may (a
+full queue only drops events; a full socket would hold the handler for good). ``SlotFeed``
+turns the slots', the lifecycle manager's and the recorder's happenings into events.
 """
 
 from __future__ import annotations

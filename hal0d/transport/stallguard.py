@@ -69,6 +69,12 @@ class Reader(Protocol):
     def set_exception(self, exc: BaseException) -> None: ...
 
 
+def client_bound_s(timeouts: DispatcherConfig) -> float:
+    """How long a client of hal0d may sit on a full socket before it is cut: a relayed stream's
+    (this guard's) and the event feed's alike, so one setting says it for every client."""
+    return max(timeouts.stream_idle_timeout_s, timeouts.direct_read_timeout_s)
+
+
 class StallGuard:
     """The watchdog of one relayed stream: start() before the relay loop, stop() after it."""
 
@@ -82,7 +88,7 @@ class StallGuard:
         self.upstream = upstream
         self.total_s = timeouts.stream_total_timeout_s
         self.idle_s = timeouts.stream_idle_timeout_s
-        self.client_s = max(self.idle_s, timeouts.direct_read_timeout_s)
+        self.client_s = client_bound_s(timeouts)
         self._reader = reader
         self._abort_client = abort_client
         self._loop = asyncio.get_running_loop()
