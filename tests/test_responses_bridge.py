@@ -7,8 +7,10 @@ event's type, then its output index, and what it carries (a delta, an item's typ
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
 from hypothesis import given, settings
@@ -19,6 +21,8 @@ from hal0d.openai.responses_bridge import Bridge, BridgeTransform, Event, Malfor
 from hal0d.openai.responses_request import ChatRequest, chat_request, to_response
 from hal0d.protocol.sse import Decoder
 from hal0d.protocol.transform import StallTrip, TransformFailed
+from hal0d_stub.app import make_stub_app
+from tests.conftest import ServerFactory, Stub, free_port, logs_into_buffer
 
 
 def chunk(delta: dict[str, Any] | None = None, finish: str | None = None,
@@ -298,6 +302,10 @@ def test_a_codex_conversation_becomes_chat_messages() -> None:
     ({"input": [{"type": "message", "role": "tool", "content": "x"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
      "input"),
+    ({"input": [{"role": "system", "content": [{"type": "input_image", "image_url": "u"}]}]},
+     "input"),
+    ({"input": [{"role": "assistant", "content": [{"type": "input_image", "image_url": "u"}]},
+                {"role": "user", "content": "and?"}]}, "input"),
     ({"tools": [{"type": "function"}]}, "tools"),
 ])
 def test_what_a_chat_upstream_cannot_take_is_refused(payload: dict[str, Any],
@@ -305,6 +313,47 @@ def test_what_a_chat_upstream_cannot_take_is_refused(payload: dict[str, Any],
     with pytest.raises(InvalidRequest) as raised:
         request(**payload)
     assert raised.value.field == field
+
+
+IMAGE = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
+
+
+def test_a_users_image_goes_on_as_an_image_url_part_beside_its_text() -> None:
+    (message,) = request(input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "What is it?"}, IMAGE]}]).body["messages"]
+    assert message == {"role": "user", "content": [
+        {"type": "text", "text": "What is it?"},
+        {"type": "image_url", "image_url": {"url": IMAGE["image_url"]}}]}
+
+
+@pytest.mark.parametrize("role", ["system", "developer"])
+async def test_an_image_in_a_system_or_developer_message_is_a_400_naming_the_part(
+    role: str, aiohttp_server: Any, start_hal0d: ServerFactory, tmp_path: Path,
+    http: aiohttp.ClientSession,
+) -> None:
+    """Chat completions take images from a user only: the message is refused in OpenAI's
+    envelope before the slot is taken, not failed on the way (a 500 with a traceback)."""
+    log = tmp_path / f"stub-{free_port()}.log"
+    chat_stub = Stub(await aiohttp_server(make_stub_app(log, 0.002, chat_only=True)), log)
+    hal0d = await start_hal0d(chat_stub.url, slot={"responses": "translate"})
+    payload = {"model": "chat", "input": [
+        {"type": "message", "role": role,
+         "content": [{"type": "input_text", "text": "Describe it."}, IMAGE]},
+        {"type": "message", "role": "user", "content": "hi"},
+    ]}
+    with logs_into_buffer("json", "info") as buffer:
+        async with http.post(hal0d.make_url("/v1/responses"), json=payload) as resp:
+            status, body = resp.status, await resp.json()
+    assert status == 400, body
+    error = body["error"]
+    assert (error["type"], error["code"], error["param"]) == (
+        "invalid_request_error", "request.invalid", "input")
+    assert error["message"].startswith(
+        f"input[0].content[1] is an input_image part in a {role} message: a {role} message "
+        "holds text only"), error
+    lines = [orjson.loads(line) for line in buffer.getvalue().splitlines()]
+    assert not [line for line in lines if line["event"] == "request.failed"], lines
+    assert not any("endpoint=chat" in line for line in chat_stub.lines())
 
 
 def test_the_slot_bound_caps_max_output_tokens() -> None:

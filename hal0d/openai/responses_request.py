@@ -8,7 +8,9 @@
                                              a system message where it is
     input: a string                        one user message
     input items: message                   a message (input_text/output_text parts as text,
-                                             input_image as an image_url part)
+                                             input_image as an image_url part; only a user's:
+                                             a system, developer or assistant message holds
+                                             text only)
                  function_call,            an assistant message's tool_calls (consecutive
                  custom_tool_call,           calls, and the text just before them, are one
                  local_shell_call            assistant message)
@@ -339,9 +341,16 @@ def message_of(item: dict[str, Any], index: int) -> dict[str, Any]:
     content = item.get("content")
     if isinstance(content, list):
         parts = [part_of(part, index) for part in content]
+        for at, part in enumerate(parts):
+            if part["type"] != "text" and role != "user":
+                # Chat completions take an image only from a user: a system or assistant
+                # message's content is text, so it is refused here rather than sent on.
+                raise InvalidRequest(
+                    f"input[{index}].content[{at}] is an {content[at]['type']} part in a {role} "
+                    f"message: a {role} message holds text only (send images in a user "
+                    "message)", field="input")
         texts_only = all(part["type"] == "text" for part in parts)
-        content = "".join(part["text"] for part in parts) if texts_only or role != "user" else (
-            parts)
+        content = "".join(part["text"] for part in parts) if texts_only else parts
     elif not isinstance(content, str):
         raise InvalidRequest(f"input[{index}].content must be a string or an array",
                              field="input")
