@@ -7,6 +7,7 @@ upstream without a command, which answers GET /v1/models."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -24,7 +25,7 @@ async def slot_state(http: aiohttp.ClientSession, hal0d: TestServer) -> str:
     return str(slot["state"])
 
 
-def transitions(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def transitions(logs: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     return [entry for entry in logs if entry["event"] == "slot.state_changed"]
 
 

@@ -209,6 +209,14 @@ class Groups:
     def get(self, name: str | None) -> Group | None:
         return self.groups.get(name or "")
 
+    def turn_wait_s(self, config: SlotConfig) -> float:
+        """The longest a request for `config`'s slot may wait for its model's turn (its
+        group's `max_wait_s` when the group batches), on top of the load's own bound."""
+        group = self.get(config.group)
+        if group is None or not group.config.batch or not config.on_demand:
+            return 0.0
+        return group.config.max_wait_s
+
     def replace(self, groups: dict[str, GroupConfig]) -> None:
         """A reload's [groups]; a group whose limits changed keeps its turn order."""
         kept = {name: self.groups[name] for name in groups if name in self.groups}

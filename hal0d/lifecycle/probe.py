@@ -1,7 +1,7 @@
 """The health probe: does a slot's upstream answer GET /v1/models?
 
 The lifecycle manager probes every slot that is up periodically, and each new process until it
-answers.
+answers (or exits, or runs out of its load's time).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from aiohttp import hdrs
 
 from hal0d.config import SlotConfig
 from hal0d.errors import UpstreamUnavailable
+from hal0d.lifecycle.process import Child
 from hal0d.transport.upstream import UpstreamClient
 
 PROBE_TIMEOUT_S = 5.0
@@ -86,3 +87,21 @@ async def answers_within(client: UpstreamClient, config: SlotConfig, timeout_s: 
         await asyncio.sleep(pause)
         pause = FAST_POLL_S if time.monotonic() - started < FAST_PHASE_S else STARTUP_POLL_S
     return False
+
+
+async def until_answering(client: UpstreamClient, config: SlotConfig, child: Child,
+                          timeout_s: float) -> str | None:
+    """None once a new process answers its probe; else why it never will (it exited, or it
+    did not answer within `timeout_s`)."""
+    answering = asyncio.create_task(answers_within(client, config, timeout_s))
+    exited = asyncio.create_task(child.wait())
+    try:
+        await asyncio.wait({answering, exited}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        answering.cancel()
+        exited.cancel()
+    if exited.done() and not exited.cancelled():
+        return child.exit_summary(exited.result())
+    if answering.done() and not answering.cancelled() and answering.result():
+        return None
+    return f"not answering within load_timeout_s = {config.load_timeout_s:g} s"

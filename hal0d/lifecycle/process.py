@@ -2,7 +2,7 @@
 logged line by line, stopped gracefully (SIGTERM to the group, SIGKILL after a grace).
 
 Every slot with a command runs it through `Child`, started and stopped by the lifecycle manager
-(manager.py), `always` and `on_demand` slots alike.
+(manager.py) through the slot's runner (runner.py), `always` and `on_demand` slots alike.
 """
 
 from __future__ import annotations

@@ -1,10 +1,14 @@
 """What the lifecycle manager keeps for each slot with a command (Runner: its process, its task,
-its timers, its backoff), and the words it tells its observers (load phases, unload reasons).
+its timers, its backoff), the steps of that process it runs (a start up to the first answer, a
+drain, a stop), and the words it tells its observers (load phases, unload reasons).
+
+A Runner never changes its slot's state: what its steps lead to, the manager tells the table.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import enum
 import time
 from collections.abc import Callable, Iterable
@@ -12,16 +16,20 @@ from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 from hal0d.config import GroupConfig, SlotConfig
-from hal0d.lifecycle.groups import Swap
-from hal0d.lifecycle.process import Child
+from hal0d.lifecycle.groups import Groups, NoRoom, Swap, Withdrawn
+from hal0d.lifecycle.probe import port_taken, until_answering
+from hal0d.lifecycle.process import Child, LaunchFailed, resolve_program
 from hal0d.lifecycle.slots import Slot, SlotState
 from hal0d.logs import get_logger
+from hal0d.transport.upstream import UpstreamClient
 
 log = get_logger()
 
 BACKOFF_FIRST_S: Final = 1.0
 BACKOFF_MAX_S: Final = 60.0
 LOAD_TICK_S: Final = 1.0
+# A process that was up this long before it exited starts again from the first backoff step.
+HEALTHY_RUN_S: Final = 60.0
 
 
 class UnloadReason(enum.StrEnum):
@@ -30,6 +38,14 @@ class UnloadReason(enum.StrEnum):
     API = "api"
     RELOAD = "reload"
     SHUTDOWN = "shutdown"
+
+
+class Started(enum.StrEnum):
+    """How a start ended."""
+
+    ANSWERED = "answered"  # its process answers: it is up
+    FAILED = "failed"  # its cause and backoff recorded (Runner.failed)
+    WITHDRAWN = "withdrawn"  # no request waited for it any more: nothing was launched
 
 
 class LoadPhase(enum.StrEnum):
@@ -63,6 +79,14 @@ def log_state_change(slot: Slot, old: SlotState, new: SlotState, reason: str | N
         return  # every lease would log twice; in_flight is in /api/slots and /metrics instead
     level = log.warning if new == SlotState.ERROR else log.info
     level("slot.state_changed", slot=slot.name, old=str(old), new=str(new), reason=reason)
+
+
+def no_request() -> contextvars.Context:
+    """The context a timer of the lifecycle runs in: a fresh one, so an idle unload or a restart
+    after a backoff logs no request id (a timer armed while a request ended would otherwise
+    carry that request's, bound by the lifecycle middleware). What a request causes (the load it
+    asks for, an eviction for that load) keeps its id."""
+    return contextvars.Context()
 
 
 @dataclass
@@ -131,6 +155,189 @@ class Runner:
             if timer is not None:
                 timer.cancel()
         self.retry = self.idle_timer = None
+
+    def disarm_idle(self) -> None:
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
+
+    def arm_idle(self, fire: Callable[[Runner], None], *, from_last_use: bool = False) -> None:
+        """The idle timer, armed anew: `fire` is told once the slot was idle its idle wait,
+        counted from now or `from_last_use`; only cancelled when hal0d does not unload it."""
+        self.disarm_idle()
+        if (idle_s := self.idle_unload_s()) is None:
+            return
+        if from_last_use:
+            idle_s -= time.monotonic() - self.last_used
+        self.idle_timer = asyncio.get_running_loop().call_later(
+            max(0.0, idle_s), fire, self, context=no_request())
+
+    # -- its process -------------------------------------------------------------------------
+
+    async def start(self, client: UpstreamClient, groups: Groups, tell_phase: PhaseTeller,
+                    launching: Callable[[str], None]) -> Started:
+        """A start, up to its outcome: the group's turn with room made, the launch, the probe
+        until it answers; `launching` is told, with what is launched, once the turn is had.
+        The job is over (`job` None) before the outcome is returned, and before a failed
+        start's process is stopped."""
+        slot = self.slot
+        progress = Progress(tell_phase, self.name)
+        log.info("slot.load_started", slot=self.name, queued=slot.queued)
+        try:
+            cause = await self._bring_up(client, groups, progress, launching)
+        except Withdrawn as exc:
+            progress.stop()
+            slot.turn_wait(False)
+            self.job = None
+            log.info("slot.load_withdrawn", slot=self.name, reason=str(exc))
+            tell_phase(self.name, LoadPhase.WITHDRAWN, progress.elapsed(), str(exc))
+            return Started.WITHDRAWN
+        finally:
+            progress.stop()
+            slot.turn_wait(False)
+        elapsed = progress.elapsed()
+        self.job = None  # done: what the outcome's actions start is a job of its own
+        if cause is not None:
+            exit_code = self.child.returncode if self.child is not None else None
+            await self.stop_child()
+            progress.enter(LoadPhase.FAILED, cause)
+            self.failed(cause, elapsed, exit_code)
+            return Started.FAILED
+        assert self.child is not None
+        self.loaded_at = time.monotonic()
+        log.info("slot.loaded", slot=self.name, elapsed_s=elapsed, pid=self.child.pid)
+        progress.enter(LoadPhase.READY)
+        return Started.ANSWERED
+
+    async def _bring_up(self, client: UpstreamClient, groups: Groups, progress: Progress,
+                        launching: Callable[[str], None]) -> str | None:
+        """None once the new process answers, else why not (a process that was launched is
+        left for the caller to stop); Withdrawn when no request waits for the load any more."""
+        slot, config = self.slot, self.config
+        urgent, self.urgent = self.urgent, False
+        try:
+            if groups.get(config.group) is not None:
+                progress.enter(LoadPhase.WAITING_FOR_ROOM)
+                slot.turn_wait(True)
+            async with groups.turn(slot, config, pinned=not config.on_demand, urgent=urgent):
+                slot.turn_wait(False)
+                argv = " ".join(resolve_program(config.command or ()))
+                what = f"launching {argv}" if not config.on_demand else f"loading: {argv}"
+                if self.cause is not None:
+                    what += f" (the last attempt failed: {self.cause})"
+                launching(what)
+                progress.enter(LoadPhase.STARTING)
+                if (taken := port_taken(config.upstream)) is not None:
+                    raise LaunchFailed(taken)
+                child = await self.launch()
+                progress.enter(LoadPhase.PROBING)
+                return await until_answering(client, self.config, child,
+                                             config.load_timeout_s - progress.elapsed())
+        except (LaunchFailed, NoRoom) as exc:
+            return str(exc)
+
+    async def launch(self) -> Child:
+        """Child.start, never left half done: cancelled while the process is being created, the
+        process is still recorded (and so stopped by whoever cancelled)."""
+        starting = asyncio.ensure_future(Child.start(self.name, self.config.command or ()))
+        try:
+            self.child = await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            if not starting.cancelled():
+                await asyncio.wait({starting})
+                if starting.exception() is None:
+                    self.child = starting.result()
+            raise
+        return self.child
+
+    async def wind_down(self, start: asyncio.Task[None] | None,
+                        observers: Iterable[LifecycleObserver]) -> None:
+        """An unload's (or a replace's) steps: the start it interrupts cancelled, the requests
+        in flight drained, the process stopped, the observers told."""
+        slot, reason = self.slot, self.unloading
+        self.cancel_timers()
+        self.keep_alive_s = None  # a client's keep_alive was this load's
+        if start is not None and not start.done():
+            start.cancel()
+            await asyncio.wait({start})
+        if slot.in_flight:
+            log.info("slot.draining", slot=self.name, in_flight=slot.in_flight,
+                     reason=str(reason))
+        await drain(slot, self.drain_s)
+        loaded_s = round(time.monotonic() - self.loaded_at, 1) if self.loaded_at else None
+        await self.stop_child()
+        if self.cause is None:
+            self.backoff.reset()  # a clean stop: the next start owes nothing to earlier ones
+        log.info("slot.unloaded", slot=self.name, reason=str(reason), loaded_s=loaded_s)
+        for observer in observers:
+            observer.unloaded(self.name, reason, loaded_s)
+
+    async def shut_down(self, observers: Iterable[LifecycleObserver]) -> None:
+        """hal0d stops: the process stopped, the observers told of a load it ends."""
+        loaded = self.child is not None
+        await self.stop_child()
+        if loaded and self.config.on_demand:
+            log.info("slot.unloaded", slot=self.name, reason=str(UnloadReason.SHUTDOWN))
+            for observer in observers:
+                observer.unloaded(self.name, UnloadReason.SHUTDOWN, None)
+
+    async def stop_child(self) -> None:
+        self.loaded_at = None
+        if self.watch is not None:
+            self.watch.cancel()
+            self.watch = None
+        if self.child is not None:
+            # Kept until it is gone: a stop cancelled on the way (a second reload's replace)
+            # leaves it to the stop that follows, never running with nobody to stop it.
+            await self.child.stop()
+            self.child = None
+
+    def failed(self, cause: str, elapsed_s: float, exit_code: int | None) -> None:
+        """A start failed: its cause kept (the next launch names it), its backoff taken."""
+        self.cause = cause
+        self.retry_in_s = self.backoff.take()
+        if not self.config.on_demand:
+            self.restarts += 1
+        if exit_code is not None:
+            log.warning("slot.process_exited", slot=self.name, code=exit_code, reason=cause,
+                        ran_s=elapsed_s, restart_in_s=self.retry_in_s, restarts=self.restarts)
+        log.warning("slot.load_failed", slot=self.name, reason=cause, elapsed_s=elapsed_s,
+                    retry_in_s=self.retry_in_s)
+
+    def exited(self, child: Child, code: int) -> str:
+        """Its process, up, exited on its own: forgotten, its backoff reset after a healthy
+        run and taken when it is wanted again; returns the cause the slot shows."""
+        self.child = None
+        ran_s = time.monotonic() - (self.loaded_at or time.monotonic())
+        self.loaded_at = None
+        if ran_s >= HEALTHY_RUN_S:
+            self.backoff.reset()
+        cause = child.exit_summary(code)
+        slot = self.slot
+        if not self.wanted():
+            log.warning("slot.process_exited", slot=self.name, code=code, reason=cause,
+                        ran_s=round(ran_s, 1), in_flight=slot.in_flight, queued=slot.queued)
+            return cause
+        self.retry_in_s = self.backoff.take()
+        if not self.config.on_demand:
+            self.restarts += 1
+        log.warning("slot.process_exited", slot=self.name, code=code, reason=cause,
+                    ran_s=round(ran_s, 1), restart_in_s=self.retry_in_s,
+                    restarts=self.restarts, in_flight=slot.in_flight, queued=slot.queued)
+        return f"{cause}; restarting in {self.retry_in_s:g} s"
+
+
+async def drain(slot: Slot, drain_s: float | None) -> None:
+    """Returns once nothing is in flight on `slot`, or after `drain_s` (None: no bound)."""
+    if drain_s is None:
+        await slot.drained()
+        return
+    try:
+        async with asyncio.timeout(drain_s):
+            await slot.drained()
+    except TimeoutError:
+        log.warning("slot.drain_timeout", slot=slot.name, in_flight=slot.in_flight,
+                    drain_s=drain_s)
 
 
 class Progress:

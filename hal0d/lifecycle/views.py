@@ -1,0 +1,63 @@
+"""What /api/slots and the event feed show of a slot beyond its admission snapshot: its group's
+limits and the swap it may wait for, and for an on-demand slot its load (loaded and idle for how
+long, when the idle timer unloads it, its process).
+
+Read only: each function is handed the parts of the lifecycle manager's state it shows (the
+slot's config, its group, its runner), so a view never changes what it looks at.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from hal0d.config import SlotConfig
+from hal0d.lifecycle.groups import Group
+from hal0d.lifecycle.runner import Runner
+from hal0d.lifecycle.slots import Slot, SlotState
+
+
+def unloads_in(runner: Runner | None, now: float) -> float | None:
+    """Seconds until the slot's idle timer unloads it: counted from its last use while it is
+    ready, the whole timer while it serves; None when nothing will (a slot hal0d does not
+    unload, an idle_unload_s of 0, a negative keep_alive)."""
+    idle_s = runner.idle_unload_s() if runner is not None else None
+    if runner is None or idle_s is None:
+        return None
+    if runner.slot.state is SlotState.READY:
+        return max(0.0, idle_s - (now - runner.last_used))
+    return idle_s
+
+
+def slot_view(slot: Slot, config: SlotConfig | None, group: Group | None,
+              runner: Runner | None) -> dict[str, Any]:
+    """A slot as /api/slots and the event feed show it."""
+    now = time.monotonic()
+    view = slot.snapshot()
+    view["group"] = config.group if config else None
+    view["memory_mib"] = config.memory_mib if config else None
+    view["group_memory_mib"] = group.config.memory_mib if group else None
+    view["group_max_loaded"] = group.config.max_loaded if group else None
+    if group is not None:
+        pending = group.pending
+        view["group_policy"] = group.config.policy
+        view["group_max_wait_s"] = group.config.max_wait_s
+        # A swap waiting for a batch to end, on the waiting slot's view and the victim's.
+        view["pending_swap"] = (pending.view(now) if pending is not None
+                                and slot.name in (pending.slot, pending.victim) else None)
+    if runner is not None and runner.config.on_demand:
+        view.update(_load_view(runner, now))
+    return view
+
+
+def _load_view(runner: Runner, now: float) -> dict[str, object]:
+    ready = runner.slot.state is SlotState.READY
+    idle_unload_in = unloads_in(runner, now) if ready else None
+    return {
+        "start": runner.config.start,
+        "loaded_for_s": round(now - runner.loaded_at, 1) if runner.loaded_at else None,
+        "idle_for_s": round(now - runner.last_used, 1) if ready else None,
+        "idle_unload_in_s": None if idle_unload_in is None else round(idle_unload_in, 1),
+        "keep_alive_s": runner.keep_alive_s,
+        "pid": runner.child.pid if runner.child else None,
+    }
