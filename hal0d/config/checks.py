@@ -15,6 +15,7 @@ from typing import Any
 
 from hal0d.config.model import (
     LIFECYCLE_KEYS,
+    ON_DEMAND_KEYS,
     START_ALWAYS,
     START_ON_DEMAND,
     GroupConfig,
@@ -92,7 +93,16 @@ def _check_lifecycle(good: dict[str, Any], table: Any, path: str, problems: list
     if start not in (START_ALWAYS, START_ON_DEMAND):
         problems.append(f"{path}.start: {start!r} is not one of ('always', 'on_demand')")
     if good.get("command") or (isinstance(table, dict) and "command" in table):
-        return  # a command given, if malformed, has its own problem: no follow-ons from it
+        # A command given, if malformed, has its own problem: no follow-ons from it.
+        if start == START_ALWAYS:
+            for key in ON_DEMAND_KEYS:
+                if isinstance(table, dict) and key in table:
+                    problems.append(f"{path}.{key}: only for start = 'on_demand' (an 'always' "
+                                    "slot is kept up, never unloaded when idle)")
+        elif start == START_ON_DEMAND and good.get("max_queue") == 0:
+            problems.append(f"{path}.max_queue: 0 leaves no place for the request that loads an "
+                            "on-demand slot (it waits in the queue for the load): at least 1")
+        return
     # Without a command hal0d has nothing to start or stop: these would silently do nothing.
     if start == START_ON_DEMAND:
         problems.append(f"{path}.start: 'on_demand' needs a command for hal0d to start")

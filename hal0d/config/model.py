@@ -62,7 +62,9 @@ class DispatcherConfig:
 START_ALWAYS = "always"
 START_ON_DEMAND = "on_demand"
 # The keys that only mean something for a slot hal0d starts and stops itself (it has a command).
-LIFECYCLE_KEYS = ("idle_unload_s", "group")
+LIFECYCLE_KEYS = ("idle_unload_s", "group", "load_timeout_s")
+# The keys that only mean something for a slot hal0d stops when it is idle (start = "on_demand").
+ON_DEMAND_KEYS = ("idle_unload_s",)
 
 # The [dispatcher] timeouts a slot may set for itself.
 SLOT_TIMEOUT_KEYS = ("direct_read_timeout_s", "stream_total_timeout_s", "stream_idle_timeout_s")

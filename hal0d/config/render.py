@@ -12,7 +12,7 @@ from typing import Any
 
 import tomli_w
 
-from hal0d.config.model import LIFECYCLE_KEYS, Config, SlotConfig
+from hal0d.config.model import LIFECYCLE_KEYS, ON_DEMAND_KEYS, Config, SlotConfig
 
 
 def to_dict(config: Config) -> dict[str, Any]:
@@ -50,9 +50,13 @@ def to_dict(config: Config) -> dict[str, Any]:
 
 def slot_table(slot: SlotConfig, keys: dict[str, Any]) -> dict[str, Any]:
     """A slot's keys as print-config shows them: the lifecycle keys only where they can apply
-    (a slot without a command refuses them, so the output must parse again)."""
+    (a slot without a command refuses them, an 'always' slot its idle unload, so the output must
+    parse again)."""
     if not slot.command:
         for key in LIFECYCLE_KEYS:
+            keys.pop(key, None)
+    if not slot.on_demand:
+        for key in ON_DEMAND_KEYS:
             keys.pop(key, None)
     return keys
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any, cast
 
-from hal0d.config.model import POLICY_BATCH, POLICY_FIFO, SLOT_TIMEOUT_KEYS
+from hal0d.config.model import POLICY_BATCH, POLICY_FIFO, SLOT_TIMEOUT_KEYS, DispatcherConfig
 
 # Per key: (type, minimum, maximum); None means unbounded. Floats accept integers too.
 Range = tuple[type, float | None, float | None]
@@ -37,6 +37,16 @@ DISPATCHER_SPEC: dict[str, Range] = {
     "connect_timeout_s": (float, 0.1, 600.0),
     "write_timeout_s": (float, 0.1, 600.0),
     "pool_timeout_s": (float, 0.1, 600.0),
+}
+# Keys that bound nothing, by their path: refused at any value but their default, saying why.
+# The default loads, so a file print-config wrote (it writes every key) still parses.
+NO_EFFECT: dict[str, tuple[float, str]] = {
+    "dispatcher.pool_timeout_s": (
+        DispatcherConfig().pool_timeout_s,
+        "has no effect: hal0d's upstream pool has no connection limit, so a request never "
+        "waits for a connection (it waits for its slot, in the slot's queue: queue_timeout_s); "
+        "remove the key",
+    ),
 }
 SLOT_SPEC: dict[str, Range] = {
     "name": (str, None, None),
@@ -138,6 +148,9 @@ def check_table(
             continue
         if low is not None and high is not None and not (low <= checked <= high):
             problems.append(f"{where}: {checked!r} is outside {low}-{high}")
+            continue
+        if where in NO_EFFECT and checked != NO_EFFECT[where][0]:
+            problems.append(f"{where}: {checked!r} {NO_EFFECT[where][1]}")
             continue
         good[key] = checked
     return good
