@@ -130,3 +130,17 @@ def test_free_port_is_one_port_of_the_slots_own_in_its_upstream_and_command(
     assert slots(tmp_path) == (slot,)  # read again (a reload): the same port
     [other] = slots(tmp_path / "elsewhere")
     assert other.upstream != slot.upstream
+
+
+def test_pool_timeout_s_bounds_nothing_so_only_its_default_loads(tmp_path):
+    """hal0d's upstream pool has no connection limit: no request waits for a connection, and a
+    pool_timeout_s of its own is refused naming the key, where it once loaded and did nothing.
+    Its default loads: print-config writes it."""
+    with pytest.raises(config.ConfigError) as caught:
+        config.load(write(tmp_path, SLOT + "[dispatcher]\npool_timeout_s = 2.0\n"))
+    assert caught.value.problems == [
+        "dispatcher.pool_timeout_s: 2.0 has no effect: hal0d's upstream pool has no connection "
+        "limit, so a request never waits for a connection (it waits for its slot, in the "
+        "slot's queue: queue_timeout_s); remove the key"]
+    loaded = config.load(write(tmp_path, SLOT + "[dispatcher]\npool_timeout_s = 5.0\n"))
+    assert loaded.dispatcher == config.DispatcherConfig()

@@ -62,7 +62,8 @@ def test_the_staged_tree_names_no_staging_path_and_no_source_folder(
     assert files_naming(stage, str(stage).encode()) == []
     assert files_naming(stage, str(REPO).encode()) == []
     assert not list(stage.rglob("direct_url.json"))
-    compiled = next((stage / "usr/local/lib/hal0d/lib").rglob("hal0d/cli/__pycache__/commands.*.pyc"))
+    compiled = next((stage / "usr/local/lib/hal0d/lib").rglob(
+        "hal0d/cli/__pycache__/commands.*.pyc"))
     assert b"/usr/local/lib/hal0d/lib/" in compiled.read_bytes()
 
 

@@ -321,7 +321,9 @@ class Forward:
         """The prompt's token count from the slot's own tokenizer (tokens.py), under the lease:
         llama-cpp-python's server interrupts a running completion when another request
         reaches it."""
-        return await self.dispatch.tokens.count(self.route.slot, openai_request, text)
+        loaded = self.lease is not None and bool(self.lease.load_ms)
+        return await self.dispatch.tokens.count(self.route.slot, openai_request, text,
+                                                after_load=loaded)
 
     async def anthropic_mode(self) -> str:
         """How the slot serves the Anthropic API (modes.py), asked of its upstream once, under

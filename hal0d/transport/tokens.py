@@ -21,7 +21,13 @@ every request. Where the template is not counted, the upstream's own usage, when
 reports one, still wins in message_delta (anthropic/stream.py).
 
 Counting happens before the generation is requested, never beside it: llama-cpp-python's server
-interrupts a running completion when another request arrives.
+interrupts a running completion when another request arrives. It delays the request's first
+frame, so it is bounded: TOKENIZE_TIMEOUT_S, except for a slot's first count (the first since
+hal0d started, or one its caller says follows a load of the slot's process), which gets
+FIRST_COUNT_TIMEOUT_S: right after a load llama-server's first /apply-template or /tokenize can
+take seconds, and a short bound would turn the count of the one request that waited for the load
+into an estimate. A count that fails is an estimate for that request, said in a
+`tokens.estimated` line with its cause.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from hal0d.transport.upstream import UpstreamClient, upstream_errors
 
 log = get_logger()
 TOKENIZE_TIMEOUT_S = 2.0
+FIRST_COUNT_TIMEOUT_S = 10.0
 TEMPLATE = "/apply-template"
 TOKENIZE = "/tokenize"
 EXTRAS = "/extras/tokenize/count"
@@ -82,12 +89,17 @@ class TokenCounter:
         # (slot name, upstream) -> the path that answered, or None when none did. Keyed by the
         # upstream too: a reload that points the slot at another server asks that one afresh.
         self._ways: dict[tuple[str, str], str | None] = {}
+        # The slots whose first count is done: it answered, or had all of FIRST_COUNT_TIMEOUT_S
+        # (a tokenizer that hangs makes one request wait that long, not every one). A quick
+        # failure (a refused connect, a 503 while the model loads) leaves the next count first.
+        self._counted: set[tuple[str, str]] = set()
 
-    async def _post(self, slot: SlotConfig, path: str, body: dict[str, Any]) -> Any:
+    async def _post(self, slot: SlotConfig, path: str, body: dict[str, Any],
+                    bound_s: float) -> Any:
         """The answer's JSON; None when the endpoint is not there (or answers no JSON)."""
         status, data = await self.client.ask(
             slot, hdrs.METH_POST, path, body=orjson.dumps(body), during="counting tokens",
-            timeout_s=TOKENIZE_TIMEOUT_S, refused_at="tokenizer",
+            timeout_s=bound_s, refused_at="tokenizer",
         )
         if path == TEMPLATE and status in ABSENT_STATUSES - NO_ENDPOINT_STATUSES:
             raise NotThisRequest(f"{path} answered {status}")
@@ -100,36 +112,43 @@ class TokenCounter:
         except orjson.JSONDecodeError:
             return None
 
-    async def _templated(self, slot: SlotConfig, openai_request: dict[str, Any]) -> int | None:
+    async def _templated(self, slot: SlotConfig, openai_request: dict[str, Any],
+                         bound_s: float) -> int | None:
         """llama-server's own template, then its tokenizer, as its chat completion does both."""
         # The whole chat request: the template also renders tools and chat_template_kwargs.
-        answer = await self._post(slot, TEMPLATE, openai_request)
+        answer = await self._post(slot, TEMPLATE, openai_request, bound_s)
         prompt = answer.get("prompt") if isinstance(answer, dict) else None
         if not isinstance(prompt, str):
             return None
         # add_special: the BOS its completion prepends; parse_special: the template's markers
         # are special tokens, one each, not text.
         body = {"content": prompt, "add_special": True, "parse_special": True}
-        return _count_of(await self._post(slot, TOKENIZE, body))
+        return _count_of(await self._post(slot, TOKENIZE, body, bound_s))
 
     async def _ask(
-        self, slot: SlotConfig, path: str, openai_request: dict[str, Any], text: str
+        self, slot: SlotConfig, path: str, openai_request: dict[str, Any], text: str,
+        bound_s: float,
     ) -> int | None:
         if path == TEMPLATE:
-            return await self._templated(slot, openai_request)
+            return await self._templated(slot, openai_request, bound_s)
         if path == TOKENIZE:
             body = {"model": openai_request.get("model"),
                     "messages": openai_request.get("messages"),
                     "content": text, "add_special": True, "parse_special": True}
         else:
             body = {"input": text}
-        return _count_of(await self._post(slot, path, body))
+        return _count_of(await self._post(slot, path, body, bound_s))
 
     async def count(
-        self, slot: SlotConfig, openai_request: dict[str, Any], text: str
+        self, slot: SlotConfig, openai_request: dict[str, Any], text: str, *,
+        after_load: bool = False,
     ) -> tuple[int, str]:
-        """(token count, where it came from: template, tokenize, extras or estimate)."""
+        """(token count, where it came from: template, tokenize, extras or estimate).
+        `after_load`: the request waited for the slot's process to load, so this count is that
+        process's first (the module's docstring)."""
         key = (slot.name, slot.upstream)
+        first = after_load or key not in self._counted
+        bound_s = FIRST_COUNT_TIMEOUT_S if first else TOKENIZE_TIMEOUT_S
         known = self._ways.get(key, "unknown")
         if known == "unknown":
             ways: tuple[str, ...] = WAYS
@@ -142,22 +161,29 @@ class TokenCounter:
             # No descriptor for the count means none for the generation either: FdExhausted
             # passes, and the request gets its 503 now rather than an estimate and then the same.
             with upstream_errors(slot, "counting tokens", refused_at="tokenizer"):
-                async with asyncio.timeout(TOKENIZE_TIMEOUT_S):
+                async with asyncio.timeout(bound_s):
                     for path in ways:
                         try:
-                            count = await self._ask(slot, path, openai_request, text)
+                            count = await self._ask(slot, path, openai_request, text, bound_s)
                         except NotThisRequest as exc:
                             conclusive = False
                             log.debug("tokens.way_skipped", slot=slot.name, error=str(exc))
                             continue
                         if count is not None:
+                            self._counted.add(key)
                             if conclusive and known != path:
                                 self._ways[key] = path
                                 log.info("tokens.way_chosen", slot=slot.name, way=SOURCE[path])
                             return count, SOURCE[path]
         except (UpstreamUnavailable, TryLater) as exc:
-            log.debug("tokens.count_failed", slot=slot.name, error=str(exc))
-            return estimate(text), "estimate"  # a passing failure: try the tokenizer next time
+            if isinstance(exc, UpstreamUnavailable) and exc.kind == "timeout":
+                self._counted.add(key)
+            # A passing failure: an estimate for this request, the tokenizer asked next time.
+            reason = (exc.cause if isinstance(exc, UpstreamUnavailable) else None) or str(exc)
+            log.info("tokens.estimated", slot=slot.name, reason=reason, bound_s=bound_s,
+                     fallback="estimate (chars / 4)")
+            return estimate(text), "estimate"
+        self._counted.add(key)
         if known == "unknown" and conclusive:
             self._ways[key] = None
             log.info("tokens.no_tokenizer", slot=slot.name, fallback="estimate (chars / 4)")

@@ -1,5 +1,5 @@
 """The upstream boundary: the one client (UpstreamClient, over one ClientSession), its timeouts,
-header filtering, the eager open.
+header filtering, the eager open, and the one retry of a request a kept-alive connection lost.
 
 Every call hal0d makes to a slot's server goes through `UpstreamClient`: a request's forward
 (`open`, then the relay or `read_whole`), and hal0d's own questions (`ask`: the health probe, a
@@ -14,16 +14,40 @@ The one exception is the relay's loop (relay.py), where the client response has 
 break is an outcome written into the stream rather than an error status.
 
 Timeouts. aiohttp's client default is total=300 s, which silently kills long streams; the session
-has no total. `connect_timeout_s` bounds the TCP connect, `pool_timeout_s` the wait for a free
-connection, `direct_read_timeout_s` the wait for response headers (counted from the request's
-body written) and, unless the stall guard owns the body, every body read; a stream's open as a
-whole is bounded by the sum of the four bounds, `write_timeout_s` included (UpstreamClient.open),
-and a whole answer, open and body, by that sum and `direct_read_timeout_s` once more, with
-aiohttp's own `total` (no timer of ours: it would be a second one per request). When the
-stall guard owns a stream's body, the per-read timeout that bounded its header wait is switched
-off once the headers are in (`hand_body_to_guard`). (An earlier design moved a deadline along
-with aiohttp's tracing signals instead: four signals a request, ~6% of a stream's CPU and of its
-time to first byte, for a bound that differs only while the request is being written.)
+has no total. `connect_timeout_s` bounds getting a connection (the name's resolution and the TCP
+connect), `write_timeout_s` every wait while the request's body is sent (aiohttp has no write
+timeout: the body is written by `_Body`, a piece at a time, each piece's wait bounded, so a slow
+but moving upload is not cut and an upstream that takes none of it is), `direct_read_timeout_s`
+the wait for response headers (counted from the request's body written) and, unless the stall
+guard owns the body, every body read; a stream's open as a whole is bounded by the sum of the
+three (UpstreamClient.open), and a whole answer, open and body, by that sum and
+`direct_read_timeout_s` once more, with aiohttp's own `total` (no timer of ours: it would be a
+second one per request). `pool_timeout_s` bounds nothing: the pool has no connection limit, so
+no request ever waits for a connection (a request waits for its slot instead, in the slot's
+queue); the config refuses any value but its default. When the stall guard owns a stream's body,
+the per-read timeout that bounded its header wait is switched off once the headers are in
+(`hand_body_to_guard`). (An earlier design moved a deadline along with aiohttp's tracing signals
+instead: four signals a request, ~6% of a stream's CPU and of its time to first byte, for a
+bound that differs only while the request is being written.)
+
+Encodings. hal0d reads every answer it relays (a whole answer's usage, the metrics tap of a
+stream, the translated surfaces), so it asks every upstream for `Accept-Encoding: identity`
+whatever the client accepts (without it aiohttp would offer gzip and deflate, and nginx in front
+of a llama-server compresses). The session does not decompress: bytes are relayed as they came,
+so an upstream that compresses anyway has its Content-Encoding relayed with them, and the client
+can still read them.
+
+Kept-alive connections. A request that a kept-alive connection fails before any byte of an
+answer (the server closed it as it was taken from the pool, or reset it; or what came first was
+not an answer's status line: bytes the server sent after its last answer) is sent again, once,
+on a fresh connection (`_retry_on_fresh`). Nothing has reached the client, the body is in
+memory, and nothing of an answer was read; any other failure, and any failure of a fresh
+connection, is the request's. A retry that cannot connect at all fails the request with the
+first failure: the upstream went away after it took the request, which is no refused connect
+(one that reads as "nothing was sent"). An idle connection that receives bytes is closed by
+aiohttp on their arrival; the retry covers the bytes that arrive after the connection was taken
+again. So a request can reach an upstream twice, the first time on a spoiled connection, which
+hal0d closes (llama-server stops what it started of a request whose connection closes).
 
 Every upstream call goes through this session, streamed or whole, http or https: one pool, the
 same bounds whatever the URL's scheme, and aiohttp's own framing rules (a HEAD's answer has no
@@ -35,19 +59,26 @@ from __future__ import annotations
 import asyncio
 import errno
 import functools
+import weakref
 from collections.abc import Mapping, MutableMapping
 from types import TracebackType
 from typing import Any
 
 import aiohttp
-from aiohttp import hdrs
+from aiohttp import ClientHandlerType, hdrs, payload
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.client_proto import ResponseHandler
+from aiohttp.http_exceptions import BadStatusLine
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from hal0d import USER_AGENT
 from hal0d.config import DispatcherConfig, SlotConfig
 from hal0d.errors import UpstreamUnavailable
+from hal0d.logs import get_logger
 from hal0d.transport.descriptors import exhausted, exhaustion_errno
+
+log = get_logger()
 
 # What a call to an upstream raises when it gets no usable answer, and nothing else: aiohttp's
 # client errors (they wrap the socket's OSErrors; InvalidURL is one; ServerTimeoutError is a
@@ -84,15 +115,19 @@ HOP_BY_HOP = frozenset(
     )
 )
 # Never sent upstream: the client's credentials (the slot's own key is injected instead), and
-# Accept-Encoding so the upstream answers uncompressed bytes we can relay and inspect.
+# its Accept-Encoding: hal0d reads the answer, so it asks for IDENTITY itself (request_headers).
 DROP_REQUEST = HOP_BY_HOP | {
     hdrs.AUTHORIZATION.lower(),
     "x-api-key",
     hdrs.ACCEPT_ENCODING.lower(),
     hdrs.COOKIE.lower(),
 }
-# Not copied back: aiohttp writes its own framing, date and server headers.
-DROP_RESPONSE = HOP_BY_HOP | {hdrs.CONTENT_ENCODING.lower(), hdrs.DATE.lower(), hdrs.SERVER.lower()}
+# Not copied back: aiohttp writes its own framing, date and server headers. Content-Encoding is
+# copied: the session does not decompress, so it describes the bytes relayed with it.
+DROP_RESPONSE = HOP_BY_HOP | {hdrs.DATE.lower(), hdrs.SERVER.lower()}
+# What every request to an upstream accepts: uncompressed bytes, which hal0d can read. Named
+# explicitly: a request without Accept-Encoding gets aiohttp's own "gzip, deflate".
+IDENTITY = "identity"
 
 
 def _connection_tokens(headers: Mapping[str, str]) -> set[str]:
@@ -122,6 +157,7 @@ def request_headers(client: CIMultiDictProxy[str], slot: SlotConfig) -> CIMultiD
     # per-client behaviour see the real client. Without one, the request is hal0d's.
     if hdrs.USER_AGENT not in out:
         out[hdrs.USER_AGENT] = USER_AGENT
+    out[hdrs.ACCEPT_ENCODING] = IDENTITY
     authorize(out, slot)
     return out
 
@@ -135,7 +171,7 @@ def authorize(headers: MutableMapping[str, str], slot: SlotConfig) -> None:
 
 def own_headers(slot: SlotConfig) -> dict[str, str]:
     """The headers of a request hal0d makes on its own account (a probe, a token count)."""
-    headers: dict[str, str] = {hdrs.USER_AGENT: USER_AGENT}
+    headers: dict[str, str] = {hdrs.USER_AGENT: USER_AGENT, hdrs.ACCEPT_ENCODING: IDENTITY}
     authorize(headers, slot)
     return headers
 
@@ -158,6 +194,8 @@ def response_headers(upstream: CIMultiDictProxy[str]) -> CIMultiDict[str]:
 def transport_reason(exc: BaseException, during: str) -> str:
     """Why a call to an upstream got no answer, in words for a log line or a slot's reason.
     `during`: what the call was waiting for, as in "timed out <during>"."""
+    if isinstance(exc, WriteTimeout):
+        return "timed out sending the request"
     if isinstance(exc, TimeoutError):
         return f"timed out {during}"
     if isinstance(exc, aiohttp.ClientConnectorError):
@@ -238,12 +276,13 @@ class upstream_errors:  # lower case: read as a `with` statement, as contextlib'
 def client_timeout(
     timeouts: DispatcherConfig, sock_read: float | None = None, total: float | None = None
 ) -> aiohttp.ClientTimeout:
-    """aiohttp's timeouts from ours: the pool wait and the connect, `sock_read` for every read
-    when given, and `total` only for a whole answer (aiohttp's default of 300 s would kill long
-    streams). Cached: a slot's timeouts change only on a reload, and the values are frozen."""
+    """aiohttp's timeouts from ours: getting a connection (`connect`: the name's resolution and
+    the connect; the pool never makes it wait), `sock_read` for every read when given, and
+    `total` only for a whole answer (aiohttp's default of 300 s would kill long streams).
+    Cached: a slot's timeouts change only on a reload, and the values are frozen."""
     return aiohttp.ClientTimeout(
         total=total,
-        connect=timeouts.pool_timeout_s + timeouts.connect_timeout_s,
+        connect=timeouts.connect_timeout_s,
         sock_connect=timeouts.connect_timeout_s,
         sock_read=sock_read,
     )
@@ -255,10 +294,127 @@ def client_timeout(
 KEEPALIVE_S = 4.0
 
 
+class WriteTimeout(aiohttp.ServerTimeoutError):
+    """The upstream took no part of the request's body for write_timeout_s."""
+
+
+# The most of a body written before its wait for the socket: aiohttp's writer drains (waits for
+# the upstream to take what is buffered) once more than 64 KiB are buffered.
+BODY_PIECE = 2**16
+
+
+class _Body(payload.BytesPayload):
+    """A request's body, written a piece at a time with each wait for the socket bounded by
+    `write_timeout_s`: aiohttp bounds no write of its own. A bound on every wait, not on the
+    whole: a large body to a distant upstream over a slow link keeps moving and is not cut.
+    Reusable, as the bytes are: a retry sends it again."""
+
+    def __init__(self, value: bytes, write_timeout_s: float) -> None:
+        super().__init__(value)
+        self.write_timeout_s = write_timeout_s
+
+    async def write(self, writer: AbstractStreamWriter) -> None:
+        await self.write_with_length(writer, None)
+
+    async def write_with_length(self, writer: AbstractStreamWriter,
+                                content_length: int | None) -> None:
+        data = memoryview(self._value)[:content_length]
+        for start in range(0, len(data), BODY_PIECE):
+            try:
+                async with asyncio.timeout(self.write_timeout_s):
+                    await writer.write(data[start:start + BODY_PIECE])
+            except TimeoutError:
+                # Raised into aiohttp's body writer, which hands a timeout on as it is: the
+                # response's wait ends with it (a 502 saying so), and the connection is closed.
+                raise WriteTimeout(
+                    f"the upstream took none of the request for {self.write_timeout_s} s"
+                ) from None
+
+
+# The connections that have carried a request: the next request on one of them is on a
+# kept-alive connection. Weak: a closed connection's protocol goes with it.
+_carried: weakref.WeakSet[ResponseHandler] = weakref.WeakSet()
+
+
+class _Stale(Exception):
+    """A retry was handed a kept-alive connection; it is closed unused (aiohttp closes a
+    connection its request failed on) and the pool asked again."""
+
+
+class UpstreamRequest(aiohttp.ClientRequest):
+    """aiohttp's request, knowing whether it went out on a kept-alive connection (`reused`), and,
+    as a retry (`fresh`), refusing one before a byte of it is written."""
+
+    reused = False
+    fresh = False
+
+    async def send(self, conn: aiohttp.connector.Connection) -> aiohttp.ClientResponse:
+        protocol = conn.protocol
+        assert protocol is not None, "a connection handed to a request is open"
+        self.reused = protocol in _carried
+        if self.reused and self.fresh:
+            raise _Stale
+        _carried.add(protocol)
+        return await super().send(conn)
+
+
+def stale_connection(exc: BaseException) -> str | None:
+    """Why a request on a kept-alive connection failed because of the connection, before any
+    answer: a stable word, or None when the failure is the request's (a timeout, an answer with
+    a broken head, a connect that failed: that one had no kept-alive connection)."""
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "disconnected"  # closed by the server as the pool handed it out
+    if isinstance(exc, aiohttp.ClientOSError) and not isinstance(exc, aiohttp.ClientConnectorError):
+        return "reset"
+    if isinstance(exc, aiohttp.ClientResponseError):
+        # What came first was not a status line: bytes the server sent after its last answer.
+        seen: set[int] = set()
+        cause: BaseException | None = exc.__cause__
+        while cause is not None and id(cause) not in seen:
+            if isinstance(cause, BadStatusLine):
+                return "not_an_answer"
+            seen.add(id(cause))
+            cause = cause.__cause__
+    return None
+
+
+async def _retry_on_fresh(request: aiohttp.ClientRequest,
+                          handler: ClientHandlerType) -> aiohttp.ClientResponse:
+    """The session's middleware: a request a kept-alive connection failed before any answer
+    (stale_connection) is sent again, once, on a fresh connection (the module's docstring).
+    Within the request's own bounds: the open's timer runs on."""
+    if not isinstance(request, UpstreamRequest):
+        return await handler(request)
+    try:
+        return await handler(request)
+    except aiohttp.ClientError as exc:
+        reason = stale_connection(exc)
+        if reason is None or not request.reused:
+            raise
+        log.info("upstream.retried", upstream=str(request.url.origin()), reason=reason)
+        first = exc
+    request.fresh = True
+    while True:
+        try:
+            return await handler(request)
+        except _Stale:
+            # Idle as long as the one that failed, it may be as spoiled (a server that closes
+            # idle connections closes them all): closed unused, and the pool asked again until
+            # it connects anew.
+            continue
+        except aiohttp.ClientConnectorError:
+            # No connection at all: the upstream went away after it took the request (a
+            # process that died of it). The request's failure is that one, not a connect
+            # refused before anything was sent, which would read as safe to send again.
+            raise first from None
+
+
 def make_session(timeouts: DispatcherConfig) -> aiohttp.ClientSession:
     """The one upstream session: forwarded requests (streamed and whole), probes, token counts."""
     return aiohttp.ClientSession(
         timeout=client_timeout(timeouts),
+        request_class=UpstreamRequest,
+        middlewares=(_retry_on_fresh,),
         connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300,
                                        keepalive_timeout=KEEPALIVE_S),
         # One session serves every client: a cookie an upstream sets is the client's (relayed to
@@ -283,8 +439,8 @@ def upstream_url(base: str, path: str) -> URL:
 
 
 def open_bound(timeouts: DispatcherConfig) -> float:
-    """The most an open may take: a free connection, the connect, the write, the headers."""
-    return (timeouts.pool_timeout_s + timeouts.connect_timeout_s + timeouts.write_timeout_s
+    """The most an open may take: the connect, the write, the headers."""
+    return (timeouts.connect_timeout_s + timeouts.write_timeout_s
             + timeouts.direct_read_timeout_s)
 
 
@@ -341,9 +497,9 @@ class UpstreamClient:
         params: Any = None,
         slot_reason: str | None = None,
     ) -> aiohttp.ClientResponse:
-        """A forwarded request: send it and wait for the response headers, within
-        `direct_read_timeout_s` of the request written, and the whole open within the sum of
-        the four bounds.
+        """A forwarded request: send it (every wait while its body is written within
+        `write_timeout_s`) and wait for the response headers, within `direct_read_timeout_s` of
+        the request written, and the whole open within the sum of the three bounds.
 
         `guarded`: the stall guard owns the body, so the per-read timeout is off for it.
         `whole`: the answer is read whole (read_whole): aiohttp's total bounds the open and the
@@ -352,7 +508,8 @@ class UpstreamClient:
         """
         read_s, bound = timeouts.direct_read_timeout_s, open_bound(timeouts)
         sent = self.session.request(  # sent when awaited
-            method, upstream_url(slot.upstream, path), params=params, data=body,
+            method, upstream_url(slot.upstream, path), params=params,
+            data=_Body(body, timeouts.write_timeout_s) if body else body,
             headers=headers, allow_redirects=False,
             timeout=client_timeout(timeouts, read_s, bound + read_s if whole else None),
         )
