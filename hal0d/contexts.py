@@ -69,7 +69,8 @@ async def dispatch_context(app: web.Application) -> AsyncIterator[None]:
     dispatch = Dispatch(runtime=app[RUNTIME], slots=table, upstreams=upstreams,
                         tokens=TokenCounter(upstreams), anthropic_modes=AnthropicModes(),
                         responses_modes=ResponsesModes(), streams=set(),
-                        on_failover=recorder.prom.failover, remote=remote)
+                        on_failover=recorder.prom.failover, on_keepalive=recorder.prom.keepalive,
+                        remote=remote)
     app[DISPATCH] = dispatch
     lifecycle = LifecycleManager(table, config.slots, upstreams, groups=config.groups,
                                  end_streams=dispatch.end_streams)

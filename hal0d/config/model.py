@@ -57,6 +57,10 @@ class DispatcherConfig:
     connect_timeout_s: float = 5.0
     write_timeout_s: float = 10.0
     pool_timeout_s: float = 5.0
+    # A streamed request that waited this long with nothing to send (its queue, a load, the
+    # prefill) gets its response head and then, this often, its surface's keepalive: clients
+    # with an idle read timeout do not give up while the box works. 0 = off.
+    keepalive_s: float = 10.0
 
 
 START_ALWAYS = "always"
@@ -67,7 +71,8 @@ LIFECYCLE_KEYS = ("idle_unload_s", "group", "load_timeout_s")
 ON_DEMAND_KEYS = ("idle_unload_s",)
 
 # The [dispatcher] timeouts a slot may set for itself.
-SLOT_TIMEOUT_KEYS = ("direct_read_timeout_s", "stream_total_timeout_s", "stream_idle_timeout_s")
+SLOT_TIMEOUT_KEYS = ("direct_read_timeout_s", "stream_total_timeout_s", "stream_idle_timeout_s",
+                     "keepalive_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +92,7 @@ class SlotConfig:
     direct_read_timeout_s: float | None = None
     stream_total_timeout_s: float | None = None
     stream_idle_timeout_s: float | None = None
+    keepalive_s: float | None = None
     # Model lifecycle: "always" starts the command with hal0d and keeps it up; "on_demand" starts
     # it for the first request and stops it after idle_unload_s with nothing to do (0 = never).
     start: str = "always"

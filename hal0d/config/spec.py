@@ -37,6 +37,7 @@ DISPATCHER_SPEC: dict[str, Range] = {
     "connect_timeout_s": (float, 0.1, 600.0),
     "write_timeout_s": (float, 0.1, 600.0),
     "pool_timeout_s": (float, 0.1, 600.0),
+    "keepalive_s": (float, 0.0, 3600.0),
 }
 # Keys that bound nothing, by their path: refused at any value but their default, saying why.
 # The default loads, so a file print-config wrote (it writes every key) still parses.

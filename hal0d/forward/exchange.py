@@ -37,9 +37,9 @@ from hal0d.observability.requestinfo import RequestInfo
 from hal0d.protocol.transform import Transform
 from hal0d.routing import Route
 from hal0d.transport.tap import normal_usage
-from hal0d.transport.upstream import response_headers
+from hal0d.transport.upstream import SSE_HEADERS, response_headers
 
-__all__ = ["Answer", "Attempt", "Call", "Exchange", "upstream_refusal"]
+__all__ = ["Answer", "Attempt", "Call", "Exchange", "comment", "upstream_refusal"]
 
 UPSTREAM_MESSAGE_LIMIT = 2000
 
@@ -112,6 +112,27 @@ class Exchange:
     sse: bool = True
     translated: bool = False
     empty_ok: bool = False
+    surface: str = "openai"  # the hal0d_keepalives_total label
+
+    # While a stream waits for its first byte (keepalive.py): the head, the keepalive, and
+    # the end of a stream whose head is out but whose answer failed. The defaults are the
+    # OpenAI surfaces' (chat, completions, Responses).
+    @property
+    def keeps_alive(self) -> bool:
+        """Whether the stream has frames a keepalive can go between (an audio stream has not)."""
+        return self.stream and self.sse
+
+    def head(self) -> Mapping[str, str]:
+        return SSE_HEADERS
+
+    def keepalive(self, what: str) -> bytes:
+        """An SSE comment, which every SSE client skips, naming what the request waits for."""
+        return comment(f"hal0d: {what}")
+
+    def failed(self, error: Hal0Error) -> bytes:
+        """The stream's last frame when its answer failed after the head went out: the error
+        event the OpenAI SDK raises on, in the envelope a status would have carried."""
+        return b"data: " + orjson.dumps(error.openai_body()) + b"\n\n"
 
     def prepare(self, route: Route) -> None:
         """Before the slot's lease is taken: what the surface must check for this slot."""
@@ -159,3 +180,8 @@ def upstream_refusal(answer: Answer, data: bytes) -> UpstreamStatus:
     message = message.split('\n  File "', 1)[0].strip()
     message = message[:UPSTREAM_MESSAGE_LIMIT] or f"upstream answered {answer.status}"
     return UpstreamStatus(answer.status, f"slot {answer.slot!r}: {message}")
+
+
+def comment(text: str) -> bytes:
+    """An SSE comment line: `text` on one line (a line break would end the comment early)."""
+    return b": " + text.replace("\r", " ").replace("\n", " ").encode() + b"\n\n"

@@ -42,6 +42,7 @@ handlers looks anything up in `request.app`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -61,18 +62,19 @@ from hal0d.errors import (
     UpstreamInvalid,
     UpstreamUnavailable,
 )
-from hal0d.forward.exchange import Answer, Call, Exchange
+from hal0d.forward.exchange import Answer, Call, Exchange, upstream_refusal
+from hal0d.forward.keepalive import Waiting
 from hal0d.forward.modes import AnthropicModes, ResponsesModes
 from hal0d.keys import KEY
 from hal0d.lifecycle.machine import SlotState
 from hal0d.lifecycle.remote import KIND_HAL0D, RemoteModels
-from hal0d.lifecycle.slots import Lease, SlotTable
+from hal0d.lifecycle.slots import LOADING, Lease, SlotTable
 from hal0d.logs import get_logger
 from hal0d.observability.requestinfo import INFO, RequestInfo, client_of
 from hal0d.protocol.transform import Transform
 from hal0d.routing import Plan, Route, RuntimeRef
 from hal0d.transport.relay import Outcome, client_gone, relay
-from hal0d.transport.stallguard import StallGuard, guard_active
+from hal0d.transport.stallguard import StallGuard, client_bound_s, guard_active
 from hal0d.transport.tap import StreamTap
 from hal0d.transport.tokens import TokenCounter
 from hal0d.transport.upstream import BODY_BROKEN, UpstreamClient, read_whole, request_headers
@@ -106,12 +108,12 @@ class Forward:
     client. The exchange's hooks are handed this object: its route, slot, info and request, and
     the slot's own answers (count_tokens, the surface modes)."""
 
-    __slots__ = ("_first_chunk", "client", "dispatch", "hands_on", "info",
-                 "lease", "request", "route", "route_config", "stream", "timeouts", "upstream")
+    __slots__ = ("_first_chunk", "client", "dispatch", "hands_on", "info", "lease", "request",
+                 "route", "route_config", "stream", "timeouts", "upstream", "waiting")
 
     def __init__(self, dispatch: Dispatch, request: web.Request, route: Route, *,
                  stream: bool, route_config: RouteConfig | None, hands_on: bool,
-                 client: str) -> None:
+                 client: str, waiting: Waiting | None = None) -> None:
         info = request[INFO]
         self.dispatch = dispatch
         self.route: Route = route
@@ -127,6 +129,9 @@ class Forward:
         self.lease: Lease | None = None
         self.upstream: aiohttp.ClientResponse | None = None
         self._first_chunk = b""
+        self.waiting = waiting  # the stream's keepalive, across the plan's slots
+        if waiting is not None:
+            waiting.every_s, waiting.what = self.timeouts.keepalive_s, self.waiting_for
 
     @property
     def slot(self) -> SlotConfig:
@@ -136,6 +141,19 @@ class Forward:
     def warm(self) -> bool:
         return self.dispatch.warm(self.route)
 
+    def waiting_for(self) -> str:
+        """What the request waits for now, in words for its keepalive."""
+        waited = time.monotonic() - self.info.started
+        if self.lease is None:
+            slot = self.dispatch.slots.get(self.slot.name)
+            if slot is not None and slot.state in LOADING:
+                return f"loading {self.route.served_model}, {waited:.0f} s"
+            queued = slot.queued if slot is not None else 0
+            return f"queued for {self.slot.name}, {queued} waiting, {waited:.0f} s"
+        if self.upstream is None:
+            return f"preparing, {waited:.0f} s"
+        return f"prefill, {waited:.0f} s"
+
     async def run(self, exchange: Exchange) -> web.StreamResponse:
         """The exchange on this slot, from its checks to its answer (the module's docstring).
         On every exit the upstream is released (kept for reuse when read to the end, else
@@ -143,23 +161,28 @@ class Forward:
         exchange.prepare(self.route)
         if (unleased := exchange.unleased(self)) is not None:
             return unleased
+        if self.waiting is not None:
+            self.waiting.start()
         async with AsyncExitStack() as held:
             await self._take_lease(held)
             held.callback(self._release_upstream)
             call = await exchange.call(self)
             if isinstance(call, web.StreamResponse):
-                return call
+                return await self._in_head(call)
             shape = call.answered_by or exchange
             upstream = await self._open(call)
             answer = Answer(upstream.status, upstream.content_type, upstream.headers,
                             self.slot.name)
+            relayed = self.stream and answer.status == 200 and (
+                answer.content_type == EVENT_STREAM or not shape.sse)
+            early = await self.waiting.relay_head() if self.waiting is not None else None
+            if relayed:
+                return await self._relay(shape, answer, early)
+            if self.waiting is not None:
+                self.waiting.answered()
+            if early is not None or (self.stream and answer.status == 200 and shape.translated):
+                raise await self._not_a_stream(shape, answer)
             if self.stream and answer.status == 200:
-                if answer.content_type == EVENT_STREAM or not shape.sse:
-                    return await self._relay(shape, answer)
-                if shape.translated:
-                    raise UpstreamInvalid(
-                        f"slot {self.slot.name!r} answered a streaming request with "
-                        f"content-type {answer.content_type!r}, not text/event-stream")
                 # Asked for a stream, answered with something else: passed on as it came (status
                 # and content type are the upstream's), recorded as the failure it is.
                 self.info.fail(ErrorCode.UPSTREAM_INVALID)
@@ -206,9 +229,34 @@ class Forward:
             raise UpstreamInvalid(f"slot {self.slot.name!r} answered 200 with an empty body")
         return shape.whole(self, answer, data)
 
-    async def _relay(self, shape: Exchange, answer: Answer) -> web.StreamResponse:
+    async def _not_a_stream(self, shape: Exchange, answer: Answer) -> Hal0Error:
+        """Why a stream got no stream: the upstream's error status (the surface's refusal, else
+        the upstream's own message), or an answer that is no event stream. Raised, it becomes
+        the error status, or the terminal frame when the head is out (a keepalive sent it)."""
+        data = await self.read_whole()
+        if answer.status >= 400:
+            return shape.refused(answer, data) or upstream_refusal(answer, data)
+        return UpstreamInvalid(f"slot {self.slot.name!r} answered a streaming request with "
+                               f"content-type {answer.content_type!r}, not text/event-stream")
+
+    async def _in_head(self, response: web.StreamResponse) -> web.StreamResponse:
+        """An answer the exchange made without the upstream (an Ollama load's one line): as it
+        is, or, when a keepalive already sent the head, its body written into that stream."""
+        early = await self.waiting.relay_head() if self.waiting is not None else None
+        if self.waiting is not None:
+            self.waiting.answered()
+        if early is None:
+            return response
+        assert isinstance(response, web.Response) and isinstance(response.body, bytes)
+        with contextlib.suppress(ConnectionResetError):
+            await early.write(response.body)
+            await early.write_eof()
+        return early
+
+    async def _relay(self, shape: Exchange, answer: Answer,
+                     early: web.StreamResponse | None) -> web.StreamResponse:
         headers, transform = shape.relay(self, answer)
-        response = web.StreamResponse(status=answer.status, headers=headers)
+        response = early or web.StreamResponse(status=answer.status, headers=headers)
         try:
             await self.relay(response, transform)
         finally:
@@ -298,10 +346,14 @@ class Forward:
                            abort_client=abort_client(request))
         streams = self.dispatch.streams
         streams.add(guard)
+        waiting = self.waiting
+        if waiting is not None:
+            waiting.adopt(response)  # its keepalives go on in it until the first chunk
         outcome = None
         try:
             outcome = await relay(upstream, response, transform, guard, tap,
-                                  first_chunk=self._first_chunk)
+                                  first_chunk=self._first_chunk,
+                                  answered=waiting.answered if waiting is not None else None)
         except asyncio.CancelledError:
             if transform.complete():
                 # The client had the whole answer and closed before the upstream ended its
@@ -388,6 +440,8 @@ class Dispatch:
     on_failover: Callable[[str, str, str], None] | None = None
     # What other hal0d boxes (slots of kind "hal0d") report loaded.
     remote: RemoteModels | None = None
+    # Told each keepalive sent, with its surface: hal0d_keepalives_total.
+    on_keepalive: Callable[[str], None] | None = None
 
     async def serve(self, request: web.Request, model: str, exchange: Exchange, *,
                     client: str | None = None, slot: str | None = None) -> web.StreamResponse:
@@ -405,23 +459,51 @@ class Dispatch:
         else:
             routes = self.order(plan)
         client = client or client_of(info, None)
+        waiting = Waiting(request, exchange, every_s=0.0, bound_s=0.0, what=str,
+                          on_sent=self.on_keepalive) if exchange.keeps_alive else None
         tried: list[str] = []
-        for index, route in enumerate(routes):
-            fwd = Forward(self, request, route, stream=exchange.stream, route_config=plan.route,
-                          hands_on=index + 1 < len(routes), client=client)
-            info.attempts = index + 1
-            try:
-                return await fwd.run(exchange)
-            except HandOn as exc:
-                tried.append(f"{route.slot.name}={exc.reason}")
-                info.failover = ",".join(tried)
-                self.handed_on(plan.model, route.slot.name, routes[index + 1].slot.name,
-                               exc.reason)
-            except Hal0Error as exc:
-                if tried:  # the last slot failed too: its error, naming the slots before it
-                    exc.message += f" (tried before: {', '.join(tried)})"
+        try:
+            for index, route in enumerate(routes):
+                fwd = Forward(self, request, route, stream=exchange.stream,
+                              route_config=plan.route, hands_on=index + 1 < len(routes),
+                              client=client, waiting=waiting)
+                if waiting is not None:
+                    waiting.bound_s = client_bound_s(fwd.timeouts)
+                info.attempts = index + 1
+                try:
+                    return await fwd.run(exchange)
+                except HandOn as exc:
+                    tried.append(f"{route.slot.name}={exc.reason}")
+                    info.failover = ",".join(tried)
+                    self.handed_on(plan.model, route.slot.name, routes[index + 1].slot.name,
+                                   exc.reason)
+        except Hal0Error as exc:
+            if tried:  # the last slot failed too: its error, naming the slots before it
+                exc.message += f" (tried before: {', '.join(tried)})"
+            if waiting is None or not waiting.head_sent:
                 raise
+            return await self._failed_after_head(waiting, exc, info)
+        finally:
+            if waiting is not None:
+                waiting.close()
         raise AssertionError("the last slot of a plan never hands a request on")
+
+    @staticmethod
+    async def _failed_after_head(waiting: Waiting, exc: Hal0Error,
+                                 info: RequestInfo) -> web.StreamResponse:
+        """A failure once a keepalive sent the head: the surface's terminal error frame ends the
+        stream (an SDK raises), where a status can no longer be given."""
+        response = await waiting.relay_head()
+        waiting.answered()
+        assert response is not None
+        info.fail(exc.error_code)
+        log.info("dispatch.failed_after_head", error_code=exc.error_code, message=exc.message)
+        try:
+            await response.write(waiting.exchange.failed(exc))
+            await response.write_eof()
+        except ConnectionResetError:
+            info.fail(ErrorCode.CLIENT_DISCONNECT)
+        return response
 
     def _resolve(self, request: web.Request, model: str, stream: bool
                  ) -> tuple[RequestInfo, Plan]:

@@ -55,6 +55,12 @@ class Native(Exchange):
     """The client's request at the upstream's own Messages endpoint (`path`), an aliased model
     renamed; its answer passed on as it came."""
 
+    surface = "anthropic"
+
+    @property
+    def keeps_alive(self) -> bool:
+        return False  # Anthropic's own keepalive frames: not yet
+
     def __init__(self, raw: bytes, model: str, path: str, *, stream: bool) -> None:
         self.raw, self.model, self.path, self.stream = raw, model, path, stream
 
@@ -95,6 +101,11 @@ class Messages(Exchange):
     (or an "auto" one whose upstream has the endpoint), the request as the client sent it."""
 
     translated = True
+    surface = "anthropic"
+
+    @property
+    def keeps_alive(self) -> bool:
+        return False  # Anthropic's own keepalive frames: not yet
 
     def __init__(self, raw: bytes, body: dict[str, Any], model: str, *, stream: bool,
                  path: str = "/v1/messages") -> None:

@@ -149,6 +149,11 @@ class OllamaExchange(Exchange):
     Ollama's `{"error": ...}`, and the clocks Ollama's durations are read from."""
 
     translated = True
+    surface = "ollama"
+
+    @property
+    def keeps_alive(self) -> bool:
+        return False  # Ollama's own keepalive objects: not yet
 
     def __init__(self, req: OllamaRequest | EmbedRequest, lifecycle: LifecycleManager,
                  thinkers: set[str]) -> None:

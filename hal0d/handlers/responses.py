@@ -62,6 +62,8 @@ class NativeResponses(Exchange):
     """The request at the upstream's own /v1/responses; its answer passed on as it came, the id
     of every answer remembered with its model."""
 
+    surface = "responses"
+
     def __init__(self, body: bytes, model: str, owners: ResponseOwners, *,
                  stream: bool) -> None:
         self.body, self.model, self.owners, self.stream = body, model, owners, stream
@@ -95,6 +97,7 @@ class Responses(Exchange):
     whose upstream has /v1/responses), the request as the client sent it."""
 
     translated = True
+    surface = "responses"
 
     def __init__(self, body: bytes, payload: dict[str, Any], model: str,
                  owners: ResponseOwners, *, stream: bool) -> None:

@@ -218,6 +218,10 @@ class PromMetrics:
             "reached the client, by the slot that handed it on and why",
             ["route", "slot", "reason"], registry=self.registry,
         )
+        self.keepalives = Counter(
+            "hal0d_keepalives", "keepalive frames sent to streams waiting for their first byte "
+            "(a queue, a load, a prefill), by surface", ["surface"], registry=self.registry,
+        )
         self.history_dropped = Counter(
             "hal0d_history_rows_dropped", "history rows dropped because the writer fell behind",
             registry=self.registry,
@@ -228,6 +232,9 @@ class PromMetrics:
 
     def failover(self, route: str, slot: str, reason: str) -> None:
         self.failovers.labels(route, slot, reason).inc()
+
+    def keepalive(self, surface: str) -> None:
+        self.keepalives.labels(surface).inc()
 
     def watch_slots(
         self,

@@ -12,6 +12,7 @@ the upstream response in its `finally`, which is what stops an orphaned generati
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -60,10 +61,13 @@ async def relay(  # long: the per-chunk loop is written out, not called (the doc
     tap: StreamTap | None = None,
     *,
     first_chunk: bytes = b"",
+    answered: Callable[[], None] | None = None,
 ) -> Outcome:
     """The body (after `first_chunk`, read before: a route's first_byte_timeout_s waited for it)
-    until it ends, however it ends, then the transform's last frame; the Outcome says how. The
-    per-chunk loop is written out, not called: each coroutine level is resumed every chunk."""
+    until it ends, however it ends, then the transform's last frame; the Outcome says how.
+    `answered`: told once, when the first chunk is in and before anything of it is written (the
+    keepalive writes no more after it). The per-chunk loop is written out, not called: each
+    coroutine level is resumed every chunk."""
     outcome = Outcome()
     read, feed, write = upstream.content.readany, transform.feed, response.write
     awaiting_upstream, upstream_answered = guard.awaiting_upstream, guard.upstream_answered
@@ -74,11 +78,12 @@ async def relay(  # long: the per-chunk loop is written out, not called (the doc
                 upstream_answered()  # a write to the client, watched like the loop's
                 await _write(response, first)
             chunk = first_chunk
-            while True:
-                if not chunk:
-                    awaiting_upstream()
-                    if not (chunk := await read()):
-                        break
+            if not chunk:
+                awaiting_upstream()
+                chunk = await read()
+            if answered is not None:
+                answered()
+            while chunk:
                 upstream_answered()
                 if tap is not None:
                     tap.on_chunk(chunk)
@@ -87,7 +92,8 @@ async def relay(  # long: the per-chunk loop is written out, not called (the doc
                         await write(out)
                     except ConnectionResetError:
                         raise _ClientGone from None
-                chunk = b""
+                awaiting_upstream()
+                chunk = await read()
             last = transform.end()
         except StallTripped as exc:
             last = _stalled(upstream, transform, outcome, guard.trip(exc.reason))

@@ -1,0 +1,180 @@
+"""Keepalive while a streamed request waits (forward/keepalive.py), over real sockets and real
+clients: a load of a few seconds, or a queue, or a silent first slot, against a client whose
+read timeout is shorter than the wait. Each client completes with the whole answer, its first
+byte within keepalive_s + 1 s; a failure after the head ends the stream in the surface's error
+frame (the SDK raises); a route hands on after keepalives with no trace of its first slot.
+
+The scale is the issue's (a load of 30 s, a read timeout of 10 s, keepalive_s 10) divided down:
+a load of ~2.5 s, a read timeout of 1 s, keepalive_s 0.3: the same orders, a suite that stays
+quick."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import aiohttp
+import httpx
+import openai
+import pytest
+from aiohttp.test_utils import TestServer
+
+from hal0d.appkeys import SLOTS
+from hal0d.config import Config, DispatcherConfig, MetricsConfig, RouteConfig, SlotConfig
+from hal0d.lifecycle.slots import SlotState
+from tests.conftest import ServerFactory, Stub, chat_body, eventually
+from tests.test_loader import STARTUP_S, on_demand, stub_pids
+
+KEEPALIVE_S = 0.3
+READ_TIMEOUT_S = 1.0
+LOAD_DELAY = "2"  # the stub's --startup-delay: with its own start, a load of ~2.5 s
+
+
+def config(tmp_path: Path, *slots: SlotConfig, routes: tuple[RouteConfig, ...] = ()) -> Config:
+    return Config(slots=slots, routes=routes,
+                  dispatcher=DispatcherConfig(keepalive_s=KEEPALIVE_S),
+                  metrics=MetricsConfig(database=str(tmp_path / "history.sqlite3")),
+                  base_dir=tmp_path)
+
+
+async def slow_loading(start_hal0d: ServerFactory, tmp_path: Path, *extra: str) -> TestServer:
+    slot = on_demand("a", tmp_path, "--startup-delay", LOAD_DELAY, *extra)
+    return await start_hal0d("http://unused", config=config(tmp_path, slot))
+
+
+def sdk(hal0d: TestServer) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=str(hal0d.make_url("/v1")), api_key="unused",
+                              max_retries=0,
+                              timeout=httpx.Timeout(READ_TIMEOUT_S, connect=5.0))
+
+
+async def test_without_keepalive_the_short_read_timeout_gives_up_during_the_load(
+    start_hal0d: ServerFactory, tmp_path: Path
+) -> None:
+    """What the keepalive is for: with keepalive_s 0 the same client times out while the
+    model loads."""
+    slot = on_demand("a", tmp_path, "--startup-delay", LOAD_DELAY)
+    plain = Config(slots=(slot,), dispatcher=DispatcherConfig(keepalive_s=0.0),
+                   metrics=MetricsConfig(database=str(tmp_path / "history.sqlite3")),
+                   base_dir=tmp_path)
+    hal0d = await start_hal0d("http://unused", config=plain)
+    with pytest.raises(openai.APITimeoutError):
+        stream = await sdk(hal0d).chat.completions.create(
+            model="chat", messages=[{"role": "user", "content": "hi"}], stream=True)
+        async for _ in stream:
+            pass
+
+
+async def test_an_openai_sdk_stream_through_a_load_completes_and_its_first_byte_is_early(
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    hal0d = await slow_loading(start_hal0d, tmp_path)
+    stream = await sdk(hal0d).chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": "hi"}], stream=True)
+    text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream
+                    if chunk.choices])
+    assert text.startswith("Hello!"), text
+    # A second request after an unload: its first byte, and what the comments say.
+    await unload(http, hal0d, "a")
+    started = time.monotonic()
+    async with http.post(hal0d.make_url("/v1/chat/completions"),
+                         json=chat_body("chat")) as resp:
+        first = await resp.content.readany()
+        first_at = time.monotonic() - started
+        rest = await resp.read()
+    assert resp.status == 200 and resp.content_type == "text/event-stream"
+    assert first_at < KEEPALIVE_S + 1.0, first_at
+    body = first + rest
+    assert body.startswith(b": hal0d: loading chat, "), body[:80]
+    assert body.rstrip().endswith(b"data: [DONE]"), body[-80:]
+
+
+async def unload(http: aiohttp.ClientSession, hal0d: TestServer, name: str) -> None:
+    async with http.post(hal0d.make_url(f"/api/slots/{name}/unload")) as resp:
+        assert resp.status == 200, await resp.text()
+    await eventually(lambda: hal0d.app[SLOTS][name].state is SlotState.STOPPED, STARTUP_S,
+                     f"{name} unloaded")
+
+
+async def test_a_responses_stream_through_a_load_completes(
+    start_hal0d: ServerFactory, tmp_path: Path
+) -> None:
+    hal0d = await slow_loading(start_hal0d, tmp_path)
+    async with sdk(hal0d).responses.stream(model="chat", input="hi") as stream:
+        final = await stream.get_final_response()
+    assert final.output_text.startswith("Hello!"), final.output_text
+
+
+async def test_a_load_that_fails_after_the_head_ends_the_stream_in_an_error_the_sdk_raises(
+    start_hal0d: ServerFactory, tmp_path: Path
+) -> None:
+    hal0d = await slow_loading(start_hal0d, tmp_path, "--fail-start", "out of memory")
+    with pytest.raises(openai.APIError) as raised:
+        stream = await sdk(hal0d).chat.completions.create(
+            model="chat", messages=[{"role": "user", "content": "hi"}], stream=True)
+        async for _ in stream:
+            pass
+    assert "out of memory" in str(raised.value), raised.value
+
+
+async def test_a_load_goes_on_when_its_only_client_left_and_serves_the_next_request(
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    hal0d = await slow_loading(start_hal0d, tmp_path)
+    async with http.post(hal0d.make_url("/v1/chat/completions"),
+                         json=chat_body("chat")) as resp:
+        assert (await resp.content.readany()).startswith(b": hal0d: loading")
+    # The client left during the load: the load goes on, and the next request takes it.
+    await eventually(lambda: hal0d.app[SLOTS]["a"].state is SlotState.READY, STARTUP_S,
+                     "the load the client left finished")
+    pids = stub_pids(str(tmp_path))
+    async with http.post(hal0d.make_url("/v1/chat/completions"),
+                         json=chat_body("chat", stream=False)) as resp:
+        assert resp.status == 200, await resp.text()
+    assert stub_pids(str(tmp_path)) == pids and len(pids) == 1
+
+
+async def test_a_route_hands_on_after_keepalives_and_the_client_gets_the_second_answer(
+    start_hal0d: ServerFactory, stub: Stub, silent_socket: str, tmp_path: Path,
+    http: aiohttp.ClientSession
+) -> None:
+    slots = (SlotConfig(name="one", upstream=silent_socket, models=("one-only",)),
+             SlotConfig(name="two", upstream=stub.url, models=("two-only",)))
+    route = RouteConfig(model="qwen", slots=("one", "two"),
+                        served={"one": "chat", "two": "chat"}, first_byte_timeout_s=1.2)
+    hal0d = await start_hal0d("http://unused", config=config(tmp_path, *slots, routes=(route,)))
+    stream = await sdk(hal0d).chat.completions.create(
+        model="qwen", messages=[{"role": "user", "content": "hi"}], stream=True)
+    text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream
+                    if chunk.choices])
+    assert text.startswith("Hello!"), text
+    async with http.get(hal0d.make_url("/api/requests?limit=1")) as resp:
+        [row] = (await resp.json())["requests"]
+    assert (row["slot"], row["failover"]) == ("two", "one=first_byte_timeout")
+
+
+async def test_a_request_queued_behind_a_busy_slot_is_kept_alive_and_says_so(
+    start_hal0d: ServerFactory, stub: Stub, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    slot = SlotConfig(name="llm", upstream=stub.url, models=("chatty", "chat"),
+                      max_concurrent=1)
+    hal0d = await start_hal0d(stub.url, config=config(tmp_path, slot))
+
+    async def endless() -> None:  # chatty never finishes: the slot stays busy until it leaves
+        async with http.post(hal0d.make_url("/v1/chat/completions"),
+                             json=chat_body("chatty")) as resp:
+            await resp.read()
+
+    busy = asyncio.create_task(endless())
+    await eventually(lambda: hal0d.app[SLOTS]["llm"].in_flight == 1, 5.0, "the slot busy")
+    started = time.monotonic()
+    async with http.post(hal0d.make_url("/v1/chat/completions"),
+                         json=chat_body("chat")) as resp:
+        first = await resp.content.readany()
+        first_at = time.monotonic() - started
+        busy.cancel()  # the first client leaves: the queued request gets the slot
+        body = first + await resp.read()
+    assert first_at < KEEPALIVE_S + 1.0, first_at
+    assert body.startswith(b": hal0d: queued for llm, 1 waiting"), body[:80]
+    assert b"Hello!" in body and body.rstrip().endswith(b"data: [DONE]")
