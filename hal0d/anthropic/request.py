@@ -118,6 +118,11 @@ def parse_messages_request(body: Any) -> MessagesRequest:
     )
 
 
+# The request's fields a chat completion names alike, sent on when the client set them.
+PASSED_ON = ("temperature", "top_p", "top_k", "tools", "tool_choice", "parallel_tool_calls",
+             "user")
+
+
 def to_openai(
     req: MessagesRequest, *, served_model: str, max_output_tokens: int | None = None
 ) -> dict[str, Any]:
@@ -132,20 +137,9 @@ def to_openai(
     }
     if req.stop_sequences:
         out["stop"] = list(req.stop_sequences)
-    if req.temperature is not None:
-        out["temperature"] = req.temperature
-    if req.top_p is not None:
-        out["top_p"] = req.top_p
-    if req.top_k is not None:
-        out["top_k"] = req.top_k
-    if req.tools is not None:
-        out["tools"] = req.tools
-    if req.tool_choice is not None:
-        out["tool_choice"] = req.tool_choice
-    if req.parallel_tool_calls is not None:
-        out["parallel_tool_calls"] = req.parallel_tool_calls
-    if req.user is not None:
-        out["user"] = req.user
+    for name in PASSED_ON:
+        if (value := getattr(req, name)) is not None:
+            out[name] = value
     if req.stream:
         out["stream"] = True
         # continuous_usage_stats is vLLM's; servers that do not know it ignore it.
@@ -180,6 +174,14 @@ def prompt_text(openai_request: dict[str, Any]) -> str:
 
 def _invalid(field: str, problem: str) -> NoReturn:
     raise InvalidRequest(f"{field}: {problem}", field=field)
+
+
+def _string(obj: dict[str, Any], key: str, path: str) -> str:
+    """`obj[key]`, which must be a non-empty string (InvalidRequest naming `path.key`)."""
+    value = obj.get(key)
+    if not isinstance(value, str) or not value:
+        _invalid(f"{path}.{key}", "is required and must be a string")
+    return value
 
 
 def _optional(body: dict[str, Any], key: str, kind: type, described: str) -> Any:
@@ -323,29 +325,17 @@ def _image_url(block: dict[str, Any], path: str) -> str:
         _invalid(f"{path}.source", "is required and must be an object")
     kind = source.get("type")
     if kind == "base64":
-        media_type = source.get("media_type")
-        data = source.get("data")
-        if not isinstance(media_type, str) or not media_type:
-            _invalid(f"{path}.source.media_type", "is required and must be a string")
-        if not isinstance(data, str) or not data:
-            _invalid(f"{path}.source.data", "is required and must be a string")
-        return f"data:{media_type};base64,{data}"
+        media_type = _string(source, "media_type", f"{path}.source")
+        return f"data:{media_type};base64,{_string(source, 'data', f'{path}.source')}"
     if kind == "url":
-        url = source.get("url")
-        if not isinstance(url, str) or not url:
-            _invalid(f"{path}.source.url", "is required and must be a string")
-        return url
+        return _string(source, "url", f"{path}.source")
     _invalid(f"{path}.source.type", "must be 'base64' or 'url'")
 
 
 def _tool_use(block: dict[str, Any], path: str) -> dict[str, Any]:
-    call_id = block.get("id")
-    name = block.get("name")
+    call_id = _string(block, "id", path)
+    name = _string(block, "name", path)
     tool_input = block.get("input")
-    if not isinstance(call_id, str) or not call_id:
-        _invalid(f"{path}.id", "is required and must be a string")
-    if not isinstance(name, str) or not name:
-        _invalid(f"{path}.name", "is required and must be a string")
     if not isinstance(tool_input, dict):
         _invalid(f"{path}.input", "is required and must be an object")
     return {
@@ -356,9 +346,7 @@ def _tool_use(block: dict[str, Any], path: str) -> dict[str, Any]:
 
 
 def _tool_result(block: dict[str, Any], path: str) -> dict[str, Any]:
-    call_id = block.get("tool_use_id")
-    if not isinstance(call_id, str) or not call_id:
-        _invalid(f"{path}.tool_use_id", "is required and must be a string")
+    call_id = _string(block, "tool_use_id", path)
     content = block.get("content")
     if content is None:
         text = ""

@@ -61,11 +61,8 @@ def check_slots(raw: Any, problems: list[str], base_dir: Path) -> tuple[SlotConf
         upstream = good.get("upstream")
         if isinstance(upstream, str) and not upstream.startswith(("http://", "https://")):
             problems.append(f"{path}.upstream: {upstream!r} must start with http:// or https://")
-        name = good.get("name")
-        if isinstance(name, str):
-            if not name:
-                problems.append(f"{path}.name: must not be empty")
-            elif name in names:
+        if (name := _named(good, "name", path, problems)) is not None:
+            if name in names:
                 problems.append(f"{path}.name: {name!r} is used by another slot")
             names.add(name)
         _check_lifecycle(good, table, path, problems)
@@ -86,6 +83,18 @@ def check_slots(raw: Any, problems: list[str], base_dir: Path) -> tuple[SlotConf
         elif isinstance(name, str) and name:
             problems[before:] = [f'{problem} (slot "{name}")' for problem in problems[before:]]
     return tuple(slots)
+
+
+def _named(good: dict[str, Any], key: str, path: str, problems: list[str]) -> str | None:
+    """The table's name for itself (`key`), when it is a non-empty string; an empty one is a
+    problem, another type already is one (check_table)."""
+    value = good.get(key)
+    if not isinstance(value, str):
+        return None
+    if not value:
+        problems.append(f"{path}.{key}: must not be empty")
+        return None
+    return value
 
 
 def _check_lifecycle(good: dict[str, Any], table: Any, path: str, problems: list[str]) -> None:
@@ -190,11 +199,8 @@ def check_routes(raw: Any, slots: tuple[SlotConfig, ...], problems: list[str]
         for required in ("model", "slots"):
             if isinstance(table, dict) and required not in table:
                 problems.append(f"{path}.{required}: is required")
-        model = good.get("model")
-        if isinstance(model, str):
-            if not model:
-                problems.append(f"{path}.model: must not be empty")
-            elif model in own:
+        if (model := _named(good, "model", path, problems)) is not None:
+            if model in own:
                 problems.append(f"{path}.model: {model!r} is already slot {own[model]!r}'s own "
                                 "model; a route names a model no slot lists")
             elif model in seen:
