@@ -20,8 +20,8 @@ A keepalive is not content: a route may still hand the request on to its next sl
 out, the next slot's answer follows it). Once the head is out, what would have been an error
 status is the surface's terminal error frame instead (path.Dispatch.serve).
 
-One task per waiting stream, and only while it waits: a request answered within keepalive_s
-costs one timer that never fires.
+A timer per stream, and a task only once it fires: a request answered within keepalive_s costs
+one timer that never fires.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ log = get_logger()
 class Waiting:
     """One streamed request's wait for its answer's first byte, told to its client."""
 
-    __slots__ = ("_answered", "_lock", "_relaying", "_task", "bound_s", "every_s", "exchange",
-                 "on_sent", "request", "response", "sent", "what")
+    __slots__ = ("_answered", "_lock", "_relaying", "_task", "_timer", "bound_s", "every_s",
+                 "exchange", "on_sent", "request", "response", "sent", "what")
 
     def __init__(self, request: web.Request, exchange: Exchange, *, every_s: float,
                  bound_s: float, what: Callable[[], str],
@@ -60,9 +60,17 @@ class Waiting:
         self._relaying = False  # the relay makes the head: this makes none of its own
         self._lock = asyncio.Lock()  # one write at a time: a head is never written twice
         self._task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
-        if self.every_s > 0 and self._task is None:
+        """The first keepalive is due `every_s` from now: a timer, not a task, so a request
+        answered sooner costs one timer that never fires."""
+        if self.every_s > 0 and self._task is None and self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.every_s, self._due)
+
+    def _due(self) -> None:
+        self._timer = None
+        if not self._answered:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     @property
@@ -86,6 +94,9 @@ class Waiting:
         before the relay writes the chunk: a write already begun has put its whole frame into
         the transport, and no other starts."""
         self._answered = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._task is not None:
             self._task.cancel()
             self._task = None
@@ -94,10 +105,9 @@ class Waiting:
         self.answered()
 
     async def _run(self) -> None:
-        while not self._answered:
+        """Each keepalive, every `every_s`, until the first chunk (answered cancels this)."""
+        while await self._send():  # noqa: ASYNC110 (a period between frames, not a poll)
             await asyncio.sleep(self.every_s)
-            if not await self._send():
-                return
 
     async def _send(self) -> bool:
         """One keepalive (the head first, when it is not out); False when the client is gone or
