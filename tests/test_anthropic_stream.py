@@ -21,6 +21,7 @@ from hal0d.anthropic.stream import (
     TranslatorError,
     encode_events,
 )
+from hal0d.anthropic.transform import AnthropicTransform
 from hal0d.protocol.sse import Decoder
 from tests.anthropic_rules import (
     assemble,
@@ -116,16 +117,34 @@ def short(event: Event) -> tuple[Any, ...]:
         return ("message_stop",)
     if name == "error":
         return ("error", p["error"]["type"], p["error"]["message"])
+    if name == "ping":
+        assert p == {"type": "ping"}
+        return ("ping",)
     raise AssertionError(name)
 
 
+BEGIN = "begin"  # message_start before the first chunk (the response's head went out)
+PING = "ping"  # a keepalive (the upstream's comment line, or hal0d's own while it waits)
+
+
 def play(script: list[dict[str, Any] | str], **kw: Any) -> list[Event]:
-    """Feed chunks; DONE stands for the upstream's data: [DONE] (the translator's finish())."""
+    """Feed chunks; DONE stands for the upstream's data: [DONE] (the translator's finish()),
+    BEGIN and PING for the translator's begin() and ping()."""
     translator = Translator("client-model", **kw)
+    steps = {DONE: translator.finish, BEGIN: translator.begin, PING: translator.ping}
     events: list[Event] = []
     for step in script:
-        events.extend(translator.finish() if step == DONE else translator.feed(step))  # type: ignore[arg-type]
+        events.extend(steps[step]() if isinstance(step, str) else translator.feed(step))
     return events
+
+
+def assert_pings_wait_for_message_start(events: list[Event]) -> None:
+    """A strict client's rule the shared check (tests/anthropic_rules.py) leaves out: it skips
+    pings wherever they are."""
+    names = [name for name, _ in events]
+    if "ping" in names:
+        assert names[0] == "message_start", names
+        assert "message_stop" not in names[:-1] and "error" not in names[:-1], names
 
 
 NO_FINISH = "upstream ended the stream without a finish_reason"
@@ -412,6 +431,42 @@ PLAYBOOKS: list[Any] = [
         [("message_start", 5), ("error", "api_error", NO_FINISH)],
         id="[DONE] then nothing: message_start and an error",
     ),
+    pytest.param(
+        [PING, PING, role(), say("Hi"), finish("stop"), usage(1780, 1), DONE],
+        {"input_tokens": 5},
+        [
+            ("message_start", 5),
+            ("ping",),
+            ("ping",),
+            ("start", 0, "text"),
+            ("delta", 0, "Hi"),
+            ("stop", 0),
+            ("message_delta", "end_turn", None, 1780, 1),
+            ("message_stop",),
+        ],
+        id="pings before the first chunk: message_start first, the upstream's count at the end",
+    ),
+    pytest.param(
+        [BEGIN, role(), say("Hi"), PING, finish("length"), PING, DONE],
+        {"input_tokens": 5},
+        [
+            ("message_start", 5),
+            ("start", 0, "text"),
+            ("delta", 0, "Hi"),
+            ("ping",),
+            ("stop", 0),
+            ("ping",),
+            ("message_delta", "max_tokens", None, 5, 1),
+            ("message_stop",),
+        ],
+        id="begun before the first chunk: no second message_start, pings anywhere before the end",
+    ),
+    pytest.param(
+        [BEGIN, PING, DONE],
+        {},
+        [("message_start", 0), ("ping",), ("error", "api_error", NO_FINISH)],
+        id="begun, then [DONE] without a chunk: the error alone after what is out",
+    ),
 ]
 
 
@@ -422,6 +477,7 @@ def test_playbook(
     events = play(script, **options)
     assert [short(e) for e in events] == expected
     assert_valid_anthropic_stream(events)
+    assert_pings_wait_for_message_start(events)
 
 
 def test_message_start_envelope() -> None:
@@ -441,6 +497,42 @@ def test_message_start_envelope() -> None:
             "usage": {"input_tokens": 3, "output_tokens": 0},
         },
     }
+
+
+def test_begin_sends_message_start_now_and_no_chunk_sends_another() -> None:
+    translator = Translator("my-alias", input_tokens=3, message_id="msg_fixed")
+    [(name, payload)] = translator.begin()
+    assert name == "message_start" and payload["message"]["id"] == "msg_fixed"
+    assert payload["message"]["usage"] == {"input_tokens": 3, "output_tokens": 0}
+    assert translator.state is State.STREAMING and not translator.done
+    assert [short(e) for e in translator.feed(say("a"))] == [
+        ("start", 0, "text"), ("delta", 0, "a")]
+
+
+def test_begin_with_a_count_says_it_until_the_upstream_says_its_own() -> None:
+    translator = Translator("m", input_tokens=3)
+    assert short(translator.begin(input_tokens=40)[0]) == ("message_start", 40)
+    assert translator.input_tokens == 40
+    events = translator.feed(say("a")) + translator.feed(finish()) + translator.finish()
+    assert short(events[-2]) == ("message_delta", "end_turn", None, 40, 1)  # no upstream count
+
+
+def test_the_sdk_takes_the_upstreams_prompt_count_from_message_delta_over_message_start() -> None:
+    translator = Translator("client-model", input_tokens=7)
+    events = translator.begin() + translator.ping()
+    events += translator.feed(role()) + translator.feed(say("Hi")) + translator.feed(finish())
+    events += translator.feed(usage(1780, 1)) + translator.finish()
+    assert events[0][1]["message"]["usage"]["input_tokens"] == 7
+    assert events[-2][1]["usage"] == {"input_tokens": 1780, "output_tokens": 1}
+    client = _sdk_client(encode_events(events))
+    with client.messages.stream(
+        model="client-model", max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+    ) as stream:
+        kinds = [event.type for event in stream]
+        message = stream.get_final_message()
+    assert kinds[0] == "message_start" and "ping" not in kinds  # the SDK skips pings
+    assert (message.usage.input_tokens, message.usage.output_tokens) == (1780, 1)
+    assert message.content[0].text == "Hi"  # type: ignore[union-attr]
 
 
 def test_generated_ids() -> None:
@@ -513,6 +605,18 @@ def _failed() -> Translator:
     return translator
 
 
+def _begun() -> Translator:
+    translator = Translator("m")
+    translator.begin()
+    return translator
+
+
+def _streaming() -> Translator:
+    translator = Translator("m")
+    translator.feed(say("a"))
+    return translator
+
+
 def _stopped() -> Translator:
     translator = Translator("m")
     translator.feed(finish(usage={"prompt_tokens": 1, "completion_tokens": 1}))
@@ -522,6 +626,12 @@ def _stopped() -> Translator:
 @pytest.mark.parametrize(
     ("make", "action"),
     [
+        pytest.param(_begun, lambda t: t.begin(), id="begin twice"),
+        pytest.param(_streaming, lambda t: t.begin(), id="begin after the first chunk"),
+        pytest.param(_stopped, lambda t: t.begin(), id="begin after message_stop"),
+        pytest.param(_stopped, lambda t: t.ping(), id="ping after message_stop"),
+        pytest.param(_finished, lambda t: t.ping(), id="ping after finish"),
+        pytest.param(_failed, lambda t: t.ping(), id="ping after fail"),
         pytest.param(_finished, lambda t: t.feed(say("a")), id="feed after finish"),
         pytest.param(_failed, lambda t: t.feed(say("a")), id="feed after fail"),
         pytest.param(_finished, lambda t: t.finish(), id="finish twice"),
@@ -790,6 +900,82 @@ def test_anthropic_sdk_raises_on_a_failed_stream() -> None:
         stream.get_final_message()
 
 
+# --- the transform: what the forward path sends before the upstream's first byte -------------
+
+
+def _transform(input_tokens: int | None = 9) -> AnthropicTransform:
+    return AnthropicTransform(Translator("client-model", input_tokens=input_tokens))
+
+
+def test_opening_is_message_start_once_and_the_chunks_follow_it() -> None:
+    transform = _transform()
+    [(name, payload)] = events_from_sse(transform.opening(input_tokens=21))
+    assert name == "message_start" and payload["message"]["usage"]["input_tokens"] == 21
+    assert transform.opening() == b""
+    assert transform.start() == b""
+    body = b"".join(b"data: " + orjson.dumps(c) + b"\n\n"
+                    for c in [role(), say("Hi"), finish(), usage(30, 1)])
+    events = [(name, payload), *events_from_sse(transform.feed(body))]
+    assert [short(e) for e in events] == [
+        ("message_start", 21), ("start", 0, "text"), ("delta", 0, "Hi"), ("stop", 0),
+        ("message_delta", "end_turn", None, 30, 1), ("message_stop",)]
+    assert transform.complete() and transform.opening() == b""
+
+
+def test_keepalive_is_a_ping_after_message_start_and_nothing_once_the_stream_ended() -> None:
+    transform = _transform()
+    assert [short(e) for e in events_from_sse(transform.keepalive())] == [
+        ("message_start", 9), ("ping",)]
+    assert transform.keepalive("loading, 12 s") == b'event: ping\ndata: {"type":"ping"}\n\n'
+    assert transform.opening() == b""
+    transform.broken("gone")
+    assert transform.keepalive() == b""
+
+
+def test_failed_after_the_head_is_the_error_event_the_sdk_raises_on() -> None:
+    import anthropic
+
+    transform = _transform()
+    out = transform.opening() + transform.keepalive()
+    out += transform.failed("slot 'llm' failed to load: exit 1", "overloaded_error")
+    events = events_from_sse(out)
+    assert [short(e) for e in events] == [
+        ("message_start", 9), ("ping",),
+        ("error", "overloaded_error", "slot 'llm' failed to load: exit 1")]
+    assert events[-1][1] == {"type": "error", "error": {
+        "type": "overloaded_error", "message": "slot 'llm' failed to load: exit 1"}}
+    assert assert_valid_anthropic_stream(events) == "error"
+    assert transform.failed("again", "api_error") == b"" and transform.keepalive() == b""
+    assert transform.broken("late") == b"" and transform.end() == b""
+    request = _sdk_client(out).messages.stream(
+        model="m", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(anthropic.APIStatusError, match="failed to load"), request as stream:
+        stream.get_final_message()
+
+
+def test_failed_before_anything_is_the_error_alone_and_after_message_stop_nothing() -> None:
+    transform = _transform()
+    assert [short(e) for e in events_from_sse(transform.failed("queue cleared", "api_error"))] == [
+        ("error", "api_error", "queue cleared")]
+    done = _transform()
+    done.feed(b"data: " + orjson.dumps(finish(usage={"prompt_tokens": 1, "completion_tokens": 0}))
+              + b"\n\n")
+    assert done.complete()
+    assert done.failed("late", "api_error") == b""
+
+
+def test_the_sdk_reads_pings_anywhere_in_the_stream_as_nothing() -> None:
+    events = play([PING, role(), say("Hi"), PING, say("!"), finish(), PING, usage(4, 2), DONE],
+                  input_tokens=4)
+    client = _sdk_client(encode_events(events))
+    with client.messages.stream(
+        model="client-model", max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+    ) as stream:
+        message = stream.get_final_message()
+    assert message.content[0].text == "Hi!"  # type: ignore[union-attr]
+    assert message.stop_reason == "end_turn"
+
+
 # --- property: any read boundaries give the same, valid stream ----------------------------------
 
 fragment = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=4)
@@ -866,3 +1052,35 @@ def test_any_split_of_the_upstream_gives_the_same_valid_stream(
     for block in blocks:
         block.pop("signature", None)
     assert blocks == expected
+
+
+def through_transform(pieces: list[bytes]) -> bytes:
+    transform = AnthropicTransform(Translator("client-model", message_id="msg_x"))
+    return b"".join(transform.feed(piece) for piece in pieces) + transform.end()
+
+
+@settings(max_examples=100, deadline=None)
+@given(stream=upstream_streams(), data=st.data())
+def test_any_split_through_the_transform_gives_the_same_frames_a_ping_per_comment(
+    stream: tuple[bytes, list[dict[str, Any]]], data: st.DataObject
+) -> None:
+    raw, _ = stream
+    whole = through_transform([raw])
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(raw)), max_size=16)))
+    bounds = [0, *cuts, len(raw)]
+    assert through_transform([raw[a:b] for a, b in itertools.pairwise(bounds)]) == whole
+    events = events_from_sse(whole)
+    pings = [name for name, _ in events].count("ping")
+    comment = raw.find(b": keepalive")
+    if comment < 0:
+        assert pings == 0
+    elif comment < raw.find(b'"finish_reason":"'):
+        assert pings == 1
+    else:
+        assert pings <= 1  # none once message_stop is out
+    assert_pings_wait_for_message_start(events)
+    assert_valid_anthropic_stream(events)
+    expected = run_pipeline([raw], message_id="msg_x")
+    if events[1][0] == "ping":  # message_start went out before the first chunk's usage
+        expected[0][1]["message"]["usage"]["input_tokens"] = 0
+    assert [e for e in events if e[0] != "ping"] == expected

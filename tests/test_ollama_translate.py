@@ -164,6 +164,22 @@ def test_any_split_of_the_upstream_bytes_gives_the_same_objects(cuts: list[int])
     assert [{k: v for k, v in o.items() if "duration" not in k} for o in lines(out)] == whole
 
 
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "generate"])
+def test_a_keepalive_is_an_object_with_empty_content_not_done(chat: bool) -> None:
+    t = transform(chat=chat)
+    said = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
+    empty = {"model": "m", "created_at": "1970-01-01T00:00:00.000000Z", **said, "done": False}
+    assert lines(t.keepalive()) == [empty]
+    assert lines(t.keepalive("loading m, 12 s")) == [empty]  # no field to say it in
+    # The upstream's comment lines, in their places among the chunks of the same read.
+    out = lines(t.feed(b":\n\ndata: " + orjson.dumps(delta(content="a")) + b"\n\n: ping\n\n"))
+    assert out[0] == empty and out[2] == empty
+    assert (out[1]["message"]["content"] if chat else out[1]["response"]) == "a"
+    t.feed(sse(finish("stop")))
+    assert t.complete()
+    assert t.keepalive() == b"" and t.feed(b":\n\n") == b""
+
+
 def test_chat_request_maps_images_tools_format_options_and_tool_results() -> None:
     req = parse_chat({
         "model": "m", "format": {"type": "object"}, "keep_alive": "1h30m",

@@ -15,14 +15,16 @@ import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from structlog.testing import capture_logs
 
 from hal0d.errors import ErrorCode, InvalidRequest
 from hal0d.openai.responses_bridge import Bridge, BridgeTransform, Event, MalformedChunk, State
 from hal0d.openai.responses_request import ChatRequest, chat_request, to_response
 from hal0d.protocol.sse import Decoder
 from hal0d.protocol.transform import StallTrip, TransformFailed
-from hal0d_stub.app import make_stub_app
+from hal0d_stub.app import CONTENT_TEXT, make_stub_app
 from tests.conftest import ServerFactory, Stub, free_port, logs_into_buffer
+from tests.test_anthropic_native import answering_first
 
 
 def chunk(delta: dict[str, Any] | None = None, finish: str | None = None,
@@ -440,9 +442,51 @@ def test_done_without_a_finish_reason_keeps_the_good_events_of_the_same_read() -
     assert [p["sequence_number"] for p in payloads] == list(range(len(payloads)))
 
 
+def test_a_keepalive_is_a_comment_line_and_the_upstreams_comments_stay_in_their_places() -> None:
+    transform = BridgeTransform(Bridge(request(), "m"))
+    assert transform.keepalive() == b": ping\n\n"
+    assert transform.keepalive("queued, 3 ahead") == b": hal0d: queued, 3 ahead\n\n"
+    out = transform.feed(b":\n\n" + sse([text("a")]).removesuffix(b"data: [DONE]\n\n")
+                         + b": ping\n\n" + b"data: " + orjson.dumps(text("b")) + b"\n\n")
+    assert out.startswith(b": ping\n\nevent: response.created\n")
+    before, after = out[len(b": ping\n\n"):].split(b": ping\n\n")
+    assert b'"delta":"a"' in before and b'"delta":"b"' in after
+    transform.feed(sse([chunk(finish="stop")]))
+    assert transform.complete()
+    assert transform.keepalive() == b"" and transform.feed(b":\n\n") == b""
+
+
 def test_a_break_is_an_error_then_failed_and_nothing_after() -> None:
     transform = BridgeTransform(Bridge(request(), "m"))
     transform.feed(b"data: " + orjson.dumps(text("a")) + b"\n\n")
     kinds = [e.event for e in Decoder().feed(transform.broken("cut"))]
     assert kinds == ["error", "response.failed"]
     assert transform.broken("again") == b"" and transform.complete()
+
+
+@pytest.mark.parametrize("chat_only", [True, False])
+async def test_auto_asks_again_after_an_answer_that_decides_nothing(
+    chat_only: bool, aiohttp_server: Any, start_hal0d: ServerFactory, tmp_path: Path
+) -> None:
+    """A 503 from a server still loading its model says nothing of its /v1/responses: that
+    request is translated, and the next one asks again."""
+    log = tmp_path / "stub.log"
+    app = answering_first(503, make_stub_app(log, 0.002, chat_only=chat_only), "/v1/responses")
+    stub = Stub(await aiohttp_server(app), log)
+    hal0d = await start_hal0d(stub.url, slot={"responses": "auto"})
+    with capture_logs() as logs:
+        async with aiohttp.ClientSession() as http:
+            for _ in range(3):
+                async with http.post(hal0d.make_url("/v1/responses"),
+                                     json={"model": "chat", "input": "hi"}) as resp:
+                    assert resp.status == 200, await resp.text()
+                    answer = await resp.json()
+                message = next(item for item in answer["output"] if item["type"] == "message")
+                assert message["content"][0]["text"] == CONTENT_TEXT
+    assert [e["probe_status"] for e in logs if e["event"] == "responses.mode_undecided"] == [503]
+    chosen = [(e["mode"], e["probe_status"]) for e in logs
+              if e["event"] == "responses.mode_chosen"]
+    assert chosen == [("translate", 404) if chat_only else ("native", 400)]
+    native = [line for line in stub.lines() if "endpoint=responses status=200" in line]
+    translated = [line for line in stub.lines() if "endpoint=chat status=200" in line]
+    assert (len(native), len(translated)) == ((0, 3) if chat_only else (2, 1))

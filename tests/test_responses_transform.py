@@ -9,6 +9,7 @@ import orjson
 import pytest
 
 from hal0d.openai.responses import ResponsesTransform
+from hal0d.openai.transform import Passthrough
 from hal0d.protocol.transform import StallTrip, TransformFailed
 
 TRIP = StallTrip(reason="idle", elapsed_s=1.2, upstream="llm", total_s=30.0, idle_s=0.5)
@@ -78,3 +79,24 @@ def test_an_end_without_a_terminal_event_fails_and_after_completed_nothing_is_ad
     done = ResponsesTransform(model="m")
     done.feed(OPENING + event("response.completed", 4, response={"id": "resp_1"}))
     assert done.end() == b"" and done.stalled(TRIP) == b"" and done.broken("x") == b""
+
+
+def test_a_keepalive_is_one_comment_line_naming_the_wait_until_a_terminal_event() -> None:
+    transform = ResponsesTransform(model="m")
+    assert transform.keepalive("loading m, 12 s\n(last load took 41 s)") == (
+        b": hal0d: loading m, 12 s (last load took 41 s)\n\n")
+    assert transform.feed(b":\n\n" + OPENING) == b":\n\n" + OPENING  # the upstream's, as it came
+    transform.feed(event("response.completed", 4, response={"id": "resp_1"}))
+    assert transform.keepalive("prefill") == b""
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["chat", "completions"])
+def test_the_passthrough_keepalive_is_one_comment_line_and_nothing_for_a_body_not_sse(
+    legacy: bool,
+) -> None:
+    sse = Passthrough(sse=True, legacy_completion=legacy, model="m", expect_done=True)
+    assert sse.keepalive("queued, 3 ahead") == b": hal0d: queued, 3 ahead\n\n"
+    assert sse.keepalive("a\r\nb") == b": hal0d: a b\n\n"
+    assert sse.feed(b":\n\n") == b":\n\n"  # the upstream's own comments pass as they came
+    other = Passthrough(sse=False, legacy_completion=legacy, model="m", expect_done=False)
+    assert other.keepalive("loading") == b""

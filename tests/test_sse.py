@@ -1,4 +1,5 @@
-"""The SSE decoder and encoder: line breaks, split reads, UTF-8, huge lines, the real capture."""
+"""The SSE decoder and encoder: line breaks, split reads, UTF-8, huge lines, comment lines, the
+real captures."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hal0d.protocol.sse import Decoder, Event, encode
+from hal0d.protocol.sse import COMMENT, Decoder, Event, comment, encode
 from tests.fixtures_util import fixture_path
 
 
-def feed_all(pieces: list[bytes]) -> list[Event]:
-    decoder = Decoder()
+def feed_all(pieces: list[bytes], *, comments: bool = False) -> list[Event]:
+    decoder = Decoder(comments=comments)
     events: list[Event] = []
     for piece in pieces:
         events.extend(decoder.feed(piece))
@@ -23,12 +24,12 @@ def feed_all(pieces: list[bytes]) -> list[Event]:
     return events
 
 
-def feed_split(data: bytes, cuts: list[int]) -> list[Event]:
+def feed_split(data: bytes, cuts: list[int], *, comments: bool = False) -> list[Event]:
     bounds = [0, *sorted(cuts), len(data)]
-    return feed_all([data[a:b] for a, b in itertools.pairwise(bounds)])
+    return feed_all([data[a:b] for a, b in itertools.pairwise(bounds)], comments=comments)
 
 
-def reference_decode(data: bytes) -> list[Event]:
+def reference_decode(data: bytes, *, comments: bool = False) -> list[Event]:
     """The WHATWG algorithm written the obvious way, over the whole stream at once."""
     if data.startswith(b"\xef\xbb\xbf"):
         data = data[3:]
@@ -45,6 +46,8 @@ def reference_decode(data: bytes) -> list[Event]:
             buffer, event_type = [], ""
             continue
         if line.startswith(":"):
+            if comments:
+                events.append(COMMENT)
             continue
         name, colon, value = line.partition(":")
         if colon and value.startswith(" "):
@@ -234,3 +237,88 @@ def test_any_split_decodes_like_the_whole_stream(data: st.DataObject, stream: by
     whole = feed_all([stream])
     assert feed_split(stream, cuts) == whole
     assert whole == reference_decode(stream)
+
+
+def kinds(events: list[Event]) -> list[Event | str]:
+    return ["COMMENT" if event is COMMENT else event for event in events]
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), stream=streams)
+def test_any_split_reports_comments_in_the_same_places(data: st.DataObject, stream: bytes) -> None:
+    cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=12))
+    whole = feed_all([stream], comments=True)
+    assert kinds(feed_split(stream, cuts, comments=True)) == kinds(whole)
+    assert kinds(whole) == kinds(reference_decode(stream, comments=True))
+    assert [event for event in whole if event is not COMMENT] == feed_all([stream])
+
+
+# --- comment lines: counted always, dispatched when asked, in their places ---------------------
+
+
+@pytest.mark.parametrize(
+    ("stream", "expected"),
+    [
+        pytest.param(b":\n\n", ["COMMENT"], id="colon alone (llama-server)"),
+        pytest.param(b": ping\r\n\r\n", ["COMMENT"], id="named, CRLF"),
+        pytest.param(
+            b":\n\ndata: a\n\n: ping\n\ndata: b\n\n",
+            ["COMMENT", Event(None, "a"), "COMMENT", Event(None, "b")],
+            id="between events",
+        ),
+        pytest.param(
+            b"data: a\n: inside\ndata: b\n\n",
+            ["COMMENT", Event(None, "a\nb")],
+            id="inside an event: before it, the event whole",
+        ),
+        pytest.param(b"data: :\n\n", [Event(None, ":")], id="a colon in a value is no comment"),
+    ],
+)
+def test_comment_playbook(stream: bytes, expected: list[Event | str]) -> None:
+    assert kinds(feed_all([stream], comments=True)) == expected
+    assert kinds(feed_all([bytes([b]) for b in stream], comments=True)) == expected
+    assert kinds(reference_decode(stream, comments=True)) == expected
+    assert feed_all([stream]) == [e for e in expected if e != "COMMENT"]  # the default drops them
+
+
+def test_comments_counts_the_comment_lines_of_the_last_feed_only() -> None:
+    for decoder in (Decoder(), Decoder(comments=True)):
+        assert decoder.comments == 0
+        decoder.feed(b": one\n:\n\ndata: a\n")
+        assert decoder.comments == 2
+        decoder.feed(b"\n")
+        assert decoder.comments == 0
+        decoder.feed(b":")  # not a line until its break comes
+        assert decoder.comments == 0
+        decoder.feed(b" cut\r")
+        assert decoder.comments == 1
+        decoder.close()
+        assert decoder.comments == 0
+
+
+def test_comment_is_one_comment_line_that_decodes_to_nothing() -> None:
+    assert comment("ping") == b": ping\n\n"
+    assert comment("") == b":\n\n"
+    assert comment("hal0d: loading q, 12 s\r\n(last took 41 s)\rnow\n") == (
+        b": hal0d: loading q, 12 s (last took 41 s) now \n\n")
+    assert comment("naïve") == ": naïve\n\n".encode()
+    for text in ("ping", "a\nb\r\nc\rd", "", "\n"):
+        frame = comment(text)
+        assert frame.count(b"\n") == 2 and b"\r" not in frame
+        assert kinds(feed_all([frame], comments=True)) == ["COMMENT"]
+        assert feed_all([frame + b"data: x\n\n"]) == [Event(None, "x")]
+
+
+def test_llama_server_prefill_capture_comments_come_before_the_chunks() -> None:
+    from tests.llama_server_capture import PREFILL_PINGS, read_capture
+
+    capture = read_capture(PREFILL_PINGS)
+    decoder = Decoder(comments=True)
+    counts = []
+    events: list[Event] = []
+    for chunk in capture.chunks:
+        events += decoder.feed(chunk)
+        counts.append(decoder.comments)
+    assert counts == [1, 1, 1, 0, 0, 0, 0, 0, 0]
+    assert kinds(events[:3]) == ["COMMENT"] * 3
+    assert "COMMENT" not in kinds(events[3:]) and events[-1].data == "[DONE]"

@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +37,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def server_command(model: str, port: int) -> list[str]:
+def server_command(model: str, port: int, *, context: int = 2048,
+                   extra: Sequence[str] = ()) -> list[str]:
     """llama.cpp's llama-server for the SmolLM2 file, answering to `model` (one sequence, a 2048
-    context, the model's own chat template through jinja, as users run it)."""
+    context unless `context` says otherwise, the model's own chat template through jinja, as
+    users run it), and `extra` arguments after those."""
     return [REAL_SERVER, "-m", REAL_MODEL, "--alias", model, "--host", "127.0.0.1",
-            "--port", str(port), "-c", "2048", "-np", "1", "--jinja", "--no-webui"]
+            "--port", str(port), "-c", str(context), "-np", "1", "--jinja", "--no-webui",
+            *extra]
 
 
 def get_json(url: str) -> Any:

@@ -6,16 +6,24 @@ these events out". It imports neither asyncio nor aiohttp (tests/test_purity.py 
 
 States (`Translator.state`):
 
-    IDLE ──feed──► STREAMING ──finish_reason──► STOPPING ──chunk with usage──► DONE ──finish()──► CLOSED
-     │                │                             └───────────finish()────────────────────────► CLOSED
-     │                └──finish() with no finish_reason seen──► FAILED
+    IDLE ──feed, begin()──► STREAMING ──finish_reason──► STOPPING ──chunk with usage──► DONE ──finish()──► CLOSED
+     │                         │                             └───────────finish()────────────────────────► CLOSED
+     │                         └──finish() with no finish_reason seen──► FAILED
      └──fail()──► FAILED ◄──fail()── STREAMING, STOPPING
 
-Anthropic clients are strict, so the translator guarantees: message_start first; block indices
-contiguous from 0 in emission order; one block open at a time and a content_block_stop for every
-start; message_delta then message_stop exactly once, last. A failure is one `error` event and
-nothing after it, never a message_stop: a truncated answer must not look complete (the SDK raises
-on an error event).
+Anthropic clients are strict, so the translator guarantees: message_start first (a ping waits
+for it too); block indices contiguous from 0 in emission order; one block open at a time and a
+content_block_stop for every start; message_delta then message_stop exactly once, last. A
+failure is one `error` event and nothing after it, never a message_stop: a truncated answer must
+not look complete (the SDK raises on an error event).
+
+message_start may go out before the first chunk (`begin()`: with the response's head, or before
+the first `ping()`, which never comes before it), since it carries nothing an upstream chunk must
+tell: the model, the id and the prompt's count as hal0d counted it. When the upstream's own
+usage.prompt_tokens then differs, message_delta carries the upstream's (its usage has
+input_tokens, and the anthropic SDK takes a message_delta's input_tokens over message_start's).
+A ping is `{"type": "ping"}`, as Anthropic's API sends between any two events of an open
+message; clients skip it.
 
 Why STOPPING waits: the finish_reason chunk and the usage chunk are separate in llama-server and
 OpenAI (a trailing `"choices": []` chunk), so message_delta is held until a chunk with usage or
@@ -149,6 +157,26 @@ class Translator:
     @property
     def stop_reason(self) -> str | None:
         return self._stop_reason
+
+    def begin(self, input_tokens: int | None = None) -> list[Event]:
+        """message_start now, before the first chunk: with `input_tokens` when given (it is then
+        the prompt's count unless the upstream's usage says otherwise), else the count the
+        translator was built with. Once it is out, no chunk brings another."""
+        if self._state is not State.IDLE:
+            raise TranslatorError(f"begin() after the stream was {self._state.value}")
+        if input_tokens is not None:
+            self._input_tokens = input_tokens
+        self._state = State.STREAMING
+        return [self._message_start()]
+
+    def ping(self) -> list[Event]:
+        """A keepalive: the ping event, after message_start (sent first when it is not out)."""
+        state = self._state
+        if state is State.IDLE:
+            return [*self.begin(), _ping()]
+        if state is State.STREAMING or state is State.STOPPING:
+            return [_ping()]
+        raise TranslatorError(f"ping() after the stream was {state.value}")
 
     def feed(self, chunk: dict[str, Any]) -> list[Event]:
         """Translate one parsed upstream chunk; raises MalformedChunk before changing any state.
@@ -345,6 +373,10 @@ def encode_events(events: list[Event]) -> bytes:
 
 def _delta(index: int, delta: dict[str, Any]) -> Event:
     return ("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+
+
+def _ping() -> Event:
+    return ("ping", {"type": "ping"})
 
 
 def _error_event(message: str, error_type: str) -> Event:

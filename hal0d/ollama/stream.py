@@ -20,6 +20,11 @@ generated chunks when it sent none) and the durations in nanoseconds from hal0d'
     prompt_eval_duration   the upstream request sent to its first generated token
     eval_duration          the first generated token to the last
 
+A keepalive (the upstream's comment line while it reads the prompt, or hal0d's own while the
+request waits) is an object of the same shape with empty content and `"done": false`: the
+official client (ollama-python) parses it into a ChatResponse / GenerateResponse like any other
+piece, and a client that prints or joins the content adds nothing.
+
 A stream that cannot end well ends with one `{"error": ...}` object (Ollama's own way), so a
 client raises rather than take a cut answer for a whole one; a stall-guard trip instead ends it
 with a last `done` object carrying the notice, done_reason length and `x_hal0_stall`.
@@ -154,6 +159,10 @@ class Translator:
             if self._state is State.FINISHING:
                 out.append(self._last())
         return out
+
+    def keepalive(self) -> dict[str, Any]:
+        """An object that says nothing (empty content, not done), for a client's idle timeout."""
+        return self._object("", None)
 
     def _translate(self, read: ChatChunk, out: list[dict[str, Any]]) -> None:
         """The chunk's text, reasoning, tool calls and finish as Ollama objects."""

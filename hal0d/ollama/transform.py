@@ -3,7 +3,8 @@
 The skeleton every translating surface shares (hal0d/protocol/translating.py) reads the stream;
 the Translator turns each chunk into Ollama objects, one JSON object a line. A malformed chunk,
 an upstream that breaks or ends without a finish_reason: one `{"error": ...}` line ends the
-stream; a stall trip, a last `done` object with the notice.
+stream; a stall trip, a last `done` object with the notice. A keepalive is an object with empty
+content, not done.
 """
 
 from __future__ import annotations
@@ -38,3 +39,6 @@ class OllamaTransform(Translating[dict[str, Any]]):
 
     def stall(self, trip: StallTrip) -> list[dict[str, Any]]:
         return self.translator.stalled(trip)
+
+    def ping(self, what: str | None) -> bytes:
+        return encode_objects([self.translator.keepalive()])  # no field a client would show

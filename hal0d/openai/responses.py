@@ -14,6 +14,8 @@ only to be able to end the stream the way a Responses client understands:
                     `error` object, which is what makes the OpenAI SDK raise
     no terminal     the upstream closed without `response.completed` / `.incomplete` / `.failed`:
                     ended like a break, so a cut answer never reads as a whole one
+    a wait          (`keepalive(what)`, before the upstream's first byte) an SSE comment line,
+                    `: hal0d: <what>`, which clients skip
 
 For those endings to be accepted by a client that accumulates the stream (the SDK's
 `responses.stream`), hal0d's events continue the upstream's: the same response id, the next
@@ -35,7 +37,7 @@ from typing import Any, TypeVar
 import orjson
 
 from hal0d.errors import ErrorCode
-from hal0d.protocol.sse import Decoder
+from hal0d.protocol.sse import Decoder, comment
 from hal0d.protocol.transform import STALL_KEY, StallTrip, TransformFailed
 
 __all__ = ["TERMINAL_EVENTS", "ResponsesTransform", "failure_events", "response_id_of"]
@@ -174,6 +176,10 @@ class ResponsesTransform:
         if self.done:
             return b""
         return self._failed(message, ErrorCode.UPSTREAM_BROKEN)
+
+    def keepalive(self, what: str) -> bytes:
+        """`: hal0d: <what>`, one comment line; b"" once a terminal event is out."""
+        return b"" if self.done else comment(f"hal0d: {what}")
 
     def _failed(self, message: str, code: str) -> bytes:
         """The failure's events (failure_events), after a blank line in case a line was left

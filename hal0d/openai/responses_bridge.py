@@ -28,6 +28,10 @@ event carries the whole output and the usage.
       of local_shell           local_shell_call, its exec action out of the call's arguments
                                (these two are whole when their call ends: added, then done)
 
+A keepalive (the upstream's comment line while it reads the prompt, or hal0d's own while the
+request waits) is an SSE comment line, which every Responses client skips: `: ping`, or
+`: hal0d: <what>` when the wait has words (`keepalive(what)`), as the native path's.
+
 A stall trip ends the stream as the native path does (hal0d/openai/responses.py): the guard's
 notice as the open message's last text delta, then `response.incomplete` with
 `incomplete_details.reason = "max_output_tokens"` and the cause under `x_hal0_stall`.
@@ -57,7 +61,7 @@ from hal0d.openai.responses_request import (
     usage_of,
 )
 from hal0d.protocol.chat_chunk import ChatChunk, MalformedChunk, ToolCallFragment, read_chunk
-from hal0d.protocol.sse import encode
+from hal0d.protocol.sse import comment, encode
 from hal0d.protocol.transform import STALL_KEY, StallTrip
 from hal0d.protocol.translating import Translating, Unfinished
 
@@ -343,3 +347,6 @@ class BridgeTransform(Translating[Event]):
 
     def stall(self, trip: StallTrip) -> list[Event]:
         return self.bridge.stalled(trip)
+
+    def ping(self, what: str | None) -> bytes:
+        return comment(f"hal0d: {what}") if what else comment("ping")

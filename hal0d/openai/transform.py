@@ -4,7 +4,9 @@ OpenAI-compatible upstreams already speak the client's protocol, so nothing is p
 hal0d writes frames of its own only where a stream ends badly: a `chat.completion.chunk` (or
 `text_completion`, for the legacy endpoint) with the stall guard's notice, and an error event when
 the upstream broke off or never sent `data: [DONE]`. The OpenAI SDKs raise on the error event, so
-a cut-off stream is never mistaken for a complete answer.
+a cut-off stream is never mistaken for a complete answer. While a streamed request waits (its
+queue, its load, its first token), `keepalive(what)` is an SSE comment saying for what, which
+clients skip; the upstream's own comment lines pass through as they came.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import orjson
 
 from hal0d.errors import ErrorCode
+from hal0d.protocol.sse import comment
 from hal0d.protocol.transform import STALL_KEY, PureTail, StallTrip, TransformFailed
 
 __all__ = ["STALL_ID", "Passthrough", "error_event", "stall_frame"]
@@ -93,3 +96,7 @@ class Passthrough(PureTail):
 
     def broken(self, message: str) -> bytes:
         return error_event(message, "dispatch.upstream_broken") if self.sse else b""
+
+    def keepalive(self, what: str) -> bytes:
+        """`: hal0d: <what>`, one comment line; b"" for a body that is not SSE."""
+        return comment(f"hal0d: {what}") if self.sse else b""

@@ -10,6 +10,13 @@ a UTF-8 sequence cut by a read boundary decodes whole. The unterminated tail is 
 pieces and joined once when its line ends, and each fed chunk is scanned once, so a multi-MiB
 data line fed in thousands of reads costs linear time.
 
+Comment lines (a colon first: `:` alone, `: ping`) are no events, but an upstream sends them to
+keep a quiet connection open (llama-server every `--sse-ping-interval` while it reads a long
+prompt), and a translating surface turns each into a keepalive of its own. `comments` counts the
+comment lines the last feed read, one attribute to look at, so a reader pays for comments only
+when there were some; a Decoder built with `comments=True` also dispatches each as the COMMENT
+sentinel, in its place among the events of that read. `comment` is the encoder of one.
+
 `data_lines` is the same line rule for a reader that looks into single reads without keeping a
 stream's state (the tap: it looks for its first token and for usage, and must cost a relayed
 stream next to nothing).
@@ -19,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Decoder", "Event", "data_lines", "encode"]
+__all__ = ["COMMENT", "Decoder", "Event", "comment", "data_lines", "encode"]
 
 _BOM = b"\xef\xbb\xbf"
 _LF = 0x0A
@@ -58,20 +65,31 @@ class Event:
     invalid_utf8: bool = field(default=False, compare=False)
 
 
+# What a Decoder(comments=True) dispatches for a comment line; compare with `is`.
+COMMENT = Event(None, "")
+
+
 class Decoder:
-    """Incremental event-stream decoder: `feed()` every read, `close()` at end of stream."""
+    """Incremental event-stream decoder: `feed()` every read, `close()` at end of stream.
+
+    `comments`: how many comment lines the last `feed()` read (see the module's docstring).
+    """
 
     __slots__ = (
         "_bom_pending",
         "_cr_pending",
         "_data",
+        "_dispatch_comments",
         "_event",
         "_invalid_utf8",
         "_last_id",
         "_tail",
+        "comments",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, *, comments: bool = False) -> None:
+        self._dispatch_comments = comments
+        self.comments = 0
         self._tail: list[bytes] = []
         # The previous feed ended with CR: an LF opening the next feed belongs to the same break.
         self._cr_pending = False
@@ -82,6 +100,7 @@ class Decoder:
         self._invalid_utf8 = False
 
     def feed(self, data: bytes) -> list[Event]:
+        self.comments = 0
         events: list[Event] = []
         for line in self._lines(data):
             if not line:
@@ -94,6 +113,9 @@ class Decoder:
                 self._event = None
                 continue
             if line[0] == _COLON:
+                self.comments += 1
+                if self._dispatch_comments:
+                    events.append(COMMENT)
                 continue
             colon = line.find(b":")
             if colon < 0:
@@ -152,9 +174,18 @@ class Decoder:
         self._data = []
         self._event = None
         self._last_id = None
+        self.comments = 0
         return []
 
 
 def encode(event: str, data: bytes) -> bytes:
     """One named frame. `data` must hold no line break (compact JSON never does)."""
     return b"event: " + event.encode() + b"\ndata: " + data + b"\n\n"
+
+
+def comment(text: str) -> bytes:
+    """One comment line and the blank line after it: what a client's SSE reader skips, and a
+    proxy or an idle timeout sees as traffic. Line breaks in `text` become spaces (one line)."""
+    if "\r" in text or "\n" in text:
+        text = text.replace("\r\n", " ").replace("\r", " ").replace("\n", " ")
+    return b": " + text.encode() + b"\n\n" if text else b":\n\n"

@@ -14,11 +14,18 @@ stream is read and ended is the same for all of them, and written here once:
                                              is lost
     end of the body                        the finish, unless a terminal frame is out
     stall trip, broken upstream            the surface's stall or failure frame, once
+    a comment line (the upstream's         the surface's own keepalive, in its place among the
+      keepalive, llama-server's `:`)         frames of the same read (none once the answer is
+                                             done)
+
+The forward path asks for the same keepalive (`keepalive()`) while the request waits for its
+queue, its load or its first token, since the client's idle timeout does not know why nothing
+comes.
 
 A surface fills in only what is its own (Translating's hooks): `finish` (raising Unfinished when
-the upstream gave no finish_reason), `failure`, `stall`, `encode`, and the words before a
-malformed chunk's message. Pure: neither asyncio nor aiohttp (tests/test_purity.py, through
-the surfaces' transforms).
+the upstream gave no finish_reason), `failure`, `stall`, `ping` (its keepalive), `encode`, and
+the words before a malformed chunk's message. Pure: neither asyncio nor aiohttp
+(tests/test_purity.py, through the surfaces' transforms).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from hal0d.errors import ErrorCode
 from hal0d.protocol.chat_chunk import MalformedChunk, Unreadable, chunk_of
-from hal0d.protocol.sse import Decoder
+from hal0d.protocol.sse import COMMENT, Decoder, Event
 from hal0d.protocol.transform import StallTrip, TransformFailed
 
 __all__ = ["ChunkTranslator", "Translating", "Unfinished"]
@@ -73,7 +80,7 @@ class Translating(Generic[Item]):
 
     def __init__(self, translator: ChunkTranslator[Item]) -> None:
         self._translator = translator
-        self.decoder = Decoder()
+        self.decoder = Decoder(comments=True)
         self._ended = False
 
     # What each surface fills in.
@@ -91,6 +98,12 @@ class Translating(Generic[Item]):
         """The items that end a stream the stall guard cut."""
         raise NotImplementedError
 
+    def ping(self, what: str | None) -> bytes:
+        """The surface's keepalive frame, one that a client reads as nothing: what a waiting
+        request (`what` says for what, where the surface has room for words) or an upstream's
+        comment line becomes."""
+        raise NotImplementedError
+
     @staticmethod
     def encode(items: list[Item], /) -> bytes:
         """The items as the bytes the client reads (a staticmethod: no call in between)."""
@@ -102,10 +115,40 @@ class Translating(Generic[Item]):
         return b""  # the first frame waits for the first chunk, which may carry the prompt's usage
 
     def feed(self, chunk: bytes) -> bytes:
+        decoder = self.decoder
+        events = decoder.feed(chunk)
+        if decoder.comments:
+            return self._kept_alive(events)
+        return self._translate(events)
+
+    def keepalive(self, what: str | None = None) -> bytes:
+        """The surface's keepalive (`ping`), to send while the answer waits; b"" once the
+        stream's terminal frame is out."""
+        if self._ended or self._translator.done:
+            return b""
+        return self.ping(what)
+
+    def _kept_alive(self, events: list[Event]) -> bytes:
+        """A read that held comment lines: each comment the surface's keepalive, in its place
+        among the frames of the events around it. A failure's frame keeps what came before it."""
+        out: list[bytes] = []
+        start = 0
+        try:
+            for at, event in enumerate(events):
+                if event is COMMENT:
+                    out.append(self._translate(events[start:at]))
+                    out.append(self.keepalive())
+                    start = at + 1
+            out.append(self._translate(events[start:]))
+        except TransformFailed as exc:
+            raise TransformFailed(exc.error_code, b"".join(out) + exc.frame) from None
+        return b"".join(out)
+
+    def _translate(self, events: list[Event]) -> bytes:
         translator = self._translator
         items: list[Item] = []
         try:
-            for event in self.decoder.feed(chunk):
+            for event in events:
                 if translator.done:
                     break
                 parsed = chunk_of(event)
