@@ -15,7 +15,9 @@ import time
 from pathlib import Path
 
 import aiohttp
+import anthropic
 import httpx
+import ollama
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
@@ -23,7 +25,7 @@ from aiohttp.test_utils import TestServer
 from hal0d.appkeys import SLOTS
 from hal0d.config import Config, DispatcherConfig, MetricsConfig, RouteConfig, SlotConfig
 from hal0d.lifecycle.slots import SlotState
-from tests.conftest import ServerFactory, Stub, chat_body, eventually
+from tests.conftest import OllamaFactory, ServerFactory, Stub, chat_body, eventually
 from tests.test_loader import STARTUP_S, on_demand, stub_pids
 
 KEEPALIVE_S = 0.3
@@ -178,3 +180,60 @@ async def test_a_request_queued_behind_a_busy_slot_is_kept_alive_and_says_so(
     assert first_at < KEEPALIVE_S + 1.0, first_at
     assert body.startswith(b": hal0d: queued for llm, 1 waiting"), body[:80]
     assert b"Hello!" in body and body.rstrip().endswith(b"data: [DONE]")
+
+
+async def test_an_anthropic_sdk_stream_through_a_load_gets_message_start_then_pings(
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """Strict order: message_start with the head, pings while the model loads, then the
+    content blocks and message_stop; the SDK reads the answer whole."""
+    hal0d = await slow_loading(start_hal0d, tmp_path)
+    client = anthropic.AsyncAnthropic(base_url=str(hal0d.make_url("/llm")), api_key="unused",
+                                      max_retries=0, timeout=READ_TIMEOUT_S)
+    async with client.messages.stream(model="chat", max_tokens=64,
+                                      messages=[{"role": "user", "content": "hi"}]) as stream:
+        message = await stream.get_final_message()
+    assert message.content[0].type == "text" and message.content[0].text.startswith("Hello!")
+    await unload(http, hal0d, "a")
+    async with http.post(hal0d.make_url("/llm/v1/messages"), json={
+            "model": "chat", "max_tokens": 64, "stream": True,
+            "messages": [{"role": "user", "content": "hi"}]}) as resp:
+        events = [line.split(b": ", 1)[1].decode() for line in (await resp.read()).split(b"\n")
+                  if line.startswith(b"event: ")]
+    pings = events.count("ping")
+    assert events[0] == "message_start" and pings >= 2, events
+    assert events[1:1 + pings] == ["ping"] * pings, events
+    assert events[1 + pings] == "content_block_start" and events[-1] == "message_stop", events
+
+
+async def test_an_ollama_client_stream_through_a_load_completes(
+    start_ollama: OllamaFactory, tmp_path: Path
+) -> None:
+    slot = on_demand("a", tmp_path, "--startup-delay", LOAD_DELAY)
+    _, base = await start_ollama("http://unused", config=config(tmp_path, slot))
+    client = ollama.AsyncClient(host=base, timeout=httpx.Timeout(READ_TIMEOUT_S, connect=5.0))
+    pieces = [part async for part in await client.chat(
+        "chat", [{"role": "user", "content": "hi"}], stream=True)]
+    assert "".join(part.message.content or "" for part in pieces).startswith("Hello!")
+    assert pieces[0].message.content == "" and not pieces[0].done  # a keepalive came first
+    assert pieces[-1].done
+
+
+async def test_a_failed_load_after_the_head_raises_in_the_anthropic_and_ollama_clients(
+    start_ollama: OllamaFactory, tmp_path: Path
+) -> None:
+    slot = on_demand("a", tmp_path, "--startup-delay", LOAD_DELAY, "--fail-start", "no memory")
+    hal0d, base = await start_ollama("http://unused", config=config(tmp_path, slot))
+    client = anthropic.AsyncAnthropic(base_url=str(hal0d.make_url("/llm")), api_key="unused",
+                                      max_retries=0, timeout=READ_TIMEOUT_S)
+    with pytest.raises(anthropic.APIStatusError) as raised:
+        async with client.messages.stream(model="chat", max_tokens=64,
+                                          messages=[{"role": "user", "content": "hi"}]) as s:
+            await s.get_final_message()
+    assert "no memory" in str(raised.value), raised.value
+    with pytest.raises(ollama.ResponseError) as failed:
+        async for _ in await ollama.AsyncClient(
+                host=base, timeout=httpx.Timeout(READ_TIMEOUT_S, connect=5.0)).chat(
+                "chat", [{"role": "user", "content": "hi"}], stream=True):
+            pass
+    assert "no memory" in str(failed.value), failed.value

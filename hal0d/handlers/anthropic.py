@@ -36,6 +36,7 @@ from hal0d.forward.exchange import upstream_refusal
 from hal0d.forward.modes import NATIVE, TRANSLATE
 from hal0d.handlers.body import check_model_and_stream, parse_json_object, read_body
 from hal0d.observability.requestinfo import INFO, client_of
+from hal0d.protocol.sse import encode
 from hal0d.protocol.transform import Transform
 from hal0d.routing import Route
 from hal0d.transport.tokens import estimate
@@ -43,6 +44,7 @@ from hal0d.transport.upstream import SSE_HEADERS, response_headers
 
 ANTHROPIC_FIELD = "{}:"  # how the Anthropic surface names a field in an error message
 COUNT_PATH = "/v1/messages/count_tokens"
+PING = encode("ping", b'{"type":"ping"}')  # Anthropic's keepalive, as its own API sends it
 ESTIMATE = "estimate"  # X-Hal0d-Token-Count of a count made without the model's tokenizer
 
 
@@ -56,10 +58,6 @@ class Native(Exchange):
     renamed; its answer passed on as it came."""
 
     surface = "anthropic"
-
-    @property
-    def keeps_alive(self) -> bool:
-        return False  # Anthropic's own keepalive frames: not yet
 
     def __init__(self, raw: bytes, model: str, path: str, *, stream: bool) -> None:
         self.raw, self.model, self.path, self.stream = raw, model, path, stream
@@ -103,16 +101,16 @@ class Messages(Exchange):
     translated = True
     surface = "anthropic"
 
-    @property
-    def keeps_alive(self) -> bool:
-        return False  # Anthropic's own keepalive frames: not yet
-
     def __init__(self, raw: bytes, body: dict[str, Any], model: str, *, stream: bool,
                  path: str = "/v1/messages") -> None:
         self.body, self.stream = body, stream
         self.native = Native(raw, model, path, stream=stream)
         self._request: MessagesRequest | None = None
         self.input_tokens: int | None = None  # the prompt's count, for message_start
+        # The stream's one transform, made when a keepalive needs it or when the relay begins:
+        # a message_start a keepalive sent is not sent again.
+        self._transform: AnthropicTransform | None = None
+        self.translating = True  # this slot's answer is translated (not native, not "auto")
 
     def request(self) -> MessagesRequest:
         if self._request is None:
@@ -123,8 +121,35 @@ class Messages(Exchange):
         # A request to translate is checked whole before the slot is taken; a native upstream
         # (and one that may turn out native, "auto") gets what the client sent, fields it may
         # know and the translator does not included.
-        if route.slot.anthropic == TRANSLATE:
+        self.translating = route.slot.anthropic == TRANSLATE
+        if self.translating:
             self.request()
+
+    def transform(self) -> AnthropicTransform:
+        if self._transform is None:
+            req = self.request()
+            self._transform = AnthropicTransform(Translator(
+                req.model, input_tokens=self.input_tokens, stop_sequences=req.stop_sequences))
+        return self._transform
+
+    def keepalive(self, what: str) -> bytes:
+        """Anthropic's `event: ping`, message_start before the first (strict clients: it comes
+        first, and the model and input_tokens are known): counted when the slot has counted,
+        estimated when the request still waits for its slot (message_delta carries the
+        upstream's own count). A slot that may answer natively gets pings only: its upstream
+        sends its own message_start."""
+        if not (self.translating or self._transform is not None):
+            return PING
+        transform = self.transform()
+        tokens = self.input_tokens
+        if tokens is None:
+            tokens = estimate(prompt_text(to_openai(self.request(), served_model="")))
+        return transform.opening(tokens) + transform.keepalive()
+
+    def failed(self, error: Hal0Error) -> bytes:
+        if self._transform is None:
+            return encode("error", orjson.dumps(error.anthropic_body()))
+        return self._transform.failed(error.message, error.anthropic_type)
 
     async def native_mode(self, fwd: Attempt) -> bool:
         """Whether this slot's upstream is sent the request as it is (asked under the lease: an
@@ -137,7 +162,9 @@ class Messages(Exchange):
 
     async def call(self, fwd: Attempt) -> Call | web.StreamResponse:
         if await self.native_mode(fwd):
+            self.translating = False
             return self.native.native_call(fwd)
+        self.translating = True
         payload = self.payload(fwd)
         if self.stream:
             self.input_tokens, _ = await fwd.count_tokens(payload, prompt_text(payload))
@@ -159,10 +186,7 @@ class Messages(Exchange):
         return web.Response(body=orjson.dumps(message), content_type="application/json")
 
     def relay(self, fwd: Attempt, answer: Answer) -> tuple[Mapping[str, str], Transform]:
-        req = self.request()
-        translator = Translator(req.model, input_tokens=self.input_tokens,
-                                stop_sequences=req.stop_sequences)
-        return SSE_HEADERS, AnthropicTransform(translator)
+        return SSE_HEADERS, self.transform()
 
     def relayed(self, fwd: Attempt, transform: Transform) -> None:
         assert isinstance(transform, AnthropicTransform)

@@ -37,7 +37,14 @@ from hal0d.ollama.request import (
     parse_embed,
     parse_generate,
 )
-from hal0d.ollama.stream import Clocks, MalformedChunk, Translator, timestamp
+from hal0d.ollama.stream import (
+    Clocks,
+    MalformedChunk,
+    Translator,
+    encode,
+    error_object,
+    timestamp,
+)
 from hal0d.ollama.transform import OllamaTransform
 from hal0d.protocol.transform import Transform
 from hal0d.transport.upstream import NDJSON_HEADERS
@@ -151,9 +158,12 @@ class OllamaExchange(Exchange):
     translated = True
     surface = "ollama"
 
-    @property
-    def keeps_alive(self) -> bool:
-        return False  # Ollama's own keepalive objects: not yet
+    def head(self) -> Mapping[str, str]:
+        return NDJSON_HEADERS
+
+    def failed(self, error: Hal0Error) -> bytes:
+        """Ollama's `{"error": ...}` line, on which its clients raise."""
+        return encode([error_object(error.message)])
 
     def __init__(self, req: OllamaRequest | EmbedRequest, lifecycle: LifecycleManager,
                  thinkers: set[str]) -> None:
@@ -184,6 +194,13 @@ class Converse(OllamaExchange):
                  chat: bool) -> None:
         super().__init__(req, lifecycle, thinkers)
         self.req, self.chat, self.stream = req, chat, req.stream
+
+    def keepalive(self, what: str) -> bytes:
+        """An object with empty content, not done: Ollama's clients take it as a piece of the
+        answer that says nothing."""
+        quiet = Translator(self.req.model, Clocks(0.0, 0.0, 0.0), chat=self.chat,
+                           think=self.req.think)
+        return encode([quiet.keepalive()])
 
     def unleased(self, fwd: Attempt) -> web.StreamResponse | None:
         """`ollama stop` (no prompt, keep_alive 0) loads nothing: a loaded model unloads once
