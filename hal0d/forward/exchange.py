@@ -34,12 +34,13 @@ from multidict import CIMultiDictProxy
 from hal0d.config import SlotConfig
 from hal0d.errors import Hal0Error, UpstreamStatus, upstream_message
 from hal0d.observability.requestinfo import RequestInfo
+from hal0d.protocol.sse import comment
 from hal0d.protocol.transform import Transform
 from hal0d.routing import Route
 from hal0d.transport.tap import normal_usage
 from hal0d.transport.upstream import SSE_HEADERS, response_headers
 
-__all__ = ["Answer", "Attempt", "Call", "Exchange", "comment", "upstream_refusal"]
+__all__ = ["Answer", "Attempt", "Call", "Exchange", "upstream_refusal"]
 
 UPSTREAM_MESSAGE_LIMIT = 2000
 
@@ -181,7 +182,3 @@ def upstream_refusal(answer: Answer, data: bytes) -> UpstreamStatus:
     message = message[:UPSTREAM_MESSAGE_LIMIT] or f"upstream answered {answer.status}"
     return UpstreamStatus(answer.status, f"slot {answer.slot!r}: {message}")
 
-
-def comment(text: str) -> bytes:
-    """An SSE comment line: `text` on one line (a line break would end the comment early)."""
-    return b": " + text.replace("\r", " ").replace("\n", " ").encode() + b"\n\n"
