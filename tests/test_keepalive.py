@@ -13,13 +13,16 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import anthropic
 import httpx
 import ollama
 import openai
+import orjson
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from hal0d.appkeys import SLOTS
@@ -237,3 +240,34 @@ async def test_a_failed_load_after_the_head_raises_in_the_anthropic_and_ollama_c
                 "chat", [{"role": "user", "content": "hi"}], stream=True):
             pass
     assert "no memory" in str(failed.value), failed.value
+
+
+async def test_an_upstream_silent_before_its_first_token_is_kept_alive_in_the_relays_stream(
+    start_hal0d: ServerFactory, upstream_app: Any, tmp_path: Path
+) -> None:
+    """The upstream answers its head at once and then says nothing while it prefills (vLLM
+    sends no comment lines): the keepalive goes on in the relay's own stream until the first
+    chunk, and the openai SDK with a short read timeout reads the whole answer."""
+    async def prefill_then_answer(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await asyncio.sleep(2.5)
+        for piece in ("Hello", " there"):
+            await response.write(b"data: " + orjson.dumps({
+                "id": "c", "object": "chat.completion.chunk", "model": "chat",
+                "choices": [{"index": 0, "delta": {"content": piece},
+                             "finish_reason": None}]}) + b"\n\n")
+        await response.write(b"data: " + orjson.dumps({
+            "id": "c", "object": "chat.completion.chunk", "model": "chat",
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    upstream = await upstream_app({"POST /v1/chat/completions": prefill_then_answer})
+    slot = SlotConfig(name="llm", upstream=upstream, models=("chat",))
+    hal0d = await start_hal0d(upstream, config=config(tmp_path, slot))
+    stream = await sdk(hal0d).chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": "hi"}], stream=True)
+    text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream
+                    if chunk.choices])
+    assert text == "Hello there"
