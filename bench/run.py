@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench import client, failover, inprocess, lifecycle, procs, swaps
+from bench import client, failover, inprocess, keepalive, lifecycle, procs, swaps
 from bench.client import CHAT, MESSAGES, Endpoint, chat_body, messages_body
 from bench.runs import Plan, Run, say, verdict
 
@@ -390,6 +390,8 @@ async def measure(run: Run, peers: bool, profile: bool, sections: set[str],
             await lifecycle.measure(run, procset, hal0d, upstream, say)
         if "failover" in sections:
             await failover.measure(run, procset, upstream, say)
+        if "keepalive" in sections:
+            await keepalive.measure(run, procset, say, baseline=baseline)
         if "swaps" in sections:
             await swaps.measure(run, procset, say)
         if profile:
@@ -626,6 +628,7 @@ def build_rows(run: Run) -> list[dict[str, Any]]:
                 "LiteLLM not run")
     rows.extend(lifecycle.rows(run))
     rows.extend(failover.rows(run))
+    rows.extend(keepalive.rows(run))
     rows.extend(swaps.rows(run))
     return rows
 
@@ -698,7 +701,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="py-spy hal0d during long streams; writes bench/results/profile*")
     parser.add_argument("--sections",
-                        default="latency,throughput,anthropic,paced,memory,lifecycle,failover,swaps",
+                        default="latency,throughput,anthropic,paced,memory,lifecycle,failover,"
+                        "keepalive,swaps",
                         help="comma-separated subset of the default")
     parser.add_argument("--uvloop", action="store_true",
                         help="experiment: add a hal0d-uvloop instance (bench/.peers/uvloop)")

@@ -1,6 +1,7 @@
 """What one `make bench` run is: its plan (how much of everything), its results and skips, how
 it tells what it does, and a row's verdict. Apart from bench/run.py so that the sections in their
-own modules (lifecycle, swaps, failover) and the orchestration import it, not each other."""
+own modules (lifecycle, swaps, failover, keepalive) and the orchestration import it, not each
+other."""
 
 from __future__ import annotations
 
@@ -35,6 +36,11 @@ class Plan:
     paced_chunks: int = 160  # at 20 ms: 3.2 s, room for the opening, settling and the window
     paced_window_s: float = 2.0
     paced_rounds: int = 5
+    # keepalive: streams through a load longer than their client's read timeout
+    keepalive_load_s: float = 30.0
+    keepalive_read_timeout_s: float = 10.0
+    keepalive_s: float = 5.0
+    keepalive_streams: int = 8
 
     @classmethod
     def quick(cls) -> Plan:
@@ -43,7 +49,8 @@ class Plan:
                    multi_rounds=2, litellm_single_chunks=300, litellm_multi_chunks=20,
                    litellm_rounds=2, translator_chunks=5000, memory_streams=200,
                    memory_chunks=24, paced_streams=50, paced_chunks=100, paced_window_s=1.0,
-                   paced_rounds=1)
+                   paced_rounds=1, keepalive_load_s=12.0, keepalive_read_timeout_s=4.0,
+                   keepalive_s=2.0)
 
 
 @dataclass
