@@ -9,9 +9,9 @@ requests arrive, whose command is the stub loading for the plan's keepalive_load
 with --quick: `hal0d stub --startup-delay`). The plan's streams (8) go at once to every hal0d,
 each from a client whose read timeout between bytes is keepalive_read_timeout_s (10 s; 4 s):
 
-    keepalive_s 5 (2)          answered of sent                       target: all answered
-    keepalive_s 10 (4)         = the read timeout (and the default): a race with the client's
-                               timer, which began as the request went out
+    keepalive_s 5 (2)          answered of sent (5: the default)      target: all answered
+    keepalive_s 10 (4)         = the read timeout: a race with the client's timer, which began
+                               as the request went out
     keepalive_s 0              the contrast: hal0d without keepalive, none answered
     the baseline               with --baseline: that revision's hal0d, the same slot (f3a7d83
                                knows no keepalive_s, so its config names none)
