@@ -8,6 +8,10 @@ anthropic-version and anthropic-beta headers it received).
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import shlex
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,8 +22,15 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from structlog.testing import capture_logs
 
+from hal0d.appkeys import LIFECYCLE, RUNTIME
+from hal0d.config import DispatcherConfig, SlotConfig
+from hal0d.forward.modes import AnthropicModes
+from hal0d.lifecycle.runner import ConfigDiff
+from hal0d.routing import Runtime
+from hal0d.transport.upstream import UpstreamClient
 from hal0d_stub.app import CONTENT_TEXT, REASONING_TEXT, make_stub_app, prompt_tokens, words
 from tests.conftest import Stub, eventually, free_port
+from tests.test_loader import lifecycle_config, start, state_is, stub_command
 
 if TYPE_CHECKING:
     from anthropic import AsyncAnthropic
@@ -234,3 +245,164 @@ async def test_a_native_slot_holds_an_answer_to_its_max_output_tokens(
     # A request under the limit goes through as sent.
     message = await client.messages.create(model="chat", max_tokens=2, messages=HI)
     assert message.usage.output_tokens == 2
+
+
+# -- "auto": decided by a definite answer, kept for one process ------------------------------
+
+def answering_first(status: int, app: web.Application, path: str) -> web.Application:
+    """`app` with its first POST to `path` answered `status` whatever it has there, as a server
+    that is still loading its model (503), limits its callers (429) or wants a key (401)."""
+    first = True
+
+    @web.middleware
+    async def first_answer(request: web.Request, handler: Any) -> web.StreamResponse:
+        nonlocal first
+        if request.method == "POST" and request.path == path and first:
+            first = False
+            return web.json_response({"error": {"message": "not now"}}, status=status)
+        return await handler(request)
+
+    app.middlewares.append(first_answer)
+    return app
+
+
+async def messages(http: aiohttp.ClientSession, hal0d: TestServer) -> tuple[int, Any]:
+    request = {"model": "chat", "max_tokens": 64, "messages": HI}
+    async with http.post(hal0d.make_url("/v1/messages"), json=request) as answer:
+        return answer.status, await answer.json()
+
+
+def choices(logs: list[dict[str, Any]]) -> list[tuple[str, int]]:
+    return [(entry["mode"], entry["probe_status"]) for entry in logs
+            if entry["event"] == "anthropic.mode_chosen"]
+
+
+@pytest.mark.parametrize("first_status", [503, 429, 401])
+@pytest.mark.parametrize("native", [True, False])
+async def test_auto_is_not_decided_by_an_answer_that_says_nothing_of_the_endpoint(
+    first_status: int, native: bool, aiohttp_server: Any, tmp_path: Path, start_hal0d: Any
+) -> None:
+    log = tmp_path / "stub.log"
+    app = answering_first(first_status, make_stub_app(log, 0.002, anthropic_native=native),
+                          "/v1/messages")
+    stub = Stub(await aiohttp_server(app), log)
+    hal0d = await start_hal0d(stub.url, slot={"anthropic": "auto"})
+    with capture_logs() as logs:
+        async with aiohttp.ClientSession() as http:
+            for _ in range(3):
+                status, answer = await messages(http, hal0d)
+                assert status == 200, answer
+                assert answer["content"][0]["text"] == CONTENT_TEXT
+    undecided = [entry["probe_status"] for entry in logs
+                 if entry["event"] == "anthropic.mode_undecided"]
+    assert undecided == [first_status]
+    # Asked again by the next request, and kept from then on.
+    assert choices(logs) == [("native", 400) if native else ("translate", 404)]
+    # Native: the first request translated, the second probe and two requests at /v1/messages.
+    relayed = [line for line in stub.lines() if "native-messages" in line]
+    chats = [line for line in stub.lines() if line.split()[1:2] == ["start"]
+             and "endpoint=chat" in line]
+    assert (len(relayed), len(chats)) == ((3, 1) if native else (0, 3))
+
+
+async def test_auto_takes_a_500_for_the_empty_request_as_the_endpoint_there(
+    aiohttp_server: Any, tmp_path: Path, start_hal0d: Any, http: aiohttp.ClientSession
+) -> None:
+    """llama-server's answer to `{}` at /v1/messages: its handler raises for the missing
+    `messages`, which it answers 500 "'messages' is required"."""
+    log = tmp_path / "stub.log"
+    app = make_stub_app(log, 0.002, anthropic_native=True)
+
+    @web.middleware
+    async def like_llama_server(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path == "/v1/messages" and await request.read() == b"{}":
+            return web.json_response({"error": {"code": 500, "type": "server_error",
+                                                "message": "'messages' is required"}},
+                                     status=500)
+        return await handler(request)
+
+    app.middlewares.append(like_llama_server)
+    stub = Stub(await aiohttp_server(app), log)
+    hal0d = await start_hal0d(stub.url, slot={"anthropic": "auto"})
+    with capture_logs() as logs:
+        status, answer = await messages(http, hal0d)
+    assert status == 200 and answer["content"][0]["text"] == CONTENT_TEXT, answer
+    assert choices(logs) == [("native", 500)]
+
+
+async def test_a_choice_is_kept_for_its_process_and_asked_again_for_the_next(
+    upstream_app: Any
+) -> None:
+    has_endpoint, probes = [True], []
+
+    async def endpoint(request: web.Request) -> web.StreamResponse:
+        probes.append(await request.read())
+        return web.json_response({}, status=400 if has_endpoint[0] else 404)
+
+    url = await upstream_app({"POST /v1/messages": endpoint})
+    slot = SlotConfig(name="llm", upstream=url, models=("chat",), anthropic="auto")
+    modes, client = AnthropicModes(), UpstreamClient.create(DispatcherConfig())
+    try:
+        assert await modes.mode(client, slot, 1) == "native"
+        has_endpoint[0] = False  # the slot's next process has no /v1/messages
+        assert await modes.mode(client, slot, 1) == "native"  # the same process: not asked
+        assert await modes.mode(client, slot, 2) == "translate"
+        assert await modes.mode(client, slot, 2) == "translate"
+    finally:
+        await client.close()
+    assert probes == [b"{}", b"{}"]
+
+
+def native_then_not(name: str, tmp_path: Path) -> tuple[str, tuple[str, ...]]:
+    """(upstream, command): the stub with /v1/messages the first time, without it after."""
+    port = free_port()
+    log = tmp_path / f"{name}.log"
+    marker = shlex.quote(str(tmp_path / f"{name}.started"))
+    native = " ".join(shlex.quote(arg) for arg in stub_command(port, log, "--anthropic-native"))
+    plain = " ".join(shlex.quote(arg) for arg in stub_command(port, log))
+    script = f"if [ -e {marker} ]; then exec {plain}; fi; : > {marker}; exec {native}"
+    return f"http://127.0.0.1:{port}", ("sh", "-c", script)
+
+
+async def test_a_reload_that_changes_only_the_command_asks_again(
+    start_hal0d: Any, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    port = free_port()
+    log = tmp_path / "llm.log"
+    before = SlotConfig(name="llm", upstream=f"http://127.0.0.1:{port}", models=("chat",),
+                        command=stub_command(port, log, "--anthropic-native"),
+                        anthropic="auto")
+    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, before))
+    await state_is(http, hal0d, "llm", "ready")
+    with capture_logs() as logs:
+        assert (await messages(http, hal0d))[0] == 200
+        # The same upstream, a command whose server has no /v1/messages.
+        after = lifecycle_config(tmp_path, dataclasses.replace(before,
+                                                               command=stub_command(port, log)))
+        lifecycle = hal0d.app[LIFECYCLE]
+        await lifecycle.apply(ConfigDiff.between(lifecycle.configs, after.slots, after.groups))
+        hal0d.app[RUNTIME].current = Runtime.build(after)
+        await state_is(http, hal0d, "llm", "ready")
+        status, answer = await messages(http, hal0d)
+    assert status == 200 and answer["content"][0]["text"] == CONTENT_TEXT, answer
+    assert choices(logs) == [("native", 400), ("translate", 404)]
+
+
+async def test_a_restarted_process_is_asked_again(
+    start_hal0d: Any, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    upstream, command = native_then_not("llm", tmp_path)
+    config = SlotConfig(name="llm", upstream=upstream, models=("chat",), command=command,
+                        anthropic="auto")
+    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, config))
+    await state_is(http, hal0d, "llm", "ready")
+    runner = hal0d.app[LIFECYCLE].runners["llm"]
+    with capture_logs() as logs:
+        assert (await messages(http, hal0d))[0] == 200
+        assert runner.child is not None
+        os.kill(runner.child.pid, signal.SIGKILL)
+        await state_is(http, hal0d, "llm", "error", 5)
+        await state_is(http, hal0d, "llm", "ready")
+        status, answer = await messages(http, hal0d)
+    assert status == 200, answer
+    assert choices(logs) == [("native", 400), ("translate", 404)]

@@ -5,7 +5,9 @@ a slot without a command between ready and error."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import shlex
 import signal
 import sys
 import time
@@ -246,3 +248,39 @@ async def test_a_process_printing_a_line_over_64_kib_keeps_running_and_is_logged
     assert lines[0].startswith("x" * 100) and "more bytes]" in lines[0]
     assert len(lines[0]) < 20_000
     assert sum(1 for line in lines if line == "y" * 1000) == 400
+
+
+def kill_listed(pids_file: Path) -> None:
+    """Kills every process whose pid a test's command wrote into `pids_file`."""
+    if not pids_file.exists():
+        return
+    for pid in pids_file.read_text().split():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+async def test_a_process_whose_child_holds_its_output_pipe_is_seen_to_exit(
+    start_hal0d, tmp_path, http
+):
+    # The sleeper inherits the shell's stdout, hal0d's pipe, and holds it for a minute after the
+    # stub (exec'd in the shell's place, so with its pid) is gone.
+    port = free_port()
+    sleepers = tmp_path / "sleepers"
+    stub = " ".join(shlex.quote(arg) for arg in stub_command(port, tmp_path / "stub.log"))
+    command = ("sh", "-c", f"sleep 60 & echo $! >> {shlex.quote(str(sleepers))}; exec {stub}")
+    hal0d = await start_hal0d(f"http://127.0.0.1:{port}", slot={"command": command})
+    try:
+        await wait_slot(http, hal0d, lambda v: v["state"] == "ready", STARTUP_S)
+        child = slot_process(hal0d).child
+        assert child is not None and "stub" in Path(f"/proc/{child.pid}/cmdline").read_text()
+        with capture_logs() as logs:
+            os.kill(child.pid, signal.SIGKILL)
+            died = await wait_slot(http, hal0d, lambda v: v["state"] != "ready", 5.0)
+            assert died["state"] == "error" and "exited with code -9" in died["reason"], died
+            await wait_slot(http, hal0d, lambda v: v["state"] == "ready", STARTUP_S)
+        exited = [e for e in logs if e["event"] == "slot.process_exited"]
+        assert [(e["code"], e["restarts"]) for e in exited] == [(-signal.SIGKILL, 1)]
+        await stream_ok(http, hal0d)
+        assert len(sleepers.read_text().split()) == 2  # the restarted command's own sleeper
+    finally:
+        kill_listed(sleepers)

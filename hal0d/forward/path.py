@@ -267,21 +267,30 @@ class Forward:
         """Send the call to the slot and wait for the response headers; the status is the
         request's from here on."""
         assert self.lease is not None, "open under the lease only"
+        if not self.hands_on:
+            try:
+                self.upstream = upstream = await self._opening(call)
+            except UpstreamUnavailable as exc:
+                # Its process may have died as the lease was granted: wait for its fate.
+                if exc.kind != "connect_refused" or not await self.lease.slot.process_fate():
+                    raise
+                self.upstream = upstream = await self._opening(call)
+        else:
+            self.upstream = upstream = await self._open_or_hand_on(self._opening(call))
+        self.info.upstream_status(upstream.status)
+        return upstream
+
+    def _opening(self, call: Call) -> Awaitable[aiohttp.ClientResponse]:
+        assert self.lease is not None, "open under the lease only"
         headers = request_headers(self.request.headers, self.route.slot)
         if call.json_body:
             headers[hdrs.CONTENT_TYPE] = "application/json"
-        opening = self.dispatch.upstreams.open(
+        return self.dispatch.upstreams.open(
             self.route.slot, self.timeouts, method=call.method, path=call.path,
             params=call.params, headers=headers, body=call.body,
             guarded=self.stream and guard_active(self.timeouts), whole=not self.stream,
             slot_reason=self.lease.slot.reason,
         )
-        if not self.hands_on:
-            self.upstream = upstream = await opening
-        else:
-            self.upstream = upstream = await self._open_or_hand_on(opening)
-        self.info.upstream_status(upstream.status)
-        return upstream
 
     async def _open_or_hand_on(self, opening: Awaitable[aiohttp.ClientResponse]
                                ) -> aiohttp.ClientResponse:
@@ -380,12 +389,18 @@ class Forward:
     async def anthropic_mode(self) -> str:
         """How the slot serves the Anthropic API (modes.py), asked of its upstream once, under
         the lease."""
-        return await self.dispatch.anthropic_modes.mode(self.dispatch.upstreams, self.route.slot)
+        return await self.dispatch.anthropic_modes.mode(self.dispatch.upstreams, self.route.slot,
+                                                        self._generation())
 
     async def responses_mode(self) -> str:
         """How the slot serves the Responses API (native or translated), asked of its upstream
         once, under the lease."""
-        return await self.dispatch.responses_modes.mode(self.dispatch.upstreams, self.route.slot)
+        return await self.dispatch.responses_modes.mode(self.dispatch.upstreams, self.route.slot,
+                                                        self._generation())
+
+    def _generation(self) -> int:
+        """Which run of the slot's process the lease is on (the modes are asked per run)."""
+        return self.lease.slot.generation if self.lease is not None else 0
 
 
 def release_upstream(upstream: aiohttp.ClientResponse) -> None:

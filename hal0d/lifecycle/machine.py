@@ -29,12 +29,15 @@ The events and who tells them:
                   backoff; an on-demand one a request or the API wants)
     launch        the start's own task: the group's turn and room are had, the process launches
     answered      the start's own task: the new process answered its probe
-    start_failed  ... an `always` slot's process could not be brought up: retried after backoff
+    start_failed  ... an `always` slot's process could not be brought up, or the restart that
+                  leases in flight waited for (their connect refused as the process died):
+                  retried after backoff
     load_failed   ... an on-demand slot's load failed: its waiters fail, loads are refused for
                   the backoff
     probe_ok      the periodic probe (and a slot without a command's first probe)
     probe_failed  the same, failed
-    exited        the manager's watch: a process that was up exited on its own
+    exited        the manager's watch: a process that was up exited on its own (while it is
+                  wanted, the slot grants nothing until the restart answers: Slot.hold)
     unload        the API, the idle timer, an eviction, a reload
     replace       a reload that changed an `always` slot's process: it is `starting` from then
                   on (new requests wait for the new process) while the old one drains and stops
@@ -143,6 +146,9 @@ def _rules() -> dict[tuple[SlotState, Event], Rule]:
                                            "no room in the group: nothing was launched"),
         (_S.ERROR, _E.LOAD_FAILED): Rule(_S.STOPPED, (_A.REFUSE_LOADS,),
                                          "no room for the restart: nothing was launched"),
+        (_S.ERROR, _E.START_FAILED): Rule(_S.ERROR, (_A.RETRY_LATER,),
+                                          "no room for the restart that leases in flight wait "
+                                          "for: retried after the backoff"),
         (_S.OFFLINE, _E.PROBE_OK): Rule(UP, (), "first probe ok (no command)"),
         (_S.OFFLINE, _E.PROBE_FAILED): Rule(_S.ERROR, (), "first probe failed (no command)"),
         (_S.READY, _E.PROBE_OK): Rule(_S.READY, (), "still answering"),

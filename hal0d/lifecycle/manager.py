@@ -15,7 +15,10 @@ hal0d shuts down, the teller refuses every event but `shutdown` (a probe's late 
 
 A load that fails (the process exits, or does not answer within `load_timeout_s`, or the group has
 no room) fails every waiter at once with `slot.load_failed` naming the cause, and the next load is
-not tried before the backoff (requests meanwhile get the same 503 with Retry-After). An unload
+not tried before the backoff (requests meanwhile get the same 503 with Retry-After). A process
+that exits while it is wanted holds its slot (Slot.hold) until the restart answers: nothing is
+granted meanwhile, requests wait for the restart in the queue, and a request whose connect was
+refused in the instant before the exit was seen waits for it too (Slot.process_fate). An unload
 drains: the slot admits nothing new (`stopping`; its new requests queue and will load it again in
 their turn) and its in-flight requests run to their end before its process is stopped. No request
 is ever cut to make room. A reload is a config diff (ConfigDiff) handed to `apply`.
@@ -58,6 +61,10 @@ log = get_logger()
 
 PROBE_INTERVAL_S: Final = 10.0
 FORCED_RETRY_AFTER_S: Final = 5.0
+# How long a refused connect waits for its process's exit to be seen: the kernel closes a dying
+# process's sockets a moment before its parent learns of the exit. A process still running after
+# this refused on its own.
+EXIT_SEEN_S: Final = 2.0
 UP_STATES: Final = frozenset({SlotState.READY, SlotState.SERVING})
 
 
@@ -137,6 +144,7 @@ class LifecycleManager:
         slot.watchers.append(self._on_change)
         slot.count_watchers.append(self._on_counts)
         slot.demand = self._demand if config.on_demand else None
+        slot.exit_seen = self._exit_seen
         slot.turn_wait_s = self.groups.turn_wait_s(config)
         return runner
 
@@ -210,6 +218,18 @@ class LifecycleManager:
             return
         self.tell(runner, Event.START)
 
+    async def _exit_seen(self, slot: Slot) -> bool:
+        """A lease's connect to the slot was refused: True once its process is seen gone (at
+        once when it is gone or being started again), False when it still runs after
+        EXIT_SEEN_S."""
+        runner = self.runners.get(slot.name)
+        if runner is None or runner.slot is not slot or self._stopping:
+            return False
+        child = runner.child
+        if child is None or slot.state is SlotState.STARTING:
+            return True
+        return await child.exited_within(EXIT_SEEN_S)
+
     # -- the actions -------------------------------------------------------------------------
 
     def _bring_up(self, runner: Runner) -> None:
@@ -223,7 +243,7 @@ class LifecycleManager:
         """The start's own task (Runner.start): `launch` told once the group's turn is had,
         the outcome told as `answered`, `start_failed` or `load_failed`."""
         started = await runner.start(self.client, self.groups, self.tell_phase,
-                                     lambda what: self.tell(runner, Event.LAUNCH, what))
+                                     lambda what: self._launching(runner, what))
         if started is Started.WITHDRAWN:
             if runner.wanted():
                 self._start_if_resting(runner)  # a request came back in the same instant
@@ -231,13 +251,20 @@ class LifecycleManager:
             assert runner.child is not None
             runner.watch = self._spawn(self._watch(runner, runner.child))
             self.tell(runner, Event.ANSWERED)
-        elif runner.config.on_demand:
+        elif runner.config.on_demand and not runner.slot.in_flight:
             self.tell(runner, Event.LOAD_FAILED, f"load failed: {runner.cause}")
         else:
+            # An `always` slot's start, or the restart that requests in flight waited for (their
+            # connect was refused as the process died): retried after the backoff while wanted.
             # Before the state is ERROR (where leases are granted): nothing of ours listens.
             runner.slot.refuse_loads(runner.cause or "unknown", runner.retry_in_s)
             self.tell(runner, Event.START_FAILED,
                       f"{runner.cause}; retrying in {runner.retry_in_s:g} s")
+
+    def _launching(self, runner: Runner, what: str) -> None:
+        """The start's turn is had and its process launches: a new run of the slot's process."""
+        runner.slot.generation += 1
+        self.tell(runner, Event.LAUNCH, what)
 
     def _loaded(self, runner: Runner) -> None:
         runner.cause = None
@@ -269,8 +296,10 @@ class LifecycleManager:
             self.tell(runner, Event.EXITED, cause)
 
     def _recover(self, runner: Runner) -> None:
-        """After an exit: started again after the backoff when wanted, else at rest now."""
+        """After an exit: started again after the backoff when wanted (nothing granted until
+        then: its requests wait for the restart), else at rest now."""
         if runner.wanted():
+            runner.slot.hold(runner.slot.reason or "process exited")
             self._retry_later(runner)
         else:
             self.tell(runner, Event.REST, runner.slot.reason)
@@ -535,6 +564,7 @@ class LifecycleManager:
         if not after.command:  # now an upstream hal0d only probes
             del self.runners[runner.name]
             runner.slot.demand = None
+            runner.slot.exit_seen = None
             runner.slot.watchers.remove(self._on_change)
             runner.slot.count_watchers.remove(self._on_counts)
             runner.slot.turn_wait_s = 0.0

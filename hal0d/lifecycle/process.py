@@ -1,6 +1,12 @@
 """A slot's process: started in a process group of its own that dies with hal0d, its output
 logged line by line, stopped gracefully (SIGTERM to the group, SIGKILL after a grace).
 
+Its exit is the process's own, told by the loop's child watcher (`ExitWatch`), not the end of
+its output: a command such as `sh -c 'some-daemon & exec llama-server ...'` leaves the daemon
+holding the output pipe after the server exits, and asyncio's own `Process.wait()` (up to
+Python 3.11) waits for that pipe to close too. The output is read on by itself until whoever
+holds it lets go.
+
 Every slot with a command runs it through `Child`, started and stopped by the lifecycle manager
 (manager.py) through the slot's runner (runner.py), `always` and `on_demand` slots alike.
 """
@@ -19,6 +25,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 from hal0d.logs import get_logger
 from hal0d.transport import descriptors
@@ -27,6 +34,10 @@ log = get_logger()
 
 STOP_GRACE_S = 10.0
 OUTPUT_BLOCK = 65536
+# After the exit, how long the output may take to reach its end (the lines the process wrote last
+# are still in the pipe): past it, something the process started holds the pipe open, and the
+# output is read on by itself.
+OUTPUT_AFTER_EXIT_S = 0.5
 MAX_LOGGED_LINE = 16384  # a longer line is logged cut, with the count of what was left out
 # What a failed load's reason shows of the process's last output: these many lines, each cut.
 SUMMARY_LINES = 3
@@ -125,14 +136,38 @@ class LaunchFailed(Exception):
     """The command could not be started at all (a missing program, a refused exec)."""
 
 
+class ExitWatch(asyncio.subprocess.SubprocessStreamProtocol):
+    """asyncio's own protocol for a process with pipes, which also resolves `exited` with the
+    exit code as soon as the child watcher sees the exit, whether or not its pipes are closed."""
+
+    def __init__(self, exited: asyncio.Future[int], limit: int,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit=limit, loop=loop)
+        self.exited = exited
+        self.transport: asyncio.SubprocessTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transport is a SubprocessTransport by its methods, not by its class.
+        self.transport = cast(asyncio.SubprocessTransport, transport)
+        super().connection_made(transport)
+
+    def process_exited(self) -> None:
+        code = self.transport.get_returncode() if self.transport is not None else None
+        if not self.exited.done() and code is not None:
+            self.exited.set_result(code)
+        super().process_exited()
+
+
 class Child:
     """One run of a slot's command."""
 
-    def __init__(self, slot: str, argv: list[str], process: asyncio.subprocess.Process) -> None:
+    def __init__(self, slot: str, argv: list[str], process: asyncio.subprocess.Process,
+                 exited: asyncio.Future[int]) -> None:
         self.slot = slot
         self.argv = argv
         self.process = process
         self.pid = process.pid
+        self._exited = exited
         # The last lines it printed: a failed load names them (exit_summary).
         self.last_lines: collections.deque[str] = collections.deque(maxlen=SUMMARY_LINES)
         self._output = asyncio.create_task(self._log_output())
@@ -140,8 +175,12 @@ class Child:
     @classmethod
     async def start(cls, slot: str, command: tuple[str, ...]) -> Child:
         argv = resolve_program(command)
+        loop = asyncio.get_running_loop()
+        exited: asyncio.Future[int] = loop.create_future()
         try:
-            process = await asyncio.create_subprocess_exec(
+            # asyncio.create_subprocess_exec, with the protocol that tells the exit itself.
+            transport, protocol = await loop.subprocess_exec(
+                lambda: ExitWatch(exited, OUTPUT_BLOCK, loop),
                 *argv,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
@@ -153,18 +192,25 @@ class Child:
             reason = f"cannot start {argv[0]!r}: {getattr(exc, 'strerror', None) or exc}"
             log.error("slot.process_failed", slot=slot, argv=argv, error=str(exc), reason=reason)
             raise LaunchFailed(reason) from None
+        process = asyncio.subprocess.Process(transport, protocol, loop)
         log.info("slot.process_started", slot=slot, pid=process.pid, argv=argv)
-        return cls(slot, argv, process)
+        return cls(slot, argv, process, exited)
 
     @property
     def returncode(self) -> int | None:
         return self.process.returncode
 
     async def wait(self) -> int:
-        """The exit code, once the process is gone and its last output is logged."""
-        code = await self.process.wait()
-        await asyncio.gather(self._output, return_exceptions=True)
+        """The exit code, once the process is gone and the output it wrote is logged (the
+        output that something it started still writes is logged on as it comes)."""
+        code = await asyncio.shield(self._exited)
+        await asyncio.wait({self._output}, timeout=OUTPUT_AFTER_EXIT_S)
         return code
+
+    async def exited_within(self, timeout_s: float) -> bool:
+        """Whether the process is seen to exit within `timeout_s`."""
+        done, _ = await asyncio.wait({self._exited}, timeout=timeout_s)
+        return bool(done)
 
     @property
     def last_line(self) -> str | None:
@@ -186,10 +232,10 @@ class Child:
             try:
                 os.killpg(self.pid, signal.SIGTERM)
                 async with asyncio.timeout(grace_s):
-                    await self.process.wait()
+                    await asyncio.shield(self._exited)
             except TimeoutError:
                 self.kill()
-                await self.process.wait()
+                await asyncio.shield(self._exited)
             except ProcessLookupError:
                 pass
         code = await self.wait()

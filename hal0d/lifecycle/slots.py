@@ -18,15 +18,21 @@ Semantics worth knowing:
 * READY means in_flight == 0 and SERVING means in_flight > 0 (machine.UP).
 * Leases are granted in READY, SERVING and ERROR. ERROR is still tried because the probe may be
   stale; a lease granted in ERROR leaves the state alone, and releasing the last one leaves it
-  in ERROR. Not so after a failed start (``load_refused`` set in ERROR): no process of hal0d's
-  listens there, and whatever else does must not answer for the slot. Releasing the last
-  lease in STARTING, STOPPING or OFFLINE leaves those alone too.
+  in ERROR. Not so after a failed start or an exit (``load_refused`` set in ERROR, ``hold``):
+  no process of hal0d's listens there until its restart answers, and whatever else does must
+  not answer for the slot; requests wait in the queue for the restart meanwhile. Releasing the
+  last lease in STARTING, STOPPING or OFFLINE leaves those alone too.
+* A request that holds a lease and whose connect is refused may have been granted in the
+  instant between its process's death and the lifecycle seeing the exit (the kernel closes a
+  dead process's sockets before its parent learns of the exit): ``process_fate()`` has it wait
+  for the restart, as a queued request waits, instead of failing.
 * In STARTING, STOPPED and STOPPING, callers wait in the same queue and go, in their turns, once
   the slot is READY (or ERROR). A waiter that finds the slot STOPPED asks for a load (``demand``,
   set by the manager on an on-demand slot); while such a slot loads, a wait is bounded by
   ``load_timeout_s`` when that is longer than ``queue_timeout_s``, plus ``turn_wait_s`` (set by the
   manager in a group whose loads wait for a model's turn). A waiter still waiting when its bound
-  runs out gets ``SlotLoading`` (503) if the slot is still loading, else ``QueueFull`` (429). A
+  runs out gets ``SlotLoading`` (503) if the slot is still loading (or waits for its process to
+  start again), else ``QueueFull`` (429). A
   full queue answers the same way: ``SlotLoading`` while loading -- the honest reason -- else
   ``QueueFull``. A failed load fails every waiter at once with ``SlotLoadFailed``
   (``refuse_loads``) and refuses new requests the same way until its backoff has passed.
@@ -45,10 +51,9 @@ Semantics worth knowing:
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, Protocol
@@ -57,6 +62,7 @@ import structlog
 
 from hal0d.errors import Hal0Error, QueueFull, SlotLoadFailed, SlotLoading
 from hal0d.lifecycle.machine import Event, Rule, SlotState, step
+from hal0d.lifecycle.turns import ANONYMOUS, ClientQueue
 
 # Retry-After hints: a queue usually moves within a couple of seconds, a model load takes longer.
 QUEUE_RETRY_AFTER_S: Final = 2.0
@@ -66,6 +72,9 @@ log = structlog.get_logger(__name__)
 
 
 _GRANTABLE: Final = frozenset({SlotState.READY, SlotState.SERVING, SlotState.ERROR})
+_UP: Final = frozenset({SlotState.READY, SlotState.SERVING})
+# The states a lease waiting for its process's fate learns that it will not be up again from.
+_DOWN: Final = frozenset({SlotState.STOPPED, SlotState.STOPPING, SlotState.OFFLINE})
 # The states in which a request waits for a model to be (re)loaded rather than for capacity.
 LOADING: Final = frozenset({SlotState.STOPPED, SlotState.STARTING, SlotState.STOPPING})
 # The states in which a failed start or load refuses requests until its backoff has passed.
@@ -103,78 +112,6 @@ class Lease:
     turn_ms: float = 0.0  # of load_ms, the wait for the model's turn in its group (a swap's)
 
 
-ANONYMOUS: Final = ""  # the client of every request that names none
-
-
-@dataclass(eq=False, slots=True)
-class _Waiter:
-    fut: asyncio.Future[None]
-    client: str
-    since: float  # monotonic
-
-
-class ClientQueue:
-    """The waiters of one slot, by client: the next to go is the head of the client whose turn it
-    is (round robin; a client with nothing queued has no turn), so a burst of one client and
-    the single request of another alternate. Within one client, arrival order.
-
-    Bounded by its slot (``max_queue``); every operation is O(clients) or O(one client's queue).
-    """
-
-    __slots__ = ("_by_client", "_count", "_index", "_turns")
-
-    def __init__(self) -> None:
-        self._by_client: dict[str, collections.deque[_Waiter]] = {}
-        self._turns: collections.deque[str] = collections.deque()  # clients with waiters
-        self._index: dict[asyncio.Future[None], _Waiter] = {}
-        self._count = 0
-
-    def __len__(self) -> int:
-        return self._count
-
-    def __bool__(self) -> bool:
-        return self._count > 0
-
-    def append(self, fut: asyncio.Future[None], client: str) -> None:
-        waiter = _Waiter(fut, client, time.monotonic())
-        queue = self._by_client.get(client)
-        if queue is None:
-            queue = self._by_client[client] = collections.deque()
-            self._turns.append(client)
-        queue.append(waiter)
-        self._index[fut] = waiter
-        self._count += 1
-
-    def popleft(self) -> asyncio.Future[None]:
-        """The next waiter in turn (IndexError when empty); its client goes to the back."""
-        client = self._turns.popleft()
-        queue = self._by_client[client]
-        waiter = queue.popleft()
-        if queue:
-            self._turns.append(client)
-        else:
-            del self._by_client[client]
-        del self._index[waiter.fut]
-        self._count -= 1
-        return waiter.fut
-
-    def remove(self, fut: asyncio.Future[None]) -> None:
-        """ValueError when `fut` is not queued."""
-        waiter = self._index.pop(fut, None)
-        if waiter is None:
-            raise ValueError("not queued")
-        queue = self._by_client[waiter.client]
-        queue.remove(waiter)
-        self._count -= 1
-        if not queue:
-            del self._by_client[waiter.client]
-            self._turns.remove(waiter.client)
-
-    def oldest_since(self) -> float | None:
-        """When the longest-waiting request came (monotonic), or None with nobody waiting."""
-        return min((queue[0].since for queue in self._by_client.values()), default=None)
-
-
 class Slot:
     def __init__(
         self,
@@ -194,8 +131,17 @@ class Slot:
         # Set by the lifecycle manager on an on-demand slot: told when a request finds it
         # stopped, so that it loads the slot.
         self.demand: Callable[[Slot], None] | None = None
-        # After a failed load: (monotonic time before which no new load is tried, its cause).
+        # After a failed load: (monotonic time before which no new load is tried, its cause);
+        # after an exit (hold), the same with no such time. While it is set, a slot in ERROR
+        # grants nothing: no process of hal0d's listens there. Cleared once a start answers.
         self.load_refused: tuple[float, str] | None = None
+        # Set by the lifecycle manager on a slot whose process it runs: returns True once that
+        # process's exit is seen (its restart is the slot's to wait for), False when it still
+        # runs (a refused connect is then the upstream's own answer).
+        self.exit_seen: Callable[[Slot], Awaitable[bool]] | None = None
+        # Which run of the slot's process it serves: one more each time the lifecycle launches
+        # one, so that what was learnt of an earlier process (modes.py) is asked anew.
+        self.generation = 0
         # Told when in_flight or queued changed (the event feed coalesces these).
         self.on_counts: Callable[[Slot], None] | None = None
         # Further listeners of the counts (the lifecycle manager: a swap waits on them).
@@ -208,6 +154,9 @@ class Slot:
         self.turn_began: float | None = None
         self.last_turn: tuple[float, float] | None = None
         self._drained: list[asyncio.Future[None]] = []
+        # The leases whose connect was refused, waiting for their process's fate: resolved True
+        # when the slot is up again, False when its start failed or it goes down.
+        self._fates: list[asyncio.Future[bool]] = []
         # Only pending futures; a future leaves the queue before it is resolved, except a
         # cancelled one, which lingers until its task runs or the pump skips it.
         self._waiters = ClientQueue()
@@ -248,6 +197,8 @@ class Slot:
         the caller's to carry out."""
         old = self.state
         new, rule = step(self.name, old, event, self.in_flight)
+        if self._fates:
+            self._tell_fates(old, new, event)
         if new is old:
             if reason is not None:
                 self.reason = reason
@@ -278,8 +229,69 @@ class Slot:
         self.load_refused = (time.monotonic() + retry_after_s, cause)
         self.fail_waiters(SlotLoadFailed(self._load_failure(cause), retry_after=retry_after_s))
 
+    def hold(self, cause: str) -> None:
+        """Its process exited and is started again: nothing is granted until the new one answers
+        (nothing listens there meanwhile, and another program that took the port must not
+        answer for the slot), and requests wait in the queue for it."""
+        self.load_refused = (time.monotonic(), cause)
+
+    def _held(self) -> bool:
+        return self.state is SlotState.ERROR and self.load_refused is not None
+
     def _load_failure(self, cause: str) -> str:
         return f"slot {self.name!r} could not load its model: {cause}"
+
+    # -- a lease whose connect was refused ---------------------------------------------------
+
+    async def process_fate(self) -> bool:
+        """Called under a lease whose connect to the upstream was refused. For a slot whose
+        process hal0d runs, that process may have died just now: the request waits for its fate
+        within the bound a request queued now would have, and True says the slot is up again
+        (send once more); SlotLoadFailed or SlotLoading (503 with Retry-After) when its restart
+        failed, it was unloaded or replaced, or it was not up again in time. False at once for
+        a slot without a process of hal0d's, and after a short grace when the process still
+        runs: the refusal is then the upstream's own answer."""
+        if self.exit_seen is None:
+            return False
+        fate: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._fates.append(fate)
+        try:
+            if not await self.exit_seen(self):
+                return False
+            bound_s = self._wait_bound(loading=True)
+            try:
+                async with asyncio.timeout(bound_s):
+                    up = await fate
+            except TimeoutError:
+                raise SlotLoading(
+                    f"slot {self.name!r}: its process exited and was not up again within "
+                    f"{bound_s:g}s", retry_after=LOADING_RETRY_AFTER_S) from None
+        finally:
+            with contextlib.suppress(ValueError):
+                self._fates.remove(fate)
+        if up:
+            return True
+        if self.load_refused is not None and (left := self.load_refused[0] - time.monotonic()) > 0:
+            raise SlotLoadFailed(self._load_failure(self.load_refused[1]), retry_after=left)
+        raise SlotLoading(f"slot {self.name!r} lost its process and is {self.state} now",
+                          retry_after=LOADING_RETRY_AFTER_S)
+
+    def _tell_fates(self, old: SlotState, new: SlotState, event: Event) -> None:
+        """The process's fate, to the leases waiting for it (told before the step is taken, a
+        step into the same state too): up again once a start answers; not when the start failed
+        (error from starting), or the slot goes down, is unloaded or replaced (that drain waits
+        for these leases)."""
+        if new in _UP and old not in _UP:
+            up = True
+        elif (new in _DOWN or event in (Event.REPLACE, Event.UNLOAD)
+              or (new is SlotState.ERROR and old is SlotState.STARTING)):
+            up = False
+        else:
+            return  # the exit itself, the relaunch: the fate is still to come
+        fates, self._fates = self._fates, []
+        for fate in fates:
+            if not fate.done():
+                fate.set_result(up)
 
     def fail_waiters(self, error: Hal0Error) -> None:
         """Every queued request gets `error` (a forced unload)."""
@@ -307,7 +319,7 @@ class Slot:
 
     def _can_grant(self) -> bool:
         return (self.state in _GRANTABLE and self.in_flight < self.config.max_concurrent
-                and not (self.state is SlotState.ERROR and self.load_refused is not None))
+                and not self._held())
 
     def _counts(self) -> None:
         if self.on_counts is not None:
@@ -354,7 +366,19 @@ class Slot:
                 f"slot {self.name!r} is still loading ({self.state}): {what}",
                 retry_after=LOADING_RETRY_AFTER_S,
             )
+        if self._held():
+            return SlotLoading(
+                f"slot {self.name!r} waits for its process to start again ({self.reason}): "
+                f"{what}", retry_after=LOADING_RETRY_AFTER_S)
         return QueueFull(f"slot {self.name!r}: {what}", retry_after=QUEUE_RETRY_AFTER_S)
+
+    def _wait_bound(self, *, loading: bool) -> float:
+        """How long a request may wait for the slot: its queue_timeout_s, and for an on-demand
+        slot that loads, the load's time and its turn in the group when longer."""
+        timeout_s = self.config.queue_timeout_s
+        if loading and self.demand is not None:
+            timeout_s = max(timeout_s, self.config.load_timeout_s) + self.turn_wait_s
+        return timeout_s
 
     def _offline(self) -> SlotLoading:
         return SlotLoading(f"slot {self.name!r} is offline", retry_after=LOADING_RETRY_AFTER_S)
@@ -382,12 +406,11 @@ class Slot:
         # Normally a no-op (units are handed over on release); it only matters if cancelled
         # futures still linger at the head while a unit is free, which must not strand us.
         self._pump()
-        timeout_s = self.config.queue_timeout_s
-        if self.state in LOADING and self.demand is not None:
-            # An on-demand slot: the request waits for the load it asks for (or joins).
-            timeout_s = max(timeout_s, self.config.load_timeout_s) + self.turn_wait_s
-            if self.state is SlotState.STOPPED:
-                self.demand(self)
+        # An on-demand slot that loads (or waits for its restart): the request waits for the
+        # load it asks for, or joins.
+        timeout_s = self._wait_bound(loading=self.state in LOADING or self._held())
+        if self.state is SlotState.STOPPED and self.demand is not None:
+            self.demand(self)
         timer = loop.call_later(timeout_s, self._expire, fut, timeout_s)
         try:
             await fut

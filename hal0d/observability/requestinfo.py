@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from hal0d.errors import upstream_status
-from hal0d.lifecycle.slots import ANONYMOUS
+from hal0d.lifecycle.turns import ANONYMOUS
 
 
 @dataclass(slots=True)
