@@ -3,7 +3,7 @@ slot of the plan, from the lease to the record.
 
     Dispatch.serve(request, model, exchange)
       for each slot of the plan:              the model's plan (NoRoute 404) that the key may
-                                              take (Forward 403), in order (prefer_loaded: warm
+                                              take (Forbidden 403), in order (prefer_loaded: warm
                                               slots first)
         Forward.run(exchange)
           exchange.prepare(route)             the surface's checks for this slot, before a wait
