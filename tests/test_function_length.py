@@ -38,3 +38,12 @@ def test_a_long_function_is_found_unless_its_def_line_says_why(tmp_path: Path) -
     assert long_functions(sample, tmp_path) == [f"sample.py:5 long ({MAX_LINES + 1} lines)"]
     sample.write_text(f"async def long():  # long: a table of cases\n{body}")
     assert long_functions(sample, tmp_path) == []
+
+
+MAX_MODULE_LINES = 600  # past this a module holds more than one reader can keep in mind
+
+
+def test_no_module_is_longer_than_a_reader_can_hold() -> None:
+    long = {str(path.relative_to(PACKAGE)): count for path in sorted(PACKAGE.rglob("*.py"))
+            if (count := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}, long

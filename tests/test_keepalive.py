@@ -157,6 +157,14 @@ async def test_a_route_hands_on_after_keepalives_and_the_client_gets_the_second_
     async with http.get(hal0d.make_url("/api/requests?limit=1")) as resp:
         [row] = (await resp.json())["requests"]
     assert (row["slot"], row["failover"]) == ("two", "one=first_byte_timeout")
+    # What the client read: keepalives while the first slot sat silent, then the second slot's
+    # answer alone (the stub's), nothing of the first.
+    async with http.post(hal0d.make_url("/v1/chat/completions"),
+                         json=chat_body("qwen")) as resp:
+        body = await resp.read()
+    head, _, answer = body.partition(b"data: ")
+    assert head.startswith(b": hal0d: ") and head.count(b": hal0d: ") >= 2, body[:200]
+    assert b"Hello!" in answer and answer.rstrip().endswith(b"data: [DONE]")
 
 
 async def test_a_request_queued_behind_a_busy_slot_is_kept_alive_and_says_so(
@@ -271,3 +279,49 @@ async def test_an_upstream_silent_before_its_first_token_is_kept_alive_in_the_re
     text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream
                     if chunk.choices])
     assert text == "Hello there"
+
+
+async def test_a_queue_a_forced_unload_clears_after_the_head_ends_in_an_error_the_sdk_raises(
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    hal0d = await slow_loading(start_hal0d, tmp_path)
+
+    async def streamed() -> None:
+        stream = await sdk(hal0d).chat.completions.create(
+            model="chat", messages=[{"role": "user", "content": "hi"}], stream=True)
+        async for _ in stream:
+            pass
+
+    waiting = asyncio.create_task(streamed())
+    await asyncio.sleep(KEEPALIVE_S * 3)  # its head and keepalives are out; the load goes on
+    assert not waiting.done()
+    async with http.post(hal0d.make_url("/api/slots/a/unload?force=true")) as resp:
+        assert resp.status == 200, await resp.text()
+    with pytest.raises(openai.APIError) as raised:
+        await waiting
+    # An error event in the stream (the head was out), not a status.
+    assert not isinstance(raised.value, openai.APIStatusError), raised.value
+    assert "unloaded" in str(raised.value), raised.value
+
+
+async def test_an_upstream_that_breaks_after_the_head_ends_in_an_error_the_sdk_raises(
+    start_hal0d: ServerFactory, upstream_app: Any, tmp_path: Path
+) -> None:
+    """The upstream takes the request, says nothing while keepalives go out, then drops the
+    connection before its head: the client's stream ends in the error event, not cut."""
+    async def drops(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(1.0)
+        assert request.transport is not None
+        request.transport.abort()
+        return web.Response()
+
+    upstream = await upstream_app({"POST /v1/chat/completions": drops})
+    slot = SlotConfig(name="llm", upstream=upstream, models=("chat",))
+    hal0d = await start_hal0d(upstream, config=config(tmp_path, slot))
+    with pytest.raises(openai.APIError) as raised:
+        stream = await sdk(hal0d).chat.completions.create(
+            model="chat", messages=[{"role": "user", "content": "hi"}], stream=True)
+        async for _ in stream:
+            pass
+    assert not isinstance(raised.value, openai.APIStatusError), raised.value
+    assert "llm" in str(raised.value), raised.value

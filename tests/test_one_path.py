@@ -110,3 +110,44 @@ def test_no_handler_touches_an_upstream_response() -> None:
     assert touching == {}, touching
     tree = ast.parse("import aiohttp\ndef f(r: aiohttp.ClientResponse):\n    fwd.open()\n")
     assert sorted({line for word in UPSTREAM_NAMES for line in names(tree, word)}) == [2, 3]
+
+
+def test_the_translating_transforms_fill_in_one_skeleton() -> None:
+    """The Anthropic, Ollama and Responses translators are the one skeleton's subclasses: the
+    decoder, the feed loop, the failure mapping and the ending are written once."""
+    from hal0d.anthropic.transform import AnthropicTransform
+    from hal0d.ollama.transform import OllamaTransform
+    from hal0d.openai.responses_bridge import BridgeTransform
+    from hal0d.protocol.translating import Translating
+
+    for transform in (AnthropicTransform, OllamaTransform, BridgeTransform):
+        assert issubclass(transform, Translating), transform
+        assert "feed" not in vars(transform) and "end" not in vars(transform), transform
+
+
+def test_one_sse_reader_splits_the_lines_of_every_stream_hal0d_reads() -> None:
+    """The feed reader of the command line and the metrics tap read SSE with protocol/sse.py;
+    no other module that reads `data:` lines splits a stream's lines itself (a process's log
+    output, which names no `data:`, is split where it is read)."""
+    def reads_sse(tree: ast.Module) -> bool:
+        return any(isinstance(node, ast.Constant) and isinstance(node.value, str | bytes)
+                   and node.value[:5] in ("data:", b"data:") for node in ast.walk(tree))
+
+    splitting = {name: lines for name, tree in modules().items()
+                 if name != "hal0d/protocol/sse.py" and reads_sse(tree)
+                 and (lines := line_splits(tree))}
+    assert splitting == {}, splitting
+    old_tap = "for line in chunk.split(b'\\n'):\n    if line.startswith(b'data:'): pass\n"
+    old_client = "for raw in iter(response.readline, b''):\n    raw.startswith(b'data:')\n"
+    assert line_splits(ast.parse(old_tap)) == [1] and line_splits(ast.parse(old_client)) == [1]
+
+
+def line_splits(tree: ast.AST) -> list[int]:
+    """Lines that split a stream at LF themselves: `.split(b"\\n")` and the like, or a
+    `readline` (which ends a line at LF only)."""
+    return sorted({node.lineno for node in ast.walk(tree)
+                   if (isinstance(node, ast.Attribute) and node.attr == "readline")
+                   or (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                       and node.func.attr in ("split", "splitlines")
+                       and any(isinstance(arg, ast.Constant)
+                               and arg.value in (b"\n", "\n", b"\r\n") for arg in node.args))})
