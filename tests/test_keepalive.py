@@ -191,6 +191,11 @@ async def test_a_request_queued_behind_a_busy_slot_is_kept_alive_and_says_so(
     assert first_at < KEEPALIVE_S + 1.0, first_at
     assert body.startswith(b": hal0d: queued for llm, 1 waiting"), body[:80]
     assert b"Hello!" in body and body.rstrip().endswith(b"data: [DONE]")
+    async with http.get(hal0d.make_url("/metrics")) as resp:
+        metrics = await resp.text()
+    counted = [line for line in metrics.splitlines()
+               if line.startswith('hal0d_keepalives_total{surface="openai"}')]
+    assert counted and float(counted[0].split()[-1]) == body.count(b": hal0d: "), counted
 
 
 async def test_an_anthropic_sdk_stream_through_a_load_gets_message_start_then_pings(
