@@ -17,6 +17,8 @@ from aiohttp import web
 from hal0d import appkeys
 from hal0d.appkeys import DISPATCH, EVENTS, HEADS, LIFECYCLE, RECORDER, RUNTIME, SLOTS, VIEWS
 from hal0d.config import SlotConfig
+from hal0d.config.cache_dir import cache_root
+from hal0d.conversations import Affinity
 from hal0d.forward import Dispatch
 from hal0d.forward.modes import AnthropicModes, ResponsesModes
 from hal0d.lifecycle.manager import LifecycleManager
@@ -66,14 +68,16 @@ async def dispatch_context(app: web.Application) -> AsyncIterator[None]:
     app[SLOTS] = table
     recorder = app[RECORDER]  # recorder_context runs first (make_app's order)
     remote = RemoteModels(upstreams)
+    affinity = Affinity()
     dispatch = Dispatch(runtime=app[RUNTIME], slots=table, upstreams=upstreams,
                         tokens=TokenCounter(upstreams), anthropic_modes=AnthropicModes(),
                         responses_modes=ResponsesModes(), streams=set(),
                         on_failover=recorder.prom.failover, on_keepalive=recorder.prom.keepalive,
-                        remote=remote)
+                        remote=remote, affinity=affinity)
     app[DISPATCH] = dispatch
     lifecycle = LifecycleManager(table, config.slots, upstreams, groups=config.groups,
-                                 end_streams=dispatch.end_streams)
+                                 end_streams=dispatch.end_streams, warmth=affinity,
+                                 cache_root=cache_root(config.database_path()))
     lifecycle.observers.append(recorder.prom.lifecycle)
     app[LIFECYCLE] = lifecycle
     views = SlotViews(lifecycle.slot_view)

@@ -9,7 +9,11 @@ counts too, as a real server's does), the Responses API (/v1/responses, streamed
 kept for GET and DELETE), and, made with `anthropic_native` (`hal0d stub --anthropic-native`),
 the Anthropic Messages API natively. Chat completions stream SSE the way llama-server does (a
 role-only first chunk, one chunk per token, a final chunk with finish_reason, a usage chunk when
-`stream_options.include_usage` is set, `data: [DONE]`).
+`stream_options.include_usage` is set, `timings` on the last chunk, `data: [DONE]`). Both
+completions run on llama-server's server slots and their prompt cache (slots.py: `--parallel`,
+`id_slot`, `cache_prompt`, `timings`, `usage.prompt_tokens_details.cached_tokens`, a prefill paced
+by the uncached tokens), with its GET /slots and POST /slots/{id}?action=save|restore|erase
+(slot_api.py).
 
 It misbehaves on demand through the model name, on every endpoint, streamed or not:
 
@@ -33,7 +37,9 @@ name. Every error is JSON in OpenAI's envelope, unknown paths and oversized bodi
 
 Each request appends lines to --log: `start`, then `end` or `cancelled` (the client went away
 before the answer was complete), with `stalling` or `breaking` in between when the model asks for
-it: the tests and the README's commands read them.
+it, and `slot-select` (the server slot a completion took, why, its cache_n and prompt_n); each
+slot action one line (`slot-save`, `slot-restore`, `slot-erase`): the tests and the README's
+commands read them.
 """
 
 from __future__ import annotations
@@ -53,6 +59,9 @@ from typing import Any
 
 import orjson
 from aiohttp import hdrs, web
+
+from hal0d_stub.slot_api import SlotApi
+from hal0d_stub.slots import ServerSlots, SlotOptions, Turn, token_ids
 
 MODELS = ("reasoning", "chat", "think-only", "tool", "stall", "chatty", "broken", "shell")
 REASONING_TEXT = "The user greets me. A short friendly answer fits best here."
@@ -87,6 +96,8 @@ class StubLog:
 
 LOG_KEY = web.AppKey("stub_log", StubLog)
 DELAY_KEY = web.AppKey("stub_delay", float)
+SLOTS_KEY = web.AppKey("stub_slots", ServerSlots)
+SYSTEM_FINGERPRINT = "hal0d-stub"  # where llama-server names its build
 
 
 def words(text: str) -> list[str]:
@@ -162,12 +173,18 @@ def count_tokens(text: str, *, add_special: bool) -> int:
     return len(text.split()) + (1 if add_special else 0)
 
 
-def prompt_tokens(body: dict[str, Any]) -> int:
-    """What a completion reports as usage.prompt_tokens: the templated prompt (a chat request) or
-    the prompt as given (a legacy completion), tokenized as the completion does, BOS included."""
+def prompt_text(body: dict[str, Any]) -> str:
+    """What a completion reads: the templated prompt (a chat request) or the prompt as given (a
+    legacy completion)."""
     if isinstance(body.get("messages"), list):
-        return count_tokens(apply_template(body), add_special=True)
-    return count_tokens(str(body.get("prompt", "")), add_special=True)
+        return apply_template(body)
+    return str(body.get("prompt", ""))
+
+
+def prompt_tokens(body: dict[str, Any]) -> int:
+    """What a completion reports as usage.prompt_tokens: its prompt tokenized as the completion
+    does, BOS included."""
+    return count_tokens(prompt_text(body), add_special=True)
 
 
 def plan(model: str, body: dict[str, Any]) -> Iterator[tuple[str, str]]:
@@ -187,12 +204,13 @@ def plan(model: str, body: dict[str, Any]) -> Iterator[tuple[str, str]]:
 
 
 class Generation:
-    """One answer: tokens, limits, and the chunk envelope."""
+    """One answer: tokens, limits, the chunk envelope, and its turn on a server slot."""
 
-    def __init__(self, model: str, body: dict[str, Any], object_name: str) -> None:
+    def __init__(self, model: str, body: dict[str, Any], object_name: str, turn: Turn) -> None:
         self.model = model
         self.body = body
         self.object = object_name
+        self.turn = turn
         prefix = "chatcmpl" if object_name.startswith("chat") else "cmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
@@ -202,24 +220,34 @@ class Generation:
         )
         self.completion_tokens = 0
 
+    def count(self, piece: str) -> None:
+        """One more generated token."""
+        self.completion_tokens += 1
+        self.turn.generated(piece)
+
     def chunk(self, choice: dict[str, Any], **extra: Any) -> bytes:
         payload = {
             "id": self.id,
             "object": self.object,
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": [choice] if choice else [],
             **extra,
         }
         return b"data: " + orjson.dumps(payload) + b"\n\n"
 
-    def usage(self) -> dict[str, int]:
-        prompt = prompt_tokens(self.body)
+    def usage(self) -> dict[str, Any]:
+        prompt = len(self.turn.prompt)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": self.completion_tokens,
             "total_tokens": prompt + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.turn.cache_n},
         }
+
+    def timings(self) -> dict[str, int | float]:
+        return self.turn.timings(self.completion_tokens)
 
 
 async def _pause(delay: float) -> None:
@@ -253,6 +281,7 @@ async def stream_tokens(request: web.Request, gen: Generation, legacy: bool) -> 
     delay = request.app[DELAY_KEY]
     response = sse_response()
     await response.prepare(request)
+    await gen.turn.prefill()  # llama-server sends the head first, then reads the prompt
     if not legacy:
         await response.write(
             gen.chunk({"index": 0, "delta": {"role": "assistant", "content": None},
@@ -272,7 +301,7 @@ async def stream_tokens(request: web.Request, gen: Generation, legacy: bool) -> 
                 finish = "length"
                 break
             await _pause(delay)
-            gen.completion_tokens += 1
+            gen.count(text)
             choice: dict[str, Any] = (
                 {"index": 0, "text": text, "finish_reason": None} if legacy
                 else {"index": 0, "delta": {kind: text}, "finish_reason": None}
@@ -284,14 +313,19 @@ async def stream_tokens(request: web.Request, gen: Generation, legacy: bool) -> 
                 and await misbehave_mid_stream(request, gen.model, f"id={gen.id}")
             ):
                 return response
-    last: dict[str, Any] = (
-        {"index": 0, "text": "", "finish_reason": finish} if legacy
-        else {"index": 0, "delta": {}, "finish_reason": finish}
-    )
-    await response.write(gen.chunk(last, timings={"predicted_n": gen.completion_tokens}))
     options = body.get("stream_options")
-    if isinstance(options, dict) and options.get("include_usage"):
-        await response.write(gen.chunk({}, usage=gen.usage()))
+    with_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+    if legacy:
+        # llama-server ends a text completion stream with one chunk: finish_reason, usage and
+        # timings, include_usage or not.
+        last = {"index": 0, "text": "", "finish_reason": finish}
+        await response.write(gen.chunk(last, usage=gen.usage(), timings=gen.timings()))
+    else:
+        # timings go on the stream's last chunk: the usage chunk when there is one.
+        last = {"index": 0, "delta": {}, "finish_reason": finish}
+        await response.write(gen.chunk(last, **({} if with_usage else {"timings": gen.timings()})))
+        if with_usage:
+            await response.write(gen.chunk({}, usage=gen.usage(), timings=gen.timings()))
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
@@ -355,7 +389,7 @@ async def stream_tool_call(response: web.StreamResponse, gen: Generation, delay:
     )
     for fragment in pieces:
         await _pause(delay)
-        gen.completion_tokens += 1
+        gen.count(fragment)
         delta = {"tool_calls": [{"index": 0, "function": {"arguments": fragment}}]}
         await response.write(gen.chunk({"index": 0, "delta": delta, "finish_reason": None}))
 
@@ -367,7 +401,7 @@ def generate_whole(gen: Generation) -> tuple[list[str], list[str], str]:
     for kind, text in plan(gen.model, gen.body):
         if gen.completion_tokens >= gen.max_tokens:
             return reasoning, content, "length"
-        gen.completion_tokens += 1
+        gen.count(text)
         (reasoning if kind == "reasoning_content" else content).append(text)
     return reasoning, content, "stop"
 
@@ -398,8 +432,10 @@ def complete_chat(gen: Generation) -> dict[str, Any]:
         "object": "chat.completion",
         "created": gen.created,
         "model": gen.model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
         "choices": [{"index": 0, "message": message, "finish_reason": finish}],
         "usage": gen.usage(),
+        "timings": gen.timings(),
     }
 
 
@@ -407,8 +443,9 @@ def complete_text(gen: Generation) -> dict[str, Any]:
     reasoning, content, finish = generate_whole(gen)
     return {
         "id": gen.id, "object": "text_completion", "created": gen.created,
-        "model": gen.model, "usage": gen.usage(),
+        "model": gen.model, "system_fingerprint": SYSTEM_FINGERPRINT, "usage": gen.usage(),
         "choices": [{"index": 0, "text": "".join(reasoning + content), "finish_reason": finish}],
+        "timings": gen.timings(),
     }
 
 
@@ -508,6 +545,21 @@ def logged(endpoint: str) -> Callable[[Handler], Handler]:
     return wrap
 
 
+async def complete(request: web.Request, model: str, body: dict[str, Any],
+                   legacy: bool) -> web.StreamResponse:
+    """A chat completion (or, `legacy`, a text completion) on a server slot, held until the
+    answer is over or its client gone."""
+    slots = request.app[SLOTS_KEY]
+    async with slots.turn(token_ids(prompt_text(body)), body) as turn:
+        gen = Generation(model, body, "text_completion" if legacy else "chat.completion.chunk",
+                         turn)
+        if body.get("stream"):
+            return await stream_tokens(request, gen, legacy=legacy)
+        await turn.prefill()
+        answer = complete_text(gen) if legacy else complete_chat(gen)
+        return await answer_whole(request, model, orjson.dumps(answer))
+
+
 @logged("chat")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
@@ -516,19 +568,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return web.json_response(
             error_body(f"model {model!r} not found", "not_found_error"), status=404
         )
-    gen = Generation(model, body, "chat.completion.chunk")
-    if body.get("stream"):
-        return await stream_tokens(request, gen, legacy=False)
-    return await answer_whole(request, model, orjson.dumps(complete_chat(gen)))
+    return await complete(request, model, body, legacy=False)
 
 
 @logged("completions")
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
-    gen = Generation(str(body.get("model", "chat")), body, "text_completion")
-    if body.get("stream"):
-        return await stream_tokens(request, gen, legacy=True)
-    return await answer_whole(request, gen.model, orjson.dumps(complete_text(gen)))
+    return await complete(request, str(body.get("model", "chat")), body, legacy=True)
 
 
 @logged("speech")
@@ -1005,15 +1051,20 @@ async def models(request: web.Request) -> web.Response:
 
 def make_stub_app(
     log_path: Path | None = None, delay: float = 0.02, *, anthropic_native: bool = False,
-    chat_only: bool = False,
+    chat_only: bool = False, slot_options: SlotOptions | None = None,
 ) -> web.Application:
     """`anthropic_native`: also serve /v1/messages (and count_tokens) as llama-server does;
     without it those paths answer 404, like llama-cpp-python's server. `chat_only`: no
-    /v1/responses (a 404), as llama-cpp-python's server and older vLLM."""
+    /v1/responses (a 404), as llama-cpp-python's server and older vLLM. `slot_options`: the
+    server slots' (one slot, no --slot-save-path, an instant prefill by default)."""
     app = web.Application(middlewares=[json_errors], client_max_size=MAX_BODY_BYTES)
     app[LOG_KEY] = StubLog(log_path)
     app[DELAY_KEY] = delay
     app[RESPONSES_KEY] = {}
+    app[SLOTS_KEY] = ServerSlots(slot_options or SlotOptions(), app[LOG_KEY].write)
+    slot_api = SlotApi(app[SLOTS_KEY], app[LOG_KEY].write)
+    app.router.add_get("/slots", slot_api.list_slots)
+    app.router.add_post("/slots/{id_slot}", slot_api.act)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
@@ -1049,12 +1100,19 @@ def run_stub(
     fail_start: str | None = None,
     anthropic_native: bool = False,
     chat_only: bool = False,
+    slot_options: SlotOptions | None = None,
 ) -> int:
     """Serve until stopped. `startup_delay`: seconds before listening, as a model server loads its
     weights first. `fail_start`: after the delay, print this line and exit 1 instead of serving,
     as a model server does when its model file is missing or does not fit. `anthropic_native`:
     also serve the Anthropic Messages API, as llama-server does; `chat_only`: serve no
-    Responses API, as llama-cpp-python's server."""
+    Responses API, as llama-cpp-python's server. `slot_options`: its server slots'; a
+    --slot-save-path that is not a directory is refused at once, as llama-server refuses it."""
+    save_path = slot_options.save_path if slot_options else None
+    if save_path is not None and not save_path.is_dir():
+        print(f"stub: --slot-save-path: not a directory: {save_path}", file=sys.stderr,
+              flush=True)
+        return 1
     if startup_delay > 0:
         print(f"stub: loading for {startup_delay:g} s", flush=True)
         time.sleep(startup_delay)
@@ -1062,7 +1120,8 @@ def run_stub(
         print(fail_start, file=sys.stderr, flush=True)
         return 1
     web.run_app(
-        make_stub_app(log_path, delay, anthropic_native=anthropic_native, chat_only=chat_only),
+        make_stub_app(log_path, delay, anthropic_native=anthropic_native, chat_only=chat_only,
+                      slot_options=slot_options),
         host=host,
         port=port,
         handler_cancellation=True,

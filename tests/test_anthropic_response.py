@@ -177,6 +177,45 @@ def test_llama_cpp_python_capture() -> None:
     )
 
 
+@pytest.mark.parametrize(("capture", "usage"), [
+    ("chat-warm", {"input_tokens": 14, "cache_read_input_tokens": 903, "output_tokens": 4}),
+    ("chat-cold", {"input_tokens": 900, "cache_read_input_tokens": 0, "output_tokens": 4}),
+])
+def test_llama_server_captures_say_the_cached_part_as_cache_read_input_tokens(
+    capture: str, usage: dict[str, int]
+) -> None:
+    """Anthropic's input_tokens is the prompt beyond the cache: 917 tokens of which 903 cached
+    are 14 read."""
+    raw = orjson.loads(fixture_path(f"llama-server/{capture}.json").read_bytes())
+    assert to_anthropic(raw, model="smol")["usage"] == usage
+
+
+@pytest.mark.parametrize(("given", "usage"), [
+    pytest.param({"usage": {"prompt_tokens": 917, "completion_tokens": 4},
+                  "timings": {"cache_n": 903, "prompt_n": 14}},
+                 {"input_tokens": 14, "cache_read_input_tokens": 903, "output_tokens": 4},
+                 id="timings alone"),
+    pytest.param({"timings": {"cache_n": 903, "prompt_n": 14}},
+                 {"input_tokens": 14, "cache_read_input_tokens": 903, "output_tokens": 0},
+                 id="timings, no usage: the prompt is cache_n + prompt_n"),
+    pytest.param({"usage": {"prompt_tokens": 917, "completion_tokens": 4,
+                            "prompt_tokens_details": {"cached_tokens": 900}},
+                  "timings": {"cache_n": 903, "prompt_n": 14}},
+                 {"input_tokens": 17, "cache_read_input_tokens": 900, "output_tokens": 4},
+                 id="usage and timings: the usage's figure"),
+    pytest.param({"usage": {"prompt_tokens": 917, "completion_tokens": 4,
+                            "prompt_tokens_details": {"cached_tokens": "many"}},
+                  "timings": {"cache_n": 903, "prompt_n": 14}},
+                 {"input_tokens": 14, "cache_read_input_tokens": 903, "output_tokens": 4},
+                 id="a usage figure that is no count is none: the timings'"),
+])
+def test_the_cached_part_comes_from_usage_or_timings(
+    given: dict[str, Any], usage: dict[str, int]
+) -> None:
+    response = {**completion({"content": "Hi"}), **given}
+    assert to_anthropic(response, model="m")["usage"] == usage
+
+
 @pytest.mark.parametrize(
     "bad",
     [

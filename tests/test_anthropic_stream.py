@@ -535,6 +535,38 @@ def test_the_sdk_takes_the_upstreams_prompt_count_from_message_delta_over_messag
     assert message.content[0].text == "Hi"  # type: ignore[union-attr]
 
 
+def test_the_prompts_cached_part_is_cache_read_input_tokens_in_message_delta() -> None:
+    """llama-server's usage chunk (its prompt_tokens_details and timings: 903 of 917 cached):
+    message_start counts the whole prompt, message_delta splits it the way Anthropic does, and
+    the SDK's message ends with both."""
+    warm = usage(917, 1)
+    warm["usage"]["prompt_tokens_details"] = {"cached_tokens": 903}
+    warm["timings"] = {"cache_n": 903, "prompt_n": 14}
+    translator = Translator("client-model", input_tokens=917)
+    events = translator.begin() + translator.feed(role()) + translator.feed(say("Hi"))
+    events += translator.feed(finish("length")) + translator.feed(warm) + translator.finish()
+    assert events[0][1]["message"]["usage"] == {"input_tokens": 917, "output_tokens": 0}
+    assert events[-2][1]["usage"] == {"input_tokens": 14, "cache_read_input_tokens": 903,
+                                      "output_tokens": 1}
+    client = _sdk_client(encode_events(events))
+    with client.messages.stream(
+        model="client-model", max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+    ) as stream:
+        message = stream.get_final_message()
+    assert (message.usage.input_tokens, message.usage.cache_read_input_tokens) == (14, 903)
+
+
+def test_timings_alone_say_the_cached_part_and_silence_says_none() -> None:
+    """llama-server without include_usage: its timings on the finish chunk; an upstream that
+    says nothing of a cache gets no cache_read_input_tokens (not a 0 it did not say)."""
+    timed = finish("stop") | {"timings": {"cache_n": 903, "prompt_n": 14}}
+    events = play([role(), say("Hi"), timed, DONE], input_tokens=917)
+    assert events[-2][1]["usage"] == {"input_tokens": 14, "cache_read_input_tokens": 903,
+                                      "output_tokens": 1}
+    events = play([role(), say("Hi"), finish("stop"), DONE], input_tokens=917)
+    assert events[-2][1]["usage"] == {"input_tokens": 917, "output_tokens": 1}
+
+
 def test_generated_ids() -> None:
     events = play([role(), call(0, "{}", name="f"), finish("tool_calls"), DONE])
     message_id = events[0][1]["message"]["id"]
@@ -1081,6 +1113,6 @@ def test_any_split_through_the_transform_gives_the_same_frames_a_ping_per_commen
     assert_pings_wait_for_message_start(events)
     assert_valid_anthropic_stream(events)
     expected = run_pipeline([raw], message_id="msg_x")
-    if events[1][0] == "ping":  # message_start went out before the first chunk's usage
+    if 0 <= comment < raw.find(b"data:"):  # message_start went out before the first chunk
         expected[0][1]["message"]["usage"]["input_tokens"] = 0
     assert [e for e in events if e[0] != "ping"] == expected

@@ -222,9 +222,51 @@ async def test_a_database_of_a_previous_version_keeps_its_rows_and_gains_load_ms
     assert [row["request_id"] for row in of_key] == [new.request_id]
     with closing(sqlite3.connect(path)) as conn:
         columns = [row[1] for row in conn.execute("PRAGMA table_info(requests)")]
-    added = ["load_ms", "key", "attempts", "failover", "turn_ms"]
-    assert columns[-5:] == added
+    added = ["load_ms", "key", "attempts", "failover", "turn_ms", "cached_tokens"]
+    assert columns[-6:] == added
     assert all(columns.count(name) == 1 for name in added)
+
+
+# The requests table as the version before the prompt's cached part was kept (turn_ms last).
+CACHELESS_SCHEMA = """
+CREATE TABLE requests (
+    id INTEGER PRIMARY KEY, ts REAL NOT NULL, request_id TEXT NOT NULL, slot TEXT, model TEXT,
+    endpoint TEXT NOT NULL, stream INTEGER NOT NULL, status INTEGER NOT NULL, ok INTEGER NOT NULL,
+    error_code TEXT, queue_ms REAL, ttft_ms REAL, total_ms REAL, prompt_tokens INTEGER,
+    completion_tokens INTEGER, load_ms REAL, key TEXT, attempts INTEGER, failover TEXT,
+    turn_ms REAL
+);
+CREATE INDEX requests_ts ON requests (ts);
+"""
+
+
+async def test_a_database_of_the_version_before_gains_cached_tokens_in_place(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "old.db"
+    with closing(sqlite3.connect(path)) as conn:
+        conn.executescript(CACHELESS_SCHEMA)
+        conn.execute(
+            "INSERT INTO requests (ts, request_id, slot, model, endpoint, stream, status, ok, "
+            "prompt_tokens, turn_ms) VALUES (?, 'old', 'llm', 'chat', '/v1/chat/completions', 0, "
+            "200, 1, 900, 3.5)", (time.time() - 60,))
+        conn.commit()
+    writer = HistoryWriter(path)
+    await writer.start()
+    try:
+        new = record(1)
+        new.prompt_tokens, new.cached_tokens = 917, 903
+        writer.submit(new)
+        await writer.flush()
+        rows = await writer.recent(10)
+    finally:
+        await writer.close()
+    assert [(row["request_id"], row["prompt_tokens"], row["cached_tokens"]) for row in rows] == [
+        (new.request_id, 917, 903), ("old", 900, None)]
+    assert rows[1]["turn_ms"] == 3.5
+    with closing(sqlite3.connect(path)) as conn:
+        columns = [row[1] for row in conn.execute("PRAGMA table_info(requests)")]
+    assert columns[-2:] == ["turn_ms", "cached_tokens"]
 
 
 async def test_the_pages_errors_of_the_last_hour_are_the_historys_and_survive_a_restart(

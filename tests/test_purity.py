@@ -18,6 +18,7 @@ PURE_MODULES = (
     "hal0d.protocol.sse",
     "hal0d.protocol.transform",
     "hal0d.protocol.chat_chunk",
+    "hal0d.protocol.usage",
     "hal0d.protocol.translating",
     "hal0d.anthropic.stream",
     "hal0d.anthropic.request",

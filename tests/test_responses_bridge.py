@@ -24,6 +24,7 @@ from hal0d.protocol.sse import Decoder
 from hal0d.protocol.transform import StallTrip, TransformFailed
 from hal0d_stub.app import CONTENT_TEXT, make_stub_app
 from tests.conftest import ServerFactory, Stub, free_port, logs_into_buffer
+from tests.fixtures_util import fixture_path
 from tests.test_anthropic_native import answering_first
 
 
@@ -157,6 +158,25 @@ def test_length_ends_incomplete() -> None:
 def test_without_usage_the_output_is_counted_in_chunks() -> None:
     _, events = run([text("a"), text("b"), chunk(finish="stop")])
     assert events[-1][1]["response"]["usage"]["output_tokens"] == 2
+
+
+def test_the_prompts_cached_part_is_input_tokens_details_cached_tokens() -> None:
+    """From the usage's cached_tokens, else llama-server's timings (on its last chunk); 0 when
+    the upstream says nothing of a cache (the Responses API has no way to say "not known")."""
+    for last, cached in ((chunk(usage={**USAGE, "prompt_tokens_details": {"cached_tokens": 5}}),
+                          5),
+                         ({**chunk(usage=USAGE), "timings": {"cache_n": 6, "prompt_n": 1}}, 6),
+                         (chunk(usage=USAGE), 0)):
+        _, events = run([text("a"), chunk(finish="stop"), last])
+        usage = events[-1][1]["response"]["usage"]
+        assert (usage["input_tokens"], usage["input_tokens_details"]) == (
+            7, {"cached_tokens": cached}), last
+
+
+def test_a_whole_answers_cached_part_is_input_tokens_details_cached_tokens() -> None:
+    warm = orjson.loads(fixture_path("llama-server/chat-warm.json").read_bytes())
+    usage = to_response(warm, request(stream=False), model="m")["usage"]
+    assert (usage["input_tokens"], usage["input_tokens_details"]) == (917, {"cached_tokens": 903})
 
 
 def test_an_end_without_finish_reason_fails() -> None:

@@ -2,7 +2,9 @@
 events end in CR alone or in CRLF (a CRLF cut in two by the reads, too) shows the same first
 token, token count and usage as one that ends them in LF, for each stream shape the tap knows
 (chat completions, the Responses API, Anthropic Messages). Each case is a playbook: the
-upstream's reads in, the tap's figures out."""
+upstream's reads in, the tap's figures out. The request's record takes the prompt and its
+cached part from the tap's usage, whichever way the stream said them (llama-server's timings on
+its last chunk, a usage's cached_tokens, an Anthropic message_start's cache_read_input_tokens)."""
 
 from __future__ import annotations
 
@@ -13,12 +15,19 @@ from typing import Any
 
 import pytest
 
+from hal0d.observability.requestinfo import RequestInfo
 from hal0d.transport.tap import StreamTap
 
 ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}\n\n'
 FINISH = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
 CHAT_USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":2}}\n\n'
 DONE = b"data: [DONE]\n\n"
+# llama-server's last chunk when the client did not ask for usage: the finish, with its timings
+# (the figures of tests/fixtures/llama-server/chat-warm.json: 903 of a 917-token prompt cached).
+WARM_TIMINGS = ('"timings":{"cache_n":903,"prompt_n":14,"prompt_ms":82.155,"predicted_n":2,'
+                '"predicted_ms":46.267}')
+FINISH_WITH_TIMINGS = ('data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}],'
+                       f'{WARM_TIMINGS}}}\n\n').encode()
 
 
 def content(text: str) -> bytes:
@@ -87,7 +96,8 @@ STREAMS = (
             + named("message_stop", '{"type":"message_stop"}'),
         ),
         1,
-        {"output_tokens": 2, "prompt_tokens": None, "completion_tokens": 2},
+        # message_start's input_tokens, under message_delta's totals.
+        {"input_tokens": 5, "output_tokens": 2, "prompt_tokens": 5, "completion_tokens": 2},
     ),
 )
 
@@ -132,3 +142,71 @@ def test_events_ended_by_cr_or_crlf_show_what_lf_ended_ones_do(
     assert expected["usage"] == stream.usage
     assert expected["completion_tokens"] == 2
     assert figures(rewrite(stream.reads)) == expected
+
+
+@dataclass(frozen=True)
+class CachedStream:
+    name: str
+    reads: tuple[bytes, ...]
+    prompt_tokens: int
+    cached_tokens: int
+
+
+CACHED_STREAMS = (
+    CachedStream(
+        "chat completions, llama-server's timings on the last chunk and no usage",
+        (ROLE, content("Hel"), content("lo"), FINISH_WITH_TIMINGS + DONE),
+        917, 903,
+    ),
+    CachedStream(
+        "chat completions, a usage and timings that disagree: the usage's figure",
+        (ROLE + content("Hel"), content("lo"), FINISH,
+         b'data: {"choices":[],"usage":{"prompt_tokens":917,"completion_tokens":2,'
+         b'"prompt_tokens_details":{"cached_tokens":900}},'
+         + WARM_TIMINGS.encode() + b"}\n\n" + DONE),
+        917, 900,
+    ),
+    CachedStream(
+        "anthropic as llama-server sends it: the cache in message_start only",
+        (
+            named("message_start", '{"type":"message_start","message":{"id":"msg_1","usage":'
+                  '{"cache_read_input_tokens":903,"input_tokens":14,"output_tokens":0}}}')
+            + named("content_block_start", '{"type":"content_block_start","index":0,'
+                    '"content_block":{"type":"text","text":""}}')
+            + text_delta("Hel"),
+            text_delta("lo"),
+            named("content_block_stop", '{"type":"content_block_stop","index":0}')
+            + named("message_delta", '{"type":"message_delta",'
+                    '"delta":{"stop_reason":"end_turn"},"usage":{"output_tokens":2}}')
+            + named("message_stop", '{"type":"message_stop"}'),
+        ),
+        917, 903,
+    ),
+    CachedStream(
+        "responses, the cached part in input_tokens_details",
+        (
+            output_text_delta("Hel"),
+            output_text_delta("lo")
+            + named("response.completed", '{"type":"response.completed","response":'
+                    '{"id":"resp_1","status":"completed","usage":{"input_tokens":917,'
+                    '"input_tokens_details":{"cached_tokens":903},"output_tokens":2}}}'),
+        ),
+        917, 903,
+    ),
+)
+
+
+@pytest.mark.parametrize("stream", CACHED_STREAMS, ids=[stream.name for stream in CACHED_STREAMS])
+@pytest.mark.parametrize("rewrite", [ended_by(b"\n"), ended_by(b"\r"), crlf_cut],
+                         ids=["LF", "CR", "CRLF cut by the reads"])
+def test_the_record_takes_the_prompt_and_its_cached_part_however_the_stream_said_them(
+    stream: CachedStream, rewrite: Callable[[tuple[bytes, ...]], list[bytes]]
+) -> None:
+    tap = StreamTap(started=0.0)
+    for read in rewrite(stream.reads):
+        tap.on_chunk(read)
+    info = RequestInfo(request_id="r", endpoint="/v1/chat/completions")
+    info.apply_usage(tap.usage())  # as the forward path records a stream
+    assert (info.prompt_tokens, info.cached_tokens) == (stream.prompt_tokens,
+                                                        stream.cached_tokens)
+    assert tap.completion_tokens() == 2

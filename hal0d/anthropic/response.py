@@ -3,6 +3,12 @@
 Pure. Blocks come in the order a streamed answer would have produced them: thinking, text,
 tool_use. A body that is not a chat completion is the upstream's fault, so it raises
 UpstreamUnavailable (502) rather than anything the client could have caused.
+
+Usage in Anthropic's sense: when the upstream says how much of the prompt it took from its cache
+(usage.prompt_tokens_details.cached_tokens, or llama-server's timings), that part is
+cache_read_input_tokens and input_tokens is the rest, what the model read (prompt_tokens is the
+two together); without a word of a cache input_tokens is the whole prompt and there is no
+cache_read_input_tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import orjson
 from hal0d.anthropic.stop import anthropic_stop
 from hal0d.anthropic.stream import new_message_id, new_tool_use_id
 from hal0d.errors import UpstreamInvalid
+from hal0d.protocol.usage import cached_tokens, with_timings
 
 __all__ = ["to_anthropic"]
 
@@ -57,8 +64,6 @@ def to_anthropic(
 
     stop_reason, stop_sequence = anthropic_stop(choice, stop_sequences, used_tools=bool(tool_calls))
     usage = openai_response.get("usage")
-    if not isinstance(usage, dict):
-        usage = {}
     return {
         "id": message_id or new_message_id(),
         "type": "message",
@@ -67,11 +72,21 @@ def to_anthropic(
         "content": content,
         "stop_reason": stop_reason,
         "stop_sequence": stop_sequence,
-        "usage": {
-            "input_tokens": _count(usage.get("prompt_tokens")),
-            "output_tokens": _count(usage.get("completion_tokens")),
-        },
+        "usage": _usage(usage if isinstance(usage, dict) else None,
+                        openai_response.get("timings")),
     }
+
+
+def _usage(usage: dict[str, Any] | None, timings: object) -> dict[str, int]:
+    usage = with_timings(usage, timings) or {}
+    prompt = _count(usage.get("prompt_tokens"))
+    out = {"input_tokens": prompt, "output_tokens": _count(usage.get("completion_tokens"))}
+    cached = cached_tokens(usage)
+    if cached is not None:
+        cached = min(cached, prompt)
+        out["input_tokens"] = prompt - cached
+        out["cache_read_input_tokens"] = cached
+    return out
 
 
 def _tool_use(call: Any) -> dict[str, Any]:

@@ -34,6 +34,12 @@ Token counts: usage.prompt_tokens and usage.completion_tokens from the upstream 
 seen. llama-cpp-python ignores include_usage when streaming, so without an upstream count
 output_tokens is the number of chunks that carried generated text, reasoning or tool arguments.
 Servers emit about one token per chunk, so this is close, but it is an approximation.
+
+The prompt's cached part (usage.prompt_tokens_details.cached_tokens, or llama-server's timings on
+its last chunk) is known only at the end, so message_start counts the whole prompt as
+input_tokens and message_delta says it in Anthropic's sense: cache_read_input_tokens the cached
+part, input_tokens the rest (the SDK takes both over message_start's). An upstream that says
+nothing of a cache gets no cache_read_input_tokens.
 """
 
 from __future__ import annotations
@@ -100,6 +106,7 @@ _ToolPiece = tuple[bool, object, str, str, str]
 class Translator:
     __slots__ = (
         "_blocks",
+        "_cached",
         "_fragments",
         "_input_tokens",
         "_message_id",
@@ -128,6 +135,7 @@ class Translator:
         self._state = State.IDLE
         self._input_tokens = input_tokens
         self._upstream_output: int | None = None
+        self._cached: int | None = None  # of the prompt, what the upstream's cache held
         self._fragments = 0
         self._blocks = 0
         self._open: str | None = None
@@ -200,6 +208,8 @@ class Translator:
             self._input_tokens = read.prompt_tokens
         if read.completion_tokens is not None:
             self._upstream_output = read.completion_tokens
+        if read.cached_tokens is not None:
+            self._cached = read.cached_tokens
         events: list[Event] = []
         if state is State.IDLE:
             events.append(self._message_start())
@@ -346,6 +356,11 @@ class Translator:
 
     def _end_message(self, events: list[Event]) -> None:
         self._close_block(events)
+        usage = {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens}
+        if self._cached is not None:
+            cached = min(self._cached, self.input_tokens)
+            usage["input_tokens"] -= cached
+            usage["cache_read_input_tokens"] = cached
         events.append(
             (
                 "message_delta",
@@ -355,10 +370,7 @@ class Translator:
                         "stop_reason": self._stop_reason,
                         "stop_sequence": self._stop_sequence,
                     },
-                    "usage": {
-                        "input_tokens": self.input_tokens,
-                        "output_tokens": self.output_tokens,
-                    },
+                    "usage": usage,
                 },
             )
         )

@@ -55,7 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--defaults", action="store_true",
                         help="print the built-in defaults, without reading any file")
 
-    stub = commands.add_parser("stub", help="run the stub OpenAI-compatible upstream")
+    add_stub_command(commands)
+    add_client_commands(commands)
+    return parser
+
+
+def add_stub_command(commands: Any) -> None:
+    """`hal0d stub`: the stub upstream, with llama-server's server-slot options."""
+    stub: argparse.ArgumentParser = commands.add_parser(
+        "stub", help="run the stub OpenAI-compatible upstream")
     stub.add_argument("--host", default="127.0.0.1")
     stub.add_argument("--port", type=int, default=8091)
     stub.add_argument("--log", type=Path, help="append a line per request event to this file")
@@ -72,8 +80,25 @@ def build_parser() -> argparse.ArgumentParser:
     stub.add_argument("--chat-only", action="store_true",
                       help="serve no Responses API (/v1/responses answers 404), as "
                       "llama-cpp-python's server")
-    add_client_commands(commands)
-    return parser
+    slots = stub.add_argument_group("server slots and their prompt cache, as llama-server's")
+    slots.add_argument("-np", "--parallel", type=whole_number(1, 1024, "number of slots"),
+                       default=1, help="number of server slots (default 1)")
+    slots.add_argument("-c", "--ctx-size", type=whole_number(1, 1 << 24, "context size"),
+                       default=4096, help="context of all slots together (default 4096)")
+    slots.add_argument("-sps", "--slot-prompt-similarity", type=float, default=0.1,
+                       metavar="SIMILARITY", help="how much of a prompt a slot's cache must "
+                       "hold for the prompt to go there (default 0.10, 0 = by id_slot and LRU)")
+    slots.add_argument("--slot-save-path", type=Path, metavar="PATH",
+                       help="directory of the slot files of POST /slots/{id}?action=save|restore "
+                       "(without it those are refused)")
+    slots.add_argument("--prefill-ms-per-token", type=float, default=0.0, metavar="MS",
+                       help="milliseconds it reads each uncached prompt token (default 0)")
+    slots.add_argument("--slot-save-fail", action="store_true",
+                       help="every save fails (500), as a failed write does")
+    slots.add_argument("--slot-save-delay", type=float, default=0.0, metavar="SECONDS",
+                       help="every save hangs this long before it is done (default 0)")
+    slots.add_argument("--slot-restore-fail", action="store_true",
+                       help="every restore fails (400), as an unreadable file does")
 
 
 def add_client_commands(commands: Any) -> None:
@@ -183,10 +208,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "stub":
         from hal0d_stub.app import run_stub
+        from hal0d_stub.slots import SlotOptions
 
+        slot_options = SlotOptions(
+            parallel=args.parallel, ctx_size=args.ctx_size,
+            similarity=args.slot_prompt_similarity, save_path=args.slot_save_path,
+            prefill_ms_per_token=args.prefill_ms_per_token, save_fail=args.slot_save_fail,
+            save_delay=args.slot_save_delay, restore_fail=args.slot_restore_fail)
         return run_stub(args.host, args.port, args.log, args.delay,
                         startup_delay=args.startup_delay, fail_start=args.fail_start,
-                        anthropic_native=args.anthropic_native, chat_only=args.chat_only)
+                        anthropic_native=args.anthropic_native, chat_only=args.chat_only,
+                        slot_options=slot_options)
     if args.command == "print-config":
         config = configuration.Config() if args.defaults else load_or_report(args.config)
         if config is None:

@@ -7,6 +7,7 @@ The rest of hal0d imports from here and needs to know nothing else. Inside, one 
   checks.py       slots, groups, routes, aliases, the Ollama listener, allowed names
   client_keys.py  the keys clients present, their secrets read from where they are written
   ports.py        `{free_port}`: the port picked for a slot, the same one on every reload
+  cache_dir.py    `{prompt_cache_dir}`: the folder of a slot's saved prompt caches
   render.py       print-config's TOML, every default filled in
 """
 

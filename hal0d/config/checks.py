@@ -13,9 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from hal0d.config.cache_dir import PROMPT_CACHE_DIR, with_prompt_cache_dir
 from hal0d.config.model import (
     LIFECYCLE_KEYS,
     ON_DEMAND_KEYS,
+    PROMPT_CACHE_MODES,
+    PROMPT_CACHE_SAVE,
     START_ALWAYS,
     START_ON_DEMAND,
     GroupConfig,
@@ -40,7 +43,10 @@ from hal0d.config.spec import (
 )
 
 
-def check_slots(raw: Any, problems: list[str], base_dir: Path) -> tuple[SlotConfig, ...]:
+def check_slots(raw: Any, problems: list[str], base_dir: Path,
+                cache_root: Path | None = None) -> tuple[SlotConfig, ...]:
+    """The [[slots]]; `cache_root`: where `{prompt_cache_dir}` folders go (config/cache_dir.py),
+    beside the history database (base_dir when not given)."""
     if not isinstance(raw, list):
         problems.append("slots: must be an array of tables ([[slots]])")
         return ()
@@ -67,7 +73,7 @@ def check_slots(raw: Any, problems: list[str], base_dir: Path) -> tuple[SlotConf
             names.add(name)
         _check_lifecycle(good, table, path, problems)
         for key, choices in (("anthropic", ANTHROPIC_MODES), ("responses", RESPONSES_MODES),
-                             ("kind", SLOT_KINDS)):
+                             ("kind", SLOT_KINDS), ("prompt_cache", PROMPT_CACHE_MODES)):
             one_of(good, key, choices, path, problems)
         if "api_key" in good and "api_key_env" in good:
             problems.append(f"{path}: set api_key or api_key_env, not both")
@@ -79,6 +85,7 @@ def check_slots(raw: Any, problems: list[str], base_dir: Path) -> tuple[SlotConf
             served[model] = str(name)
         if len(problems) == before:
             good["upstream"] = good["upstream"].rstrip("/")
+            good = with_prompt_cache_dir(good, cache_root or base_dir)
             slots.append(SlotConfig(**with_free_port(good, base_dir)))
         elif isinstance(name, str) and name:
             problems[before:] = [f'{problem} (slot "{name}")' for problem in problems[before:]]
@@ -108,7 +115,12 @@ def _check_lifecycle(good: dict[str, Any], table: Any, path: str, problems: list
                 if isinstance(table, dict) and key in table:
                     problems.append(f"{path}.{key}: only for start = 'on_demand' (an 'always' "
                                     "slot is kept up, never unloaded when idle)")
-        elif start == START_ON_DEMAND and good.get("max_queue") == 0:
+        if good.get("prompt_cache") == PROMPT_CACHE_SAVE and not any(
+                PROMPT_CACHE_DIR in arg for arg in good.get("command") or ()):
+            problems.append(f"{path}.prompt_cache: 'save' needs {PROMPT_CACHE_DIR} in the "
+                            "command, where the server writes its caches (llama-server: "
+                            f"--slot-save-path {PROMPT_CACHE_DIR})")
+        if start == START_ON_DEMAND and good.get("max_queue") == 0:
             problems.append(f"{path}.max_queue: 0 leaves no place for the request that loads an "
                             "on-demand slot (it waits in the queue for the load): at least 1")
         return

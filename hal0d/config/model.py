@@ -66,9 +66,12 @@ class DispatcherConfig:
 
 
 START_ALWAYS = "always"
+PROMPT_CACHE_SAVE = "save"
+PROMPT_CACHE_MODES = ("off", PROMPT_CACHE_SAVE)
 START_ON_DEMAND = "on_demand"
 # The keys that only mean something for a slot hal0d starts and stops itself (it has a command).
-LIFECYCLE_KEYS = ("idle_unload_s", "group", "load_timeout_s")
+LIFECYCLE_KEYS = ("idle_unload_s", "group", "load_timeout_s", "prompt_cache", "save_timeout_s",
+                  "prompt_cache_max_mib")
 # The keys that only mean something for a slot hal0d stops when it is idle (start = "on_demand").
 ON_DEMAND_KEYS = ("idle_unload_s",)
 
@@ -111,6 +114,20 @@ class SlotConfig:
     # "openai": an OpenAI-compatible server; "hal0d": another hal0d, whose models' states are
     # followed (lifecycle/remote.py) so a route's prefer_loaded knows what is loaded there.
     kind: str = "openai"
+    # "save": before hal0d stops the process it saves the server's prompt caches into
+    # prompt_cache_dir (llama-server: --slot-save-path {prompt_cache_dir}), and restores them
+    # after the next load; "off": a stop loses them. A save is bounded by save_timeout_s (a
+    # restore too), the folder by prompt_cache_max_mib (oldest files go first).
+    prompt_cache: str = "off"
+    save_timeout_s: float = 5.0
+    prompt_cache_max_mib: int = 8192
+    # The folder `{prompt_cache_dir}` in the command stands for (config/cache_dir.py): one per
+    # slot and command, so a file is only ever restored into what saved it. None: not named.
+    prompt_cache_dir: str | None = None
+
+    @property
+    def saves_prompt_cache(self) -> bool:
+        return self.prompt_cache == PROMPT_CACHE_SAVE and self.prompt_cache_dir is not None
 
     @property
     def on_demand(self) -> bool:

@@ -12,6 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from hal0d.config.cache_dir import cache_root
 from hal0d.config.checks import (
     allowed_names,
     check_groups,
@@ -62,7 +63,9 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     if logging_.get("format", "auto") not in LOG_FORMATS:
         problems.append(f"logging.format: {logging_['format']!r} is not one of {LOG_FORMATS}")
     ollama = check_ollama(raw.get("ollama", {}), server, problems)
-    slots = check_slots(raw.get("slots", []), problems, base_dir)
+    database = Path(metrics.get("database", MetricsConfig().database))
+    slots = check_slots(raw.get("slots", []), problems, base_dir,
+                        cache_root(database if database.is_absolute() else base_dir / database))
     raw_slots = raw.get("slots", [])
     groups = check_groups(raw.get("groups", {}), slots, problems,
                           raw_slots if isinstance(raw_slots, list) else [])

@@ -52,6 +52,7 @@ def slot_table(slot: SlotConfig, keys: dict[str, Any]) -> dict[str, Any]:
     """A slot's keys as print-config shows them: the lifecycle keys only where they can apply
     (a slot without a command refuses them, an 'always' slot its idle unload, so the output must
     parse again)."""
+    keys.pop("prompt_cache_dir", None)  # what {prompt_cache_dir} stood for, in the command
     if not slot.command:
         for key in LIFECYCLE_KEYS:
             keys.pop(key, None)

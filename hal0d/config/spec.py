@@ -69,6 +69,9 @@ SLOT_SPEC: dict[str, Range] = {
     "anthropic": (str, None, None),
     "responses": (str, None, None),
     "kind": (str, None, None),
+    "prompt_cache": (str, None, None),
+    "save_timeout_s": (float, 0.1, 600.0),
+    "prompt_cache_max_mib": (int, 1, 1 << 30),
 }
 SLOT_KINDS = ("openai", "hal0d")
 ANTHROPIC_MODES = ("translate", "native", "auto")

@@ -156,7 +156,7 @@ class Exchange:
         if b'"usage"' in data:
             parsed = answer.json(data)
             if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
-                fwd.info.apply_usage(normal_usage(parsed["usage"]))
+                fwd.info.apply_usage(normal_usage(parsed["usage"]), parsed.get("timings"))
         return web.Response(body=data, status=answer.status,
                             headers=response_headers(answer.headers))
 

@@ -53,6 +53,7 @@ import aiohttp
 from aiohttp import hdrs, web
 
 from hal0d.config import DispatcherConfig, RouteConfig, SlotConfig
+from hal0d.conversations import Affinity
 from hal0d.errors import (
     ErrorCode,
     Hal0Error,
@@ -457,22 +458,27 @@ class Dispatch:
     remote: RemoteModels | None = None
     # Told each keepalive sent, with its surface: hal0d_keepalives_total.
     on_keepalive: Callable[[str], None] | None = None
+    # The slot that last served each conversation (hal0d/conversations.py).
+    affinity: Affinity | None = None
 
     async def serve(self, request: web.Request, model: str, exchange: Exchange, *,
-                    client: str | None = None, slot: str | None = None) -> web.StreamResponse:
+                    client: str | None = None, slot: str | None = None,
+                    conversation: str | None = None) -> web.StreamResponse:
         """`exchange` on each slot of the model's plan in turn (resolved now: NoRoute, 404, and
         the key's Forbidden, 403, before anything is taken), until one answers: a slot hands the
         request on (HandOn) only while nothing has reached the client and another slot is left,
         so the last one's answer or error is the client's. `client`: whose turn the request
         waits for in the slot queues (client_of, from the parsed body, which the surface need
         not keep for the stream's life); without it, the key's or the anonymous. `slot`: that
-        slot of the plan alone, no hand-on (the one that holds a stored answer)."""
+        slot of the plan alone, no hand-on (the one that holds a stored answer).
+        `conversation`: the conversation the request continues (conversations.py): the slot
+        that served its last turn goes first, and the one that answers holds it now."""
         info, plan = self._resolve(request, model, exchange.stream)
         if slot is not None:
             routes: tuple[Route, ...] = (
                 next((r for r in plan.routes if r.slot.name == slot), plan.first),)
         else:
-            routes = self.order(plan)
+            routes = self.order(plan, conversation)
         client = client or client_of(info, None)
         waiting = Waiting(request, exchange, every_s=0.0, bound_s=0.0, what=str,
                           on_sent=self.on_keepalive) if exchange.keeps_alive else None
@@ -486,12 +492,16 @@ class Dispatch:
                     waiting.bound_s = client_bound_s(fwd.timeouts)
                 info.attempts = index + 1
                 try:
-                    return await fwd.run(exchange)
+                    response = await fwd.run(exchange)
                 except HandOn as exc:
                     tried.append(f"{route.slot.name}={exc.reason}")
                     info.failover = ",".join(tried)
                     self.handed_on(plan.model, route.slot.name, routes[index + 1].slot.name,
                                    exc.reason)
+                    continue
+                if self.affinity is not None and info.ok and info.status == 200:
+                    self.affinity.served(conversation, route.slot.name)
+                return response
         except Hal0Error as exc:
             if tried:  # the last slot failed too: its error, naming the slots before it
                 exc.message += f" (tried before: {', '.join(tried)})"
@@ -531,12 +541,26 @@ class Dispatch:
             key.check_model(model, plan.model)  # 403 naming the key
         return info, plan
 
-    def order(self, plan: Plan) -> tuple[Route, ...]:
-        """The plan's slots in the order they are tried: as configured, the slots whose model is
-        loaded first when the route says prefer_loaded."""
-        if plan.route is None or not plan.route.prefer_loaded:
+    def order(self, plan: Plan, conversation: str | None = None) -> tuple[Route, ...]:
+        """The plan's slots in the order they are tried: as configured; the slots whose model is
+        loaded first when the route says prefer_loaded; and in a route that spreads its work
+        (spill_when_busy or prefer_loaded), within that rule, the slot that served the
+        conversation's last turn first while it has a free place (or no other slot has one): a
+        busy warm slot is not waited for while another is free. A route that is only a
+        failover order keeps its order (its first slot is the preferred one)."""
+        route = plan.route
+        if route is None or not (route.spill_when_busy or route.prefer_loaded):
             return plan.routes
-        return tuple(sorted(plan.routes, key=lambda route: not self.warm(route)))
+        held = self.affinity.slot_for(conversation) if self.affinity is not None else None
+        if held is not None and not self._free(held) and any(
+                self._free(route.slot.name) for route in plan.routes):
+            held = None
+        return tuple(sorted(plan.routes, key=lambda r: (
+            route.prefer_loaded and not self.warm(r), r.slot.name != held)))
+
+    def _free(self, name: str) -> bool:
+        slot = self.slots.get(name)
+        return slot is not None and not slot.queued and slot.in_flight < slot.config.max_concurrent
 
     def warm(self, route: Route) -> bool:
         """Whether the slot answers without a load: its process is up or coming up, it has none

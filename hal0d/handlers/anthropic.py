@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from hal0d import conversations
 from hal0d.anthropic.native import NativeAnthropic
 from hal0d.anthropic.request import (
     MessagesRequest,
@@ -39,6 +40,7 @@ from hal0d.observability.requestinfo import INFO, client_of
 from hal0d.protocol.sse import encode
 from hal0d.protocol.transform import Transform
 from hal0d.routing import Route
+from hal0d.transport.tap import normal_usage
 from hal0d.transport.tokens import estimate
 from hal0d.transport.upstream import SSE_HEADERS, response_headers
 
@@ -181,8 +183,8 @@ class Messages(Exchange):
         except orjson.JSONDecodeError:
             raise UpstreamInvalid(f"slot {fwd.slot.name!r} answered with invalid JSON") from None
         message = to_anthropic(parsed, model=req.model, stop_sequences=req.stop_sequences)
-        fwd.info.apply_usage({"prompt_tokens": message["usage"]["input_tokens"],
-                              "completion_tokens": message["usage"]["output_tokens"]})
+        # In Anthropic's words, the cached part beside what was read: the whole prompt again.
+        fwd.info.apply_usage(normal_usage(message["usage"]))
         return web.Response(body=orjson.dumps(message), content_type="application/json")
 
     def relay(self, fwd: Attempt, answer: Answer) -> tuple[Mapping[str, str], Transform]:
@@ -227,9 +229,10 @@ async def messages(request: web.Request) -> web.StreamResponse:
     raw = await read_body(request)
     body = parse_json_object(raw)
     model, stream = model_and_stream(body)
-    return await request.app[DISPATCH].serve(request, model,
-                                             Messages(raw, body, model, stream=stream),
-                                             client=client_of(request[INFO], body))
+    return await request.app[DISPATCH].serve(
+        request, model, Messages(raw, body, model, stream=stream),
+        client=client_of(request[INFO], body),
+        conversation=conversations.of_messages(request.headers, body))
 
 
 async def count_tokens(request: web.Request) -> web.StreamResponse:

@@ -19,6 +19,7 @@ from typing import Any, Final
 import orjson
 from aiohttp import web
 
+from hal0d import conversations
 from hal0d.appkeys import DISPATCH, LIFECYCLE, OLLAMA_THINKERS, RUNTIME, SLOTS
 from hal0d.errors import Hal0Error, InvalidRequest, NoRoute, UpstreamInvalid
 from hal0d.forward import Answer, Attempt, Call, Exchange
@@ -139,11 +140,13 @@ def log_ignored(options: tuple[str, ...]) -> None:
         log.info("ollama.option_ignored", option=name, reason=why)
 
 
-async def serve(request: web.Request, model: str, exchange: Exchange) -> web.StreamResponse:
+async def serve(request: web.Request, model: str, exchange: Exchange,
+                conversation: str | None = None) -> web.StreamResponse:
     """The forward path's way to `model` (each slot of a route in turn); an unknown model is
     Ollama's 404, in its words."""
     try:
-        return await request.app[DISPATCH].serve(request, model, exchange)
+        return await request.app[DISPATCH].serve(request, model, exchange,
+                                                 conversation=conversation)
     except NoRoute as exc:
         if exc.field != "model":
             raise
@@ -250,7 +253,9 @@ async def converse(request: web.Request, req: OllamaRequest, *,
                    chat: bool) -> web.StreamResponse:
     log_ignored(req.ignored)
     exchange = Converse(req, request.app[LIFECYCLE], request.app[OLLAMA_THINKERS], chat=chat)
-    return await serve(request, req.model, exchange)
+    conversation = conversations.of_chat(
+        request.headers, {"model": req.model, "messages": req.messages, "tools": req.tools})
+    return await serve(request, req.model, exchange, conversation)
 
 
 def loaded(req: OllamaRequest, *, chat: bool) -> web.Response:

@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from hal0d import conversations
 from hal0d.appkeys import DISPATCH
 from hal0d.errors import InvalidRequest
 from hal0d.forward import Answer, Attempt, Call, Exchange
@@ -81,19 +82,22 @@ def check_fields(endpoint: str, payload: dict[str, Any]) -> None:
 
 
 async def requested_model(request: web.Request, endpoint: str, body: bytes
-                          ) -> tuple[str, bool, str]:
-    """The model name, whether the client asked for a stream, and whose turn it waits for
-    (client_of). The parsed body is not kept: a long conversation's parse tree would live as
-    long as the stream, where the body's bytes are all the attempts need."""
+                          ) -> tuple[str, bool, str, str | None]:
+    """The model name, whether the client asked for a stream, whose turn it waits for
+    (client_of) and the conversation it continues (conversations.py). The parsed body is not
+    kept: a long conversation's parse tree would live as long as the stream, where the body's
+    bytes are all the attempts need."""
     if endpoint == "audio/transcriptions":
         model = await multipart_field(request, body, "model")
         if not model:
             raise InvalidRequest("multipart field 'model' is required", field="model")
-        return model, False, client_of(request[INFO], None)
+        return model, False, client_of(request[INFO], None), None
     payload = parse_json_object(body)
     model, stream = model_and_stream(payload)
     check_fields(endpoint, payload)
-    return model, stream, client_of(request[INFO], payload)
+    conversation = (conversations.of_chat(request.headers, payload)
+                    if endpoint in ("chat/completions", "completions") else None)
+    return model, stream, client_of(request[INFO], payload), conversation
 
 
 def model_and_stream(payload: dict[str, Any]) -> tuple[str, bool]:
@@ -143,9 +147,10 @@ class Relayed(Exchange):
 async def dispatch(request: web.Request) -> web.StreamResponse:
     endpoint = request.match_info["endpoint"]
     body = await read_body(request)
-    model, stream, client = await requested_model(request, endpoint, body)
+    model, stream, client, conversation = await requested_model(request, endpoint, body)
     exchange = Relayed(endpoint, body, model, stream=stream, params=request.query)
-    return await request.app[DISPATCH].serve(request, model, exchange, client=client)
+    return await request.app[DISPATCH].serve(request, model, exchange, client=client,
+                                             conversation=conversation)
 
 
 async def list_models(request: web.Request) -> web.Response:

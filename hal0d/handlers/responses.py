@@ -22,6 +22,7 @@ from urllib.parse import quote
 import orjson
 from aiohttp import hdrs, web
 
+from hal0d import conversations
 from hal0d.appkeys import DISPATCH, RESPONSE_OWNERS
 from hal0d.errors import InvalidRequest, NoRoute, UpstreamInvalid
 from hal0d.forward import Answer, Attempt, Call, Exchange
@@ -37,6 +38,7 @@ from hal0d.protocol.limits import MAX_TOKENS_LIMIT
 from hal0d.protocol.transform import Transform
 from hal0d.response_owners import ResponseOwners
 from hal0d.routing import Route
+from hal0d.transport.tap import normal_usage
 from hal0d.transport.upstream import SSE_HEADERS, response_headers
 
 log = get_logger()
@@ -127,9 +129,7 @@ class Responses(Exchange):
             raise UpstreamInvalid(
                 f"slot {fwd.slot.name!r} answered with no chat completion to translate"
             ) from None
-        usage = response["usage"]
-        fwd.info.apply_usage({"prompt_tokens": usage["input_tokens"],
-                              "completion_tokens": usage["output_tokens"]})
+        fwd.info.apply_usage(normal_usage(response["usage"]))
         return web.Response(body=orjson.dumps(response), content_type="application/json")
 
     def relay(self, fwd: Attempt, answer: Answer) -> tuple[Mapping[str, str], Transform]:
@@ -153,8 +153,9 @@ async def create(request: web.Request) -> web.StreamResponse:
     payload = parse_json_object(body)
     model, stream = requested(payload)
     exchange = Responses(body, payload, model, request.app[RESPONSE_OWNERS], stream=stream)
-    return await request.app[DISPATCH].serve(request, model, exchange,
-                                             client=client_of(request[INFO], payload))
+    return await request.app[DISPATCH].serve(
+        request, model, exchange, client=client_of(request[INFO], payload),
+        conversation=conversations.of_responses(request.headers, payload))
 
 
 class Stored(Exchange):

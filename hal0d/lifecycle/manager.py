@@ -33,15 +33,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any, Final
 
 from hal0d.config import GroupConfig, SlotConfig
 from hal0d.errors import SlotLoadFailed, SlotLoading
-from hal0d.lifecycle import reload, views
+from hal0d.lifecycle import prompt_cache, reload, views
 from hal0d.lifecycle.groups import Groups, Member, Swap, SwapPhase
 from hal0d.lifecycle.machine import Action, Event, allows
 from hal0d.lifecycle.probe import probe
 from hal0d.lifecycle.process import Child
+from hal0d.lifecycle.prompt_cache import Warmth
 from hal0d.lifecycle.reload import Step
 from hal0d.lifecycle.runner import (
     BACKOFF_FIRST_S,
@@ -79,6 +81,8 @@ class LifecycleManager:
         *,
         groups: dict[str, GroupConfig] | None = None,
         end_streams: Callable[[str, str], int] = lambda slot, reason: 0,
+        warmth: Warmth | None = None,
+        cache_root: Path | None = None,
     ) -> None:
         self.table = table
         self.client = client
@@ -91,6 +95,9 @@ class LifecycleManager:
         # unload); returns how many it ended.
         self.end_streams = end_streams
         self.observers: list[LifecycleObserver] = []
+        # The conversations slots hold warm, and where their saved caches live (prompt_cache.py).
+        self.warmth = warmth
+        self.cache_root = cache_root
         # Told of each slot a reload adds, once the manager has it (the event feed watches it).
         self.slot_added: list[Callable[[Slot], None]] = []
         # Told of each slot a reload changed, once its new config is in its view (the event
@@ -140,7 +147,7 @@ class LifecycleManager:
         if not config.command:
             return None
         slot = self.table[config.name]
-        runner = self.runners[config.name] = Runner(slot, config)
+        runner = self.runners[config.name] = Runner(slot, config, warmth=self.warmth)
         slot.watchers.append(self._on_change)
         slot.count_watchers.append(self._on_counts)
         slot.demand = self._demand if config.on_demand else None
@@ -193,13 +200,8 @@ class LifecycleManager:
         """This load of an on-demand slot stays idle `seconds` before it unloads (0: unloads as
         soon as it is idle; negative: stays loaded), until it unloads; a client's keep_alive.
         Other slots are not unloaded by hal0d's idle timer: nothing changes for them."""
-        runner = self.runners.get(name)
-        if runner is None or not runner.config.on_demand or runner.keep_alive_s == seconds:
-            return
-        runner.keep_alive_s = seconds
-        log.info("slot.keep_alive_set", slot=name, keep_alive_s=seconds)
-        if runner.slot.state is SlotState.READY:
-            runner.arm_idle(self._idle, from_last_use=True)
+        if (runner := self.runners.get(name)) is not None and runner.config.on_demand:
+            runner.keep_alive(seconds, self._idle)
 
     def _idle(self, runner: Runner) -> None:
         runner.idle_timer = None
@@ -311,7 +313,7 @@ class LifecycleManager:
     async def _stop(self, runner: Runner, start: asyncio.Task[None] | None) -> None:
         """An unload's (or a replace's) own task (Runner.wind_down), told as `gone`."""
         reason = runner.unloading
-        await runner.wind_down(start, self.observers)
+        await runner.wind_down(start, self.observers, self.client)
         runner.job = None  # done: a start that `gone` leads to is a job of its own
         self.tell(runner, Event.GONE, f"unloaded ({reason})")
 
@@ -442,11 +444,18 @@ class LifecycleManager:
     # -- the whole set -----------------------------------------------------------------------
 
     async def start(self) -> None:
+        self.sweep_caches()
         for runner in self.runners.values():
             self._begin(runner)
         await asyncio.gather(*(self.probe_once(name) for name in self.configs
                                if name not in self.runners))
         self._spawn(self._probe_forever())
+
+    def sweep_caches(self) -> None:
+        """The saved caches no slot's command reads any more, deleted (prompt_cache.sweep)."""
+        if self.cache_root is not None:
+            prompt_cache.sweep(self.cache_root, [*self.configs.values(),
+                                                 *(r.config for r in self.runners.values())])
 
     def restarts(self) -> dict[str, int]:
         """How often each `always` slot's process was restarted since hal0d started."""
@@ -470,7 +479,7 @@ class LifecycleManager:
         for job in jobs:
             job.cancel()
         await asyncio.gather(*jobs, return_exceptions=True)
-        await asyncio.gather(*(runner.shut_down(self.observers) for runner in runners))
+        await asyncio.gather(*(r.shut_down(self.observers, self.client) for r in runners))
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -504,6 +513,7 @@ class LifecycleManager:
             self._change(config, drain_s)
             for tell in self.slot_reconfigured:
                 tell(self.table[config.name])
+        self.sweep_caches()
 
     def _remove(self, name: str, drain_s: float) -> None:
         slot = self.table.remove(name)
@@ -512,6 +522,7 @@ class LifecycleManager:
         runner = self.runners.pop(name, None)
         if runner is not None:
             runner.cancel_timers()
+            runner.cold()
             self._spawn(reload.retire(runner, drain_s))
 
     def _change(self, after: SlotConfig, drain_s: float) -> None:
@@ -573,6 +584,7 @@ class LifecycleManager:
         runner.config = after
         runner.slot.demand = self._demand if after.on_demand else None
         runner.slot.turn_wait_s = self.groups.turn_wait_s(after)
+        self.sweep_caches()  # the old command's caches, now that its process is gone
 
     # -- views (views.py builds them) --------------------------------------------------------
 
@@ -584,4 +596,5 @@ class LifecycleManager:
         """A slot as /api/slots and the event feed show it."""
         config = self.configs.get(slot.name)
         group = self.groups.get(config.group) if config else None
-        return views.slot_view(slot, config, group, self.runners.get(slot.name))
+        return views.slot_view(slot, config, group, self.runners.get(slot.name),
+                               self.warmth.warm(slot.name) if self.warmth else 0)

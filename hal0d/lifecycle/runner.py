@@ -13,12 +13,14 @@ import enum
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Final, Protocol
 
 from hal0d.config import GroupConfig, SlotConfig
 from hal0d.lifecycle.groups import Groups, NoRoom, Swap, Withdrawn
 from hal0d.lifecycle.probe import port_taken, until_answering
 from hal0d.lifecycle.process import Child, LaunchFailed, resolve_program
+from hal0d.lifecycle.prompt_cache import PromptCache, Warmth, make_folder
 from hal0d.lifecycle.slots import Slot, SlotState
 from hal0d.logs import get_logger
 from hal0d.transport.upstream import UpstreamClient
@@ -129,10 +131,48 @@ class Runner:
     # idle_unload_s until the slot unloads: 0 unloads once idle, negative never.
     keep_alive_s: float | None = None
     urgent: bool = False  # the next start was asked for by the API: it waits for no batch
+    # The conversations its slot holds warm (conversations.Affinity), told what a stop and a
+    # restore do to them.
+    warmth: Warmth | None = None
+    cache: PromptCache | None = None  # its saved prompt caches: prompt_cache()
 
     @property
     def name(self) -> str:
         return self.slot.name
+
+    def prompt_cache(self) -> PromptCache | None:
+        """The saved caches of the current config's command; None when it saves none."""
+        folder = self.config.prompt_cache_dir
+        if folder is None:
+            return None
+        if self.cache is None or str(self.cache.folder) != folder:
+            self.cache = PromptCache(self.name, Path(folder))
+        return self.cache if self.config.saves_prompt_cache else None
+
+    async def keep_warm(self, client: UpstreamClient) -> None:
+        """Before its process stops (nothing in flight): its prompt caches saved, when it saves
+        them and the next process can read them (a reload's new command could not); else the
+        conversations it held are cold."""
+        cache = self.prompt_cache()
+        next_folder = (self.successor or self.config).prompt_cache_dir
+        saved = cache is not None and next_folder == self.config.prompt_cache_dir and (
+            await cache.save(client, self.config,
+                             self.warmth.conversations(self.name) if self.warmth else []))
+        if not saved:
+            self.cold()
+
+    def cold(self) -> None:
+        """Its process is gone with what it had read."""
+        if self.warmth is not None:
+            self.warmth.forget_slot(self.name)
+
+    async def warm_up(self, client: UpstreamClient) -> None:
+        """A new process answers: the caches the last one saved restored into it before the
+        first request is admitted; their conversations are the slot's again."""
+        cache = self.prompt_cache()
+        held = await cache.restore(client, self.config) if cache is not None else []
+        if held and self.warmth is not None:
+            self.warmth.adopt(self.name, held)
 
     @property
     def busy(self) -> bool:
@@ -160,6 +200,16 @@ class Runner:
         if self.idle_timer is not None:
             self.idle_timer.cancel()
             self.idle_timer = None
+
+    def keep_alive(self, seconds: float, fire: Callable[[Runner], None]) -> None:
+        """A client's keep_alive for this load (manager.keep_alive): the idle timer armed anew
+        from the last use when it changed and the slot is ready."""
+        if self.keep_alive_s == seconds:
+            return
+        self.keep_alive_s = seconds
+        log.info("slot.keep_alive_set", slot=self.name, keep_alive_s=seconds)
+        if self.slot.state is SlotState.READY:
+            self.arm_idle(fire, from_last_use=True)
 
     def arm_idle(self, fire: Callable[[Runner], None], *, from_last_use: bool = False) -> None:
         """The idle timer, armed anew: `fire` is told once the slot was idle its idle wait,
@@ -204,6 +254,8 @@ class Runner:
             self.failed(cause, elapsed, exit_code)
             return Started.FAILED
         assert self.child is not None
+        await self.warm_up(client)
+        elapsed = progress.elapsed()
         self.loaded_at = time.monotonic()
         log.info("slot.loaded", slot=self.name, elapsed_s=elapsed, pid=self.child.pid)
         progress.enter(LoadPhase.READY)
@@ -229,6 +281,8 @@ class Runner:
                 progress.enter(LoadPhase.STARTING)
                 if (taken := port_taken(config.upstream)) is not None:
                     raise LaunchFailed(taken)
+                if config.prompt_cache_dir is not None:
+                    make_folder(config.prompt_cache_dir)
                 child = await self.launch()
                 progress.enter(LoadPhase.PROBING)
                 return await until_answering(client, self.config, child,
@@ -251,9 +305,9 @@ class Runner:
         return self.child
 
     async def wind_down(self, start: asyncio.Task[None] | None,
-                        observers: Iterable[LifecycleObserver]) -> None:
+                        observers: Iterable[LifecycleObserver], client: UpstreamClient) -> None:
         """An unload's (or a replace's) steps: the start it interrupts cancelled, the requests
-        in flight drained, the process stopped, the observers told."""
+        in flight drained, the prompt caches saved, the process stopped, the observers told."""
         slot, reason = self.slot, self.unloading
         self.cancel_timers()
         self.keep_alive_s = None  # a client's keep_alive was this load's
@@ -265,6 +319,8 @@ class Runner:
                      reason=str(reason))
         await drain(slot, self.drain_s)
         loaded_s = round(time.monotonic() - self.loaded_at, 1) if self.loaded_at else None
+        if self.child is not None and self.loaded_at is not None:
+            await self.keep_warm(client)
         await self.stop_child()
         if self.cause is None:
             self.backoff.reset()  # a clean stop: the next start owes nothing to earlier ones
@@ -272,9 +328,13 @@ class Runner:
         for observer in observers:
             observer.unloaded(self.name, reason, loaded_s)
 
-    async def shut_down(self, observers: Iterable[LifecycleObserver]) -> None:
-        """hal0d stops: the process stopped, the observers told of a load it ends."""
+    async def shut_down(self, observers: Iterable[LifecycleObserver],
+                        client: UpstreamClient) -> None:
+        """hal0d stops: the prompt caches saved, the process stopped, the observers told of a
+        load it ends."""
         loaded = self.child is not None
+        if loaded and self.loaded_at is not None:
+            await self.keep_warm(client)
         await self.stop_child()
         if loaded and self.config.on_demand:
             log.info("slot.unloaded", slot=self.name, reason=str(UnloadReason.SHUTDOWN))
@@ -308,6 +368,7 @@ class Runner:
         """Its process, up, exited on its own: forgotten, its backoff reset after a healthy
         run and taken when it is wanted again; returns the cause the slot shows."""
         self.child = None
+        self.cold()
         ran_s = time.monotonic() - (self.loaded_at or time.monotonic())
         self.loaded_at = None
         if ran_s >= HEALTHY_RUN_S:

@@ -30,8 +30,9 @@ def unloads_in(runner: Runner | None, now: float) -> float | None:
 
 
 def slot_view(slot: Slot, config: SlotConfig | None, group: Group | None,
-              runner: Runner | None) -> dict[str, Any]:
-    """A slot as /api/slots and the event feed show it."""
+              runner: Runner | None, warm: int = 0) -> dict[str, Any]:
+    """A slot as /api/slots and the event feed show it; `warm`: how many conversations it
+    holds (conversations.Affinity), and its saved prompt caches when it keeps them."""
     now = time.monotonic()
     view = slot.snapshot()
     view["group"] = config.group if config else None
@@ -47,6 +48,9 @@ def slot_view(slot: Slot, config: SlotConfig | None, group: Group | None,
                                 and slot.name in (pending.slot, pending.victim) else None)
     if runner is not None and runner.config.on_demand:
         view.update(_load_view(runner, now))
+    view["conversations_warm"] = warm
+    cache = runner.prompt_cache() if runner is not None else None
+    view["prompt_cache"] = cache.status.view() if cache is not None else None
     return view
 
 

@@ -18,6 +18,10 @@ class SlotMetrics:
     tokens: int = 0
     tokens_per_s: float | None = None
     flm: dict[str, float] = field(default_factory=dict)
+    # The prompt tokens of the requests whose upstream said how many came from its cache: those
+    # it read, and those it took from the cache (their share is the status page's "cache").
+    prompt_read: int = 0
+    prompt_cached: int = 0
 
     @classmethod
     def new(cls, samples: int) -> SlotMetrics:
@@ -30,8 +34,13 @@ class SlotMetrics:
         ttft_ms: float | None,
         completion_tokens: int | None,
         tokens_per_s: float | None,
+        prompt_tokens: int | None = None,
+        cached_tokens: int | None = None,
     ) -> None:
         self.requests += 1
+        if (split := prompt_split(prompt_tokens, cached_tokens)) is not None:
+            self.prompt_read += split[0]
+            self.prompt_cached += split[1]
         if not ok:
             self.errors += 1
         if ttft_ms is not None:
@@ -68,6 +77,17 @@ class SlotMetrics:
                 "p95": pct(0.95),
                 "samples": len(samples),
             },
+            "prompt_tokens": {"read": self.prompt_read, "cached": self.prompt_cached},
         }
         out.update(self.flm)
         return out
+
+
+def prompt_split(prompt_tokens: int | None, cached_tokens: int | None) -> tuple[int, int] | None:
+    """A request's prompt as (read, taken from the cache) when its upstream said both; None when
+    it said nothing of a cache (llama-cpp-python does not): no figure, not a cache that held
+    nothing."""
+    if prompt_tokens is None or cached_tokens is None:
+        return None
+    cached = min(cached_tokens, prompt_tokens)
+    return prompt_tokens - cached, cached

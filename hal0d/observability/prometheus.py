@@ -209,6 +209,11 @@ class PromMetrics:
             "hal0d_generated_tokens", "completion tokens generated", ["slot", "model"],
             registry=self.registry,
         )
+        self.prompt_tokens = Counter(
+            "hal0d_prompt_tokens", "prompt tokens the upstream read (source=read) or took from "
+            "its prompt cache (source=cached), of the requests whose upstream says which",
+            ["slot", "source"], registry=self.registry,
+        )
         self.stall_trips = Counter(
             "hal0d_stall_guard_trips", "streams cut by the stall guard", ["slot", "reason"],
             registry=self.registry,

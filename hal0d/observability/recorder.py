@@ -10,7 +10,7 @@ from typing import Any, Final
 
 from hal0d.errors import stall_reason
 from hal0d.observability.history import COLUMNS, HistoryWriter, RequestRecord, row_of
-from hal0d.observability.live import SlotMetrics
+from hal0d.observability.live import SlotMetrics, prompt_split
 from hal0d.observability.prometheus import PromMetrics
 from hal0d.observability.requestinfo import RequestInfo
 from hal0d.observability.tally import Tally
@@ -103,6 +103,9 @@ class Recorder:
             self._child(self.prom.ttft, slot).observe(info.ttft_ms / 1000)
         if info.completion_tokens:
             self._child(self.prom.tokens, slot, model).inc(info.completion_tokens)
+        if (split := prompt_split(info.prompt_tokens, info.cached_tokens)) is not None:
+            self._child(self.prom.prompt_tokens, slot, "read").inc(split[0])
+            self._child(self.prom.prompt_tokens, slot, "cached").inc(split[1])
         if (stall := stall_reason(info.error_code)) is not None:
             self._child(self.prom.stall_trips, slot, stall).inc()
         live = self.slot_metrics(slot)
@@ -111,6 +114,8 @@ class Recorder:
             ttft_ms=info.ttft_ms,
             completion_tokens=info.completion_tokens,
             tokens_per_s=info.tokens_per_s,
+            prompt_tokens=info.prompt_tokens,
+            cached_tokens=info.cached_tokens,
         )
         if info.usage:
             live.record_flm(info.usage)

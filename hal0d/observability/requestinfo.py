@@ -14,6 +14,7 @@ from aiohttp import web
 
 from hal0d.errors import upstream_status
 from hal0d.lifecycle.turns import ANONYMOUS
+from hal0d.protocol.usage import cached_tokens, with_timings
 
 
 @dataclass(slots=True)
@@ -38,6 +39,8 @@ class RequestInfo:
     ttft_ms: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    # Of prompt_tokens, those the upstream took from its prompt cache (None: it did not say).
+    cached_tokens: int | None = None
     tokens_per_s: float | None = None
     usage: dict[str, Any] | None = None
     ended: float | None = None
@@ -59,7 +62,11 @@ class RequestInfo:
         if status >= 400:
             self.fail(upstream_status(status))
 
-    def apply_usage(self, usage: dict[str, Any] | None) -> None:
+    def apply_usage(self, usage: dict[str, Any] | None, timings: object = None) -> None:
+        """The upstream's usage in chat completions' words (transport.tap.normal_usage), and
+        llama-server's `timings` where the answer has them: the cached part is read from either
+        (hal0d.protocol.usage), the usage's figure first."""
+        usage = with_timings(usage, timings)
         if not usage:
             return
         self.usage = usage
@@ -68,6 +75,8 @@ class RequestInfo:
             self.prompt_tokens = prompt
         if isinstance(completion, int):
             self.completion_tokens = completion
+        if (cached := cached_tokens(usage)) is not None:
+            self.cached_tokens = cached
 
     def end(self) -> None:
         if self.ended is None:

@@ -18,7 +18,8 @@ bridge guarantees: `response.created` then `response.in_progress` first, one id 
 output items one at a time, each `response.output_item.added` before its content events and
 closed by `response.output_item.done` before the next opens, `output_index` counting from 0;
 `content_index` on every part event; `sequence_number` from 0 on every event; the terminal
-event carries the whole output and the usage.
+event carries the whole output and the usage (with input_tokens_details.cached_tokens, the part
+of the prompt the upstream took from its cache, when its usage or llama-server's timings say it).
 
     chat delta                 Responses output item and its events
     reasoning_content          reasoning (response.reasoning_text.delta / .done)
@@ -110,6 +111,7 @@ class Bridge:
         self._fragments = 0
         self._reasoning_fragments = 0
         self._usage: ChatChunk | None = None  # the latest chunk that carried usage
+        self._cached: int | None = None  # the prompt's cached part (usage or timings)
 
     @property
     def done(self) -> bool:
@@ -130,6 +132,8 @@ class Bridge:
         events = self._opening()
         if read.has_usage:
             self._usage = read
+        if read.cached_tokens is not None:
+            self._cached = read.cached_tokens
         if read.reasoning:
             self._reasoning_fragments += 1
             self._reason(events, read.reasoning)
@@ -313,7 +317,8 @@ class Bridge:
         reasoning = usage.reasoning_tokens
         return usage_of(0 if prompt is None else prompt,
                         self._fragments if generated is None else generated,
-                        self._reasoning_fragments if reasoning is None else reasoning)
+                        self._reasoning_fragments if reasoning is None else reasoning,
+                        self._cached)
 
     def _event(self, kind: str, **fields: Any) -> Event:
         payload = {"type": kind, "sequence_number": self._sequence, **fields}

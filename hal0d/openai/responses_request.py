@@ -44,6 +44,7 @@ from typing import Any
 import orjson
 
 from hal0d.errors import InvalidRequest
+from hal0d.protocol.usage import cached_tokens, with_timings
 
 __all__ = [
     "CUSTOM",
@@ -424,10 +425,15 @@ def output_of(item: dict[str, Any], index: int) -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": call_id, "content": output}
 
 
-def usage_of(input_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> dict[str, Any]:
+def usage_of(input_tokens: int, output_tokens: int, reasoning_tokens: int = 0,
+             cached_tokens: int | None = None) -> dict[str, Any]:
+    """A Responses usage. As in chat completions, input_tokens is the whole prompt and
+    input_tokens_details.cached_tokens the part of it the upstream took from its cache (0 when
+    it did not say)."""
+    cached = min(cached_tokens or 0, input_tokens)
     return {"input_tokens": input_tokens, "output_tokens": output_tokens,
             "total_tokens": input_tokens + output_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": cached},
             "output_tokens_details": {"reasoning_tokens": reasoning_tokens}}
 
 
@@ -503,13 +509,15 @@ def to_response(completion: Any, request: ChatRequest, *, model: str) -> dict[st
             output.append(call_item(request.tools, str(call.get("id") or new_item_id("call")),
                                     str(function.get("name", "")),
                                     str(function.get("arguments") or "")))
-    usage: dict[str, Any] = completion["usage"] if isinstance(completion.get("usage"), dict) else {}
+    given = completion["usage"] if isinstance(completion.get("usage"), dict) else None
+    usage = with_timings(given, completion.get("timings")) or {}
     prompt, generated = usage.get("prompt_tokens"), usage.get("completion_tokens")
     reason = INCOMPLETE_REASONS.get(str(choice.get("finish_reason")))
     response = response_object(
         new_response_id(), model, "incomplete" if reason else "completed", echo=request.echo,
         output=output, usage=usage_of(prompt if isinstance(prompt, int) else 0,
-                                      generated if isinstance(generated, int) else 0))
+                                      generated if isinstance(generated, int) else 0,
+                                      cached_tokens=cached_tokens(usage)))
     if reason:
         response["incomplete_details"] = {"reason": reason}
     return response

@@ -21,19 +21,22 @@ What a chunk may carry, and what each field must be (null is the same as absent)
     usage                                    the upstream's counts    object
       .prompt_tokens  .completion_tokens                              int >= 0
       .completion_tokens_details.reasoning_tokens                     object, int >= 0
+      .prompt_tokens_details.cached_tokens   the prompt's cached part read, not checked
+    timings.cache_n                          the same, llama-server's read, not checked
 
 A field of another type is a MalformedChunk, raised before a translator changes any state, so
-the stream can end with the message. Fields not listed (role, logprobs, llama-server's timings)
-are not read, and only choices[0] is: hal0d never asks for more than one choice. Null counts as
-absent because real servers send it: `"finish_reason": null` until the last chunk (all of them),
-`"content": null` beside the role (llama-server), `"usage": null` on every chunk before the
-usage one (OpenAI, vLLM).
+the stream can end with the message; the cached part is only reported, so a figure of it that is
+no count is none (protocol/usage.py reads it). Fields not listed (role, logprobs, the rest of
+llama-server's timings) are not read, and only choices[0] is: hal0d never asks for more than one
+choice. Null counts as absent because real servers send it: `"finish_reason": null` until the
+last chunk (all of them), `"content": null` beside the role (llama-server), `"usage": null` on
+every chunk before the usage one (OpenAI, vLLM).
 
 `chunk_of` is the step before, the same for every translating transform: one relayed SSE event
 as its parsed JSON, `[DONE]` as None, text that is not UTF-8 or not JSON refused (Unreadable).
 
 Pure: stdlib and orjson only (and hal0d.errors, the base layer's reading of an upstream's error
-body).
+body, and protocol/usage.py's of the cached part).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import orjson
 
 from hal0d.errors import upstream_message
 from hal0d.protocol.sse import Event
+from hal0d.protocol.usage import cached_tokens
 
 __all__ = ["ChatChunk", "MalformedChunk", "ToolCallFragment", "Unreadable", "chunk_of",
            "read_chunk"]
@@ -100,6 +104,9 @@ class ChatChunk:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     reasoning_tokens: int | None = None
+    # Of the prompt, what the upstream took from its cache: from usage or llama-server's timings
+    # (which come on the last chunk, with or without usage).
+    cached_tokens: int | None = None
 
 
 def read_chunk(obj: object) -> ChatChunk:
@@ -148,12 +155,15 @@ def read_chunk(obj: object) -> ChatChunk:
         raise MalformedChunk("upstream chunk: choices is not a list")
     elif obj.get("object") == "error":  # vLLM's error, which has no choices
         raise _upstream_error(obj)
-    usage = obj.get("usage")
+    usage, timings = obj.get("usage"), obj.get("timings")
     if usage is None:
-        return ChatChunk(content, reasoning, tool_calls, finish, choice)
+        if timings is None:
+            return ChatChunk(content, reasoning, tool_calls, finish, choice)
+        return ChatChunk(content, reasoning, tool_calls, finish, choice,
+                         cached_tokens=cached_tokens(None, timings))
     prompt, completion, reasoning_tokens = _read_usage(usage)
     return ChatChunk(content, reasoning, tool_calls, finish, choice, True, prompt, completion,
-                     reasoning_tokens)
+                     reasoning_tokens, cached_tokens(usage, timings))
 
 
 def _upstream_error(obj: dict[str, Any]) -> MalformedChunk:

@@ -132,6 +132,36 @@ function swapLine(view) {
     + ` (${swap.victim} serves its queue)`;
 }
 
+function cacheShare(prompt) {
+  // Of the prompt tokens whose upstream said how many came from its cache, since hal0d started.
+  const total = prompt ? prompt.read + prompt.cached : 0;
+  if (!total) return null;
+  const title = `${prompt.cached} of ${total} prompt tokens came from the upstream's prompt cache`
+    + " since hal0d started";
+  return el("span", { title }, `${Math.round((100 * prompt.cached) / total)} % of prompt tokens`);
+}
+
+function warmLine(view) {
+  // The conversations whose last turn the slot served (its cache holds their prompts), when the
+  // view says.
+  const n = view.conversations_warm;
+  if (n === undefined || n === null) return null;
+  return n === 1 ? "1 conversation" : `${n} conversations`;
+}
+
+function savedCacheLine(view) {
+  // The slot's prompt cache saved to disk and restored; a view without it, or null: none kept.
+  const saved = view.prompt_cache;
+  if (!saved) return null;
+  const parts = [];
+  if (saved.saved_at) parts.push(`saved ${saved.saved_tokens} tokens at ${clock(saved.saved_at)}`);
+  if (saved.restored_at) {
+    parts.push(`restored ${saved.restored_tokens} at ${clock(saved.restored_at)}`);
+  }
+  if (saved.failures) parts.push(`${saved.failures} failed`);
+  return parts.length ? parts.join(", ") : "nothing saved yet";
+}
+
 async function slotAction(name, action, force = false) {
   const query = action === "load" ? "?wait=false" : force ? "?force=true" : "";
   try {
@@ -156,6 +186,12 @@ function card(view) {
     ["tok/s", num(metrics.tokens_per_s)],
     ["TTFT p50 / p95", `${ms(ttft.p50)} / ${ms(ttft.p95)}`],
   ];
+  const share = cacheShare(metrics.prompt_tokens);
+  if (share) facts.push(["cache", share]);
+  const warm = warmLine(view);
+  if (warm) facts.push(["warm", warm]);
+  const saved = savedCacheLine(view);
+  if (saved) facts.push(["saved cache", saved]);
   const lifecycle = lifecycleLine(view);
   if (lifecycle) facts.push(["model", el("span", { "data-tick": view.name }, lifecycle)]);
   const memory = groupMemory(view);

@@ -11,6 +11,13 @@ text as a string `delta`; the final usage is `response.usage` in `response.compl
 Anthropic's (`content_block_delta`; usage in `message_delta`, as input_tokens/output_tokens). Every
 shape has one `"delta"` key per generated piece, which is what the count after the first token
 relies on.
+
+How much of the prompt came from the upstream's cache (protocol/usage.py) is in the same last
+reads: in the usage, or in llama-server's `timings` on its last chunk, usage or not. Only an
+Anthropic stream says it earlier: `message_start`'s usage has input_tokens and
+cache_read_input_tokens, which llama-server's `message_delta` does not repeat, so the tap keeps
+that usage as it passes (before the first token, while it still looks inside chunks) and the
+final usage is laid over it.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Any
 import orjson
 
 from hal0d.protocol.sse import data_lines
+from hal0d.protocol.usage import with_timings
 from hal0d.transport.stallguard import STALL_MARKER
 
 # Fields of a chunk's delta (or legacy choice) that carry generated output.
@@ -57,38 +65,50 @@ def _carries_generated_text(chunk: bytes) -> bool:
     return False
 
 
-def _usage_of(chunk: bytes) -> dict[str, Any] | None:
-    found = None
+def _usage_of(chunk: bytes) -> tuple[dict[str, Any] | None, Any]:
+    """The last usage in `chunk` as it came (a chunk's `usage`, the Responses API's
+    `response.usage`, Anthropic's `message.usage` in message_start), and the last `timings`."""
+    usage = timings = None
     for data in data_lines(chunk):
-        if b'"usage"' in data:
-            try:
-                obj = orjson.loads(data)
-            except orjson.JSONDecodeError:
-                continue
-            if not isinstance(obj, dict):
-                continue
-            usage = obj.get("usage")
-            inner = obj.get("response")
-            if usage is None and isinstance(inner, dict):
-                usage = inner.get("usage")  # the Responses API's response.completed
-            if isinstance(usage, dict):
-                found = usage
-    return normal_usage(found)
+        if b'"usage"' not in data and b'"timings"' not in data:
+            continue
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            continue
+        if not isinstance(obj, dict):
+            continue
+        found = obj.get("usage")
+        for outer in ("response", "message"):  # response.completed's, message_start's
+            if found is None and isinstance(inner := obj.get(outer), dict):
+                found = inner.get("usage")
+        if isinstance(found, dict):
+            usage = found
+        if obj.get("timings") is not None:
+            timings = obj["timings"]
+    return usage, timings
 
 
 def normal_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
     """Usage as chat completions name it: the Responses and Anthropic APIs say input_tokens and
-    output_tokens where chat completions say prompt_tokens and completion_tokens."""
+    output_tokens where chat completions say prompt_tokens and completion_tokens. Anthropic's
+    input_tokens leaves out the prompt's cached part (cache_read_input_tokens) and what was
+    written to the cache (cache_creation_input_tokens); prompt_tokens is the whole prompt."""
     if usage is None or "completion_tokens" in usage or "output_tokens" not in usage:
         return usage
-    return {**usage, "prompt_tokens": usage.get("input_tokens"),
-            "completion_tokens": usage["output_tokens"]}
+    prompt = usage.get("input_tokens")
+    if type(prompt) is int:
+        for part in ("cache_read_input_tokens", "cache_creation_input_tokens"):
+            if type(tokens := usage.get(part)) is int:
+                prompt += tokens
+    return {**usage, "prompt_tokens": prompt, "completion_tokens": usage["output_tokens"]}
 
 
 class StreamTap:
     """Observes one stream's raw upstream bytes without altering them."""
 
-    __slots__ = ("_before_last", "_last", "first_token_at", "last_chunk_at", "started", "tokens")
+    __slots__ = ("_before_last", "_last", "_opening", "first_token_at", "last_chunk_at",
+                 "started", "tokens")
 
     def __init__(self, started: float | None = None) -> None:
         self.started = time.monotonic() if started is None else started
@@ -99,10 +119,13 @@ class StreamTap:
         # continuous usage, on every chunk, the last one being final); read once, at the end.
         self._before_last = b""
         self._last = b""
+        self._opening: dict[str, Any] | None = None  # an Anthropic message_start's usage
 
     def on_chunk(self, chunk: bytes) -> None:
         now = time.monotonic()
         if self.first_token_at is None:
+            if b'"message_start"' in chunk:
+                self._opening = _usage_of(chunk)[0]
             if STALL_MARKER in chunk or not _carries_generated_text(chunk):
                 return
             self.first_token_at = now
@@ -118,8 +141,13 @@ class StreamTap:
         return (self.first_token_at - self.started) * 1000
 
     def usage(self) -> dict[str, Any] | None:
+        """The stream's usage in chat completions' words, what llama-server's timings add to it
+        included (protocol/usage.py)."""
         # Joined: the last event may have been split across the two reads.
-        return _usage_of(self._before_last + self._last)
+        usage, timings = _usage_of(self._before_last + self._last)
+        if self._opening is not None:  # message_delta's counts are totals: they win
+            usage = {**self._opening, **{k: v for k, v in (usage or {}).items() if v is not None}}
+        return with_timings(normal_usage(usage), timings)
 
     def completion_tokens(self) -> int | None:
         usage = self.usage()
