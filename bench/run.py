@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench import client, failover, inprocess, keepalive, lifecycle, procs, swaps
+from bench import client, failover, inprocess, keepalive, lifecycle, procs, swaps, warm
 from bench.client import CHAT, MESSAGES, Endpoint, chat_body, messages_body
 from bench.runs import Plan, Run, say, verdict
 
@@ -394,6 +394,8 @@ async def measure(run: Run, peers: bool, profile: bool, sections: set[str],
             await keepalive.measure(run, procset, say, baseline=baseline)
         if "swaps" in sections:
             await swaps.measure(run, procset, say)
+        if "warm" in sections:
+            await warm.measure(run, procset, say, baseline=baseline)
         if profile:
             await profile_section(run, hal0d)
     finally:
@@ -630,6 +632,7 @@ def build_rows(run: Run) -> list[dict[str, Any]]:
     rows.extend(failover.rows(run))
     rows.extend(keepalive.rows(run))
     rows.extend(swaps.rows(run))
+    rows.extend(warm.rows(run))
     return rows
 
 
@@ -702,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="py-spy hal0d during long streams; writes bench/results/profile*")
     parser.add_argument("--sections",
                         default="latency,throughput,anthropic,paced,memory,lifecycle,failover,"
-                        "keepalive,swaps",
+                        "keepalive,swaps,warm",
                         help="comma-separated subset of the default")
     parser.add_argument("--uvloop", action="store_true",
                         help="experiment: add a hal0d-uvloop instance (bench/.peers/uvloop)")
