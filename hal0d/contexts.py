@@ -21,6 +21,7 @@ from hal0d.config.cache_dir import cache_root
 from hal0d.conversations import Affinity
 from hal0d.forward import Dispatch
 from hal0d.forward.modes import AnthropicModes, ResponsesModes
+from hal0d.forward.placement import Placement
 from hal0d.lifecycle.manager import LifecycleManager
 from hal0d.lifecycle.remote import RemoteModels
 from hal0d.lifecycle.runner import log_state_change
@@ -69,11 +70,12 @@ async def dispatch_context(app: web.Application) -> AsyncIterator[None]:
     recorder = app[RECORDER]  # recorder_context runs first (make_app's order)
     remote = RemoteModels(upstreams)
     affinity = Affinity()
+    placement = Placement(table, remote, affinity)
     dispatch = Dispatch(runtime=app[RUNTIME], slots=table, upstreams=upstreams,
                         tokens=TokenCounter(upstreams), anthropic_modes=AnthropicModes(),
                         responses_modes=ResponsesModes(), streams=set(),
                         on_failover=recorder.prom.failover, on_keepalive=recorder.prom.keepalive,
-                        remote=remote, affinity=affinity)
+                        remote=remote, placement=placement)
     app[DISPATCH] = dispatch
     lifecycle = LifecycleManager(table, config.slots, upstreams, groups=config.groups,
                                  end_streams=dispatch.end_streams, warmth=affinity,
@@ -86,8 +88,11 @@ async def dispatch_context(app: web.Application) -> AsyncIterator[None]:
     feed = SlotFeed(app[EVENTS], views)
     for slot in table:
         feed.watch(slot)
+        placement.cooldowns.watch(slot)
     lifecycle.slot_added.append(feed.watch)
     lifecycle.slot_reconfigured.append(feed.reconfigured)
+    lifecycle.slot_added.append(placement.cooldowns.watch)
+    lifecycle.slot_reconfigured.append(placement.cooldowns.reconfigured)
     lifecycle.observers.append(feed)
     recorder.listeners.append(feed.request_finished)
     past = LifecycleLog(keep=recorder.history.submit)

@@ -84,28 +84,57 @@ def answering(status: int) -> Callable[[web.Request], Awaitable[web.Response]]:
     return handler
 
 
-async def test_a_dead_first_slot_hands_the_request_to_the_second_at_once(
-    start_hal0d: ServerFactory, stub: Stub, tmp_path: Path, http: aiohttp.ClientSession
+async def test_a_first_slot_that_died_hands_one_request_on_and_is_skipped_after(
+    start_hal0d: ServerFactory, stub: Stub, tmp_path: Path, http: aiohttp.ClientSession,
+    aiohttp_server: Callable[..., Awaitable[TestServer]]
 ) -> None:
-    dead = f"http://127.0.0.1:{free_port()}"
-    hal0d = await start_routed(start_hal0d, route_config(dead, stub.url, tmp_path), tmp_path)
+    """The first slot answered its probe, then died: the next request is handed on at once
+    (connect refused), and the ones after it go to the second slot first while the first cools
+    down. One warning says it started failing; each hand-on is an info line."""
+    first = web.Application()
+    first.router.add_get("/v1/models", lambda _: web.json_response({"data": []}))
+    one = await aiohttp_server(first)
+    text = route_config(str(one.make_url("")).rstrip("/"), stub.url, tmp_path)
+    hal0d = await start_routed(start_hal0d, text, tmp_path)
+    await one.close()  # the box dies after hal0d found it answering
     with capture_logs() as logs:
-        for stream in (False, True):
+        for stream in (False, True, False):
             status, body, took = await chat(http, hal0d, stream=stream)
             assert status == 200, body
             assert took < 0.5, took
             if stream:
                 assert body.rstrip().endswith(b"data: [DONE]"), body[-200:]
-    row = await last_row(http, hal0d)
-    assert (row["slot"], row["attempts"], row["failover"]) == ("two", 2, "one=connect_refused")
-    assert row["model"] == "qwen" and row["ok"] is True
+    rows = await rows_of(http, hal0d, 3)
+    assert [(r["slot"], r["attempts"], r["failover"]) for r in rows] == [
+        ("two", 2, "one=connect_refused"), ("two", 1, None), ("two", 1, None)]
+    assert rows[0]["model"] == "qwen" and rows[0]["ok"] is True
     handed = [event for event in logs if event["event"] == "dispatch.failover"]
-    assert [(e["route"], e["from"], e["to"], e["reason"]) for e in handed] == [
-        ("qwen", "one", "two", "connect_refused")] * 2
+    assert [(e["route"], e["from"], e["to"], e["reason"], e["log_level"]) for e in handed] == [
+        ("qwen", "one", "two", "connect_refused", "info")]
+    failing = [e for e in logs if e["event"] == "route.slot_failing"]
+    assert [(e["slot"], e["log_level"]) for e in failing] == [("one", "warning")]
     async with http.get(hal0d.make_url("/metrics")) as resp:
         text = await resp.text()
-    assert ('hal0d_failovers_total{reason="connect_refused",route="qwen",slot="one"} 2.0'
+    assert ('hal0d_failovers_total{reason="connect_refused",route="qwen",slot="one"} 1.0'
             in text), [line for line in text.splitlines() if "failover" in line]
+
+
+async def test_a_first_slot_its_probe_found_dead_is_tried_last(
+    start_hal0d: ServerFactory, stub: Stub, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    hal0d = await start_routed(start_hal0d, route_config(dead, stub.url, tmp_path), tmp_path)
+    status, body, took = await chat(http, hal0d, stream=False)
+    assert status == 200 and took < 0.5, (body, took)
+    row = await last_row(http, hal0d)
+    assert (row["slot"], row["attempts"], row["failover"]) == ("two", 1, None)
+
+
+async def rows_of(http: aiohttp.ClientSession, hal0d: TestServer, n: int
+                  ) -> list[dict[str, Any]]:
+    """The last `n` history rows, oldest first."""
+    async with http.get(hal0d.make_url(f"/api/requests?limit={n}")) as resp:
+        return list(reversed((await resp.json())["requests"]))
 
 
 @pytest.mark.parametrize("status", [500, 429])
@@ -133,17 +162,53 @@ async def test_a_5xx_or_429_from_the_first_slot_is_answered_by_the_second_on_bot
 
 
 async def test_a_first_slot_that_never_answers_is_left_after_first_byte_timeout_s(
-    start_hal0d: ServerFactory, stub: Stub, silent_socket: str, tmp_path: Path,
-    http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, stub: Stub, *, upstream_app: Upstream, tmp_path: Path,
+    http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    text = route_config(silent_socket, stub.url, tmp_path, route="first_byte_timeout_s = 1.0")
+    """A box that answers its probe but never a request: the first request waits the route's
+    bound and is handed on, the next ones go to the second slot at once while the first cools
+    down; once the cooldown is over and the box answers again, it is back, said once."""
+    from hal0d.forward import cooldown
+
+    monkeypatch.setattr(cooldown, "COOLDOWN_FIRST_S", 1.5)
+    hangs = asyncio.Event()
+    hangs.set()
+
+    async def chat_or_hang(request: web.Request) -> web.StreamResponse:
+        while hangs.is_set():
+            await asyncio.sleep(0.05)
+        return await answering_stream(request)
+
+    quiet = await upstream_app({"POST /v1/chat/completions": chat_or_hang})
+    text = route_config(quiet, stub.url, tmp_path, route="first_byte_timeout_s = 1.0")
     hal0d = await start_routed(start_hal0d, text, tmp_path)
-    status, body, took = await chat(http, hal0d, stream=True)
-    assert status == 200, body
-    row = await last_row(http, hal0d)
-    assert (row["slot"], row["failover"]) == ("two", "one=first_byte_timeout")
-    # The bound, then the second slot's own answer (the stub's few tokens, well under 1 s).
-    assert 1.0 <= took < 1.0 + 1.0, took
+    with capture_logs() as logs:
+        took = []
+        for _ in range(3):
+            status, body, seconds = await chat(http, hal0d, stream=True)
+            assert status == 200, body
+            took.append(seconds)
+        rows = await rows_of(http, hal0d, 3)
+        assert [(r["slot"], r["failover"]) for r in rows] == [
+            ("two", "one=first_byte_timeout"), ("two", None), ("two", None)]
+        # The bound, then the second slot's own answer (the stub's few tokens, well under 1 s);
+        # after it, no wait at all.
+        assert 1.0 <= took[0] < 1.0 + 1.0 and max(took[1:]) < 0.5, took
+        hangs.clear()
+        await asyncio.sleep(1.6)  # the cooldown is over: tried first again, and answers
+        status, body, _ = await chat(http, hal0d, stream=True)
+        assert status == 200 and (await last_row(http, hal0d))["slot"] == "one"
+    warned = [(e["event"], e["slot"]) for e in logs if e["log_level"] == "warning"
+              and e["event"].startswith("route.")]
+    assert warned == [("route.slot_failing", "one"), ("route.slot_recovered", "one")]
+
+
+async def answering_stream(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(b'data: {"choices":[{"index":0,"delta":{"content":"ok"},'
+                         b'"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
+    return response
 
 
 async def test_a_whole_answer_slower_than_first_byte_timeout_s_is_the_first_slots_alone(
@@ -383,20 +448,22 @@ database = "{tmp_path / 'box2.sqlite3'}"
 
 
 async def test_a_responses_answer_is_handed_on_and_its_stored_copy_read_from_the_slot_that_made_it(
-    start_hal0d: ServerFactory, stub: Stub, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, stub: Stub, upstream_app: Upstream, tmp_path: Path,
+    http: aiohttp.ClientSession
 ) -> None:
     import openai
 
-    dead = f"http://127.0.0.1:{free_port()}"
-    hal0d = await start_routed(start_hal0d, route_config(dead, stub.url, tmp_path), tmp_path)
+    refusing = await upstream_app({"POST /v1/responses": answering(503)})
+    hal0d = await start_routed(start_hal0d, route_config(refusing, stub.url, tmp_path),
+                               tmp_path)
     client = openai.AsyncOpenAI(base_url=str(hal0d.make_url("/v1")), api_key="unused",
                                 max_retries=0)
     made = await client.responses.create(model="qwen", input="hi")
     assert made.status == "completed" and made.output_text
     row = await last_row(http, hal0d)
     assert (row["endpoint"], row["slot"], row["failover"]) == (
-        "/v1/responses", "two", "one=connect_refused")
-    # GET goes to the slot that holds the answer, not to the route's first (dead) slot.
+        "/v1/responses", "two", "one=status_503")
+    # GET goes to the slot that holds the answer, not to the route's first (refusing) slot.
     again = await client.responses.retrieve(made.id)
     assert again.id == made.id
     row = await last_row(http, hal0d)
@@ -404,13 +471,13 @@ async def test_a_responses_answer_is_handed_on_and_its_stored_copy_read_from_the
 
 
 async def test_an_ollama_client_is_handed_on_too_and_lists_the_routes_model(
-    start_ollama: Callable[..., Awaitable[tuple[TestServer, str]]], stub: Stub, tmp_path: Path,
-    http: aiohttp.ClientSession
+    start_ollama: Callable[..., Awaitable[tuple[TestServer, str]]], stub: Stub,
+    upstream_app: Upstream, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     import ollama
 
-    dead = f"http://127.0.0.1:{free_port()}"
-    config = parse(tomllib.loads(route_config(dead, stub.url, tmp_path)), base_dir=tmp_path)
+    refusing = await upstream_app({"POST /v1/chat/completions": answering(503)})
+    config = parse(tomllib.loads(route_config(refusing, stub.url, tmp_path)), base_dir=tmp_path)
     hal0d, base = await start_ollama("http://unused", config=config)
     client = ollama.AsyncClient(host=base)
     assert "qwen" in [model.model for model in (await client.list()).models]
@@ -419,4 +486,38 @@ async def test_an_ollama_client_is_handed_on_too_and_lists_the_routes_model(
     assert answer.message.content and answer.done_reason in ("stop", "length")
     row = await last_row(http, hal0d)
     assert (row["endpoint"], row["slot"], row["failover"]) == (
-        "/api/chat", "two", "one=connect_refused")
+        "/api/chat", "two", "one=status_503")
+
+
+async def test_a_reload_that_moves_a_slots_upstream_asks_the_new_one_at_once(
+    tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """The slot's state and reason were its old upstream's: after the reload they are the new
+    one's within a moment, not at the next probe round (10 s)."""
+    from tests.test_lifecycle_reload import reload
+    from tests.test_server import launch, stop
+
+    old, new = free_port(), free_port()
+
+    def slot(port: int) -> str:
+        return (f'[[slots]]\nname = "deadbox"\nupstream = "http://127.0.0.1:{port}"\n'
+                'models = ["assist"]\n')
+
+    hal0d = await launch(tmp_path, "unused", slot=slot(old))
+    try:
+        async def reason() -> str:
+            async with http.get(f"{hal0d.url}/api/slots") as resp:
+                [view] = (await resp.json())["slots"]
+            return str(view["reason"])
+
+        assert str(old) in await reason()
+        await reload(hal0d, slot(new))
+
+        async def moved() -> str:
+            seen = await reason()
+            assert str(new) in seen, seen
+            return seen
+
+        await eventually(moved, 3.0, "the reason naming the new upstream")
+    finally:
+        await stop(hal0d.process)

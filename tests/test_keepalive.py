@@ -141,22 +141,19 @@ async def test_a_load_goes_on_when_its_only_client_left_and_serves_the_next_requ
 
 
 async def test_a_route_hands_on_after_keepalives_and_the_client_gets_the_second_answer(
-    start_hal0d: ServerFactory, stub: Stub, silent_socket: str, tmp_path: Path,
+    start_hal0d: ServerFactory, stub: Stub, upstream_app: Any, tmp_path: Path,
     http: aiohttp.ClientSession
 ) -> None:
-    slots = (SlotConfig(name="one", upstream=silent_socket, models=("one-only",)),
+    async def silent(_: web.Request) -> web.Response:  # answers its probe, never a request
+        await asyncio.sleep(60)
+        return web.Response()
+
+    quiet = await upstream_app({"POST /v1/chat/completions": silent})
+    slots = (SlotConfig(name="one", upstream=quiet, models=("one-only",)),
              SlotConfig(name="two", upstream=stub.url, models=("two-only",)))
     route = RouteConfig(model="qwen", slots=("one", "two"),
                         served={"one": "chat", "two": "chat"}, first_byte_timeout_s=1.2)
     hal0d = await start_hal0d("http://unused", config=config(tmp_path, *slots, routes=(route,)))
-    stream = await sdk(hal0d).chat.completions.create(
-        model="qwen", messages=[{"role": "user", "content": "hi"}], stream=True)
-    text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream
-                    if chunk.choices])
-    assert text.startswith("Hello!"), text
-    async with http.get(hal0d.make_url("/api/requests?limit=1")) as resp:
-        [row] = (await resp.json())["requests"]
-    assert (row["slot"], row["failover"]) == ("two", "one=first_byte_timeout")
     # What the client read: keepalives while the first slot sat silent, then the second slot's
     # answer alone (the stub's), nothing of the first.
     async with http.post(hal0d.make_url("/v1/chat/completions"),
@@ -165,6 +162,15 @@ async def test_a_route_hands_on_after_keepalives_and_the_client_gets_the_second_
     head, _, answer = body.partition(b"data: ")
     assert head.startswith(b": hal0d: ") and head.count(b": hal0d: ") >= 2, body[:200]
     assert b"Hello!" in answer and answer.rstrip().endswith(b"data: [DONE]")
+    async with http.get(hal0d.make_url("/api/requests?limit=1")) as resp:
+        [row] = (await resp.json())["requests"]
+    assert (row["slot"], row["failover"]) == ("two", "one=first_byte_timeout")
+    # The SDK reads the same (the silent slot now cools down: the second answers at once).
+    stream = await sdk(hal0d).chat.completions.create(
+        model="qwen", messages=[{"role": "user", "content": "hi"}], stream=True)
+    text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream
+                    if chunk.choices])
+    assert text.startswith("Hello!"), text
 
 
 async def test_a_request_queued_behind_a_busy_slot_is_kept_alive_and_says_so(

@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
 from tests.conftest import chat_body, eventually, free_port
 from tests.test_loader import ProcessSampler, alive, stub_pids
@@ -296,16 +297,23 @@ async def test_a_reloaded_memory_mib_of_an_always_slot_counts_for_the_next_load(
 
 
 async def test_a_route_slot_a_reload_removed_mid_request_hands_on_to_the_next(
-    serve: Serve, silent_socket: str, tmp_path: Path, http: aiohttp.ClientSession
+    serve: Serve, upstream_app: Any, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
-    """A request's plan is the one it started with: while its first slot sits out
-    first_byte_timeout_s, a reload removes the second. The second is handed on from (its
-    lease refused: it is gone) like any slot that cannot take the request, and the third
-    answers, where the removed slot's refusal used to end the request with a 503."""
+    """A request's plan is the one it started with: while its first slot (it answers its probe,
+    never a request) sits out first_byte_timeout_s, a reload removes the second. The second is
+    handed on from (its lease refused: it is gone) like any slot that cannot take the request,
+    and the third answers, where the removed slot's refusal used to end the request with a
+    503."""
+    async def never(_: web.Request) -> web.Response:
+        await asyncio.sleep(60)
+        return web.Response()
+
+    silent = await upstream_app({"POST /v1/chat/completions": never})
+
     def slots(*names: str) -> str:
         members = ", ".join(f'"{name}"' for name in ("one", *names))
         served = ", ".join(f'{name} = "reasoning"' for name in ("one", *names))
-        return (f'[[slots]]\nname = "one"\nupstream = "{silent_socket}"\nmodels = ["one-only"]\n'
+        return (f'[[slots]]\nname = "one"\nupstream = "{silent}"\nmodels = ["one-only"]\n'
                 + "".join(slot_toml(name, f"{name}-only", tmp_path) for name in names)
                 + f'[[routes]]\nmodel = "qwen"\nslots = [{members}]\n'
                   f"served = {{ {served} }}\nfirst_byte_timeout_s = 3.0\n")

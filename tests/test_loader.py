@@ -358,7 +358,7 @@ async def test_a_process_that_exits_while_idle_leaves_its_slot_stopped_not_resta
     pid = (await views(http, hal0d))["a"]["pid"]
     os.kill(pid, 9)
     view = await state_is(http, hal0d, "a", "stopped", timeout=5)
-    assert "exited" in view["reason"]
+    assert "killed by signal 9 (SIGKILL)" in view["reason"]
     assert (await chat(http, hal0d, "chat"))[0] == 200  # loaded again on demand
 
 
@@ -557,3 +557,52 @@ async def test_an_always_slot_cannot_be_unloaded_through_the_api(
     async with http.post(hal0d.make_url("/api/slots/p/unload")) as resp:
         assert resp.status == 409
         assert "not start = 'on_demand'" in (await resp.json())["error"]["message"]
+
+
+# A model server in a few lines: it prints while it loads, then a line per request it answers
+# (as llama-server does), through the standard library's http.server.
+_PRINTING_SERVER = """
+import http.server, json, sys
+print("loading model weights", flush=True)
+class Handler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, fmt, *args):
+        print("served " + self.command + " " + self.path, flush=True)
+    def _json(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+    def do_GET(self):
+        self._json({"object": "list", "data": []})
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._json({"object": "chat.completion", "choices": [{"index": 0, "finish_reason":
+                    "stop", "message": {"role": "assistant", "content": "hello"}}]})
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+async def test_a_servers_output_is_its_own_info_while_it_loads_and_debug_once_it_answers(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """Its lines never carry the id of the request that asked for the load (they are not about
+    it), and the lines it prints for each request it answers are debug: at the default level
+    they do not flood the journal."""
+    port = free_port()
+    slot = SlotConfig(name="a", upstream=f"http://127.0.0.1:{port}", models=("chat",),
+                      command=(sys.executable, "-c", _PRINTING_SERVER, str(port)),
+                      start="on_demand")
+    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, slot))
+    with logs_into_buffer("json", "debug") as buffer:
+        async with http.post(hal0d.make_url(CHAT), json=body("chat"),
+                             headers={"X-Request-Id": "the-one-request"}) as resp:
+            assert resp.status == 200
+        await eventually(lambda: "served POST" in buffer.getvalue(), 5, "the request's line")
+    events = [orjson.loads(line) for line in buffer.getvalue().splitlines()]
+    printed = [e for e in events if e["event"] == "slot.process_output"]
+    assert [e for e in printed if "request_id" in e] == []
+    levels = {e["line"].split(" /")[0]: e["level"] for e in printed}
+    assert levels["loading model weights"] == "info"
+    assert levels["served POST"] == "debug", levels

@@ -10,12 +10,14 @@ the demo `make run` serves (tests/screenshot.py, run here too so the target keep
 from __future__ import annotations
 
 import contextlib
+import http.server
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -331,15 +333,38 @@ def test_a_restarted_hal0d_shows_the_reconnecting_notice_then_live_data_again(
                                                      for row in request_rows(browser)))
 
 
+class _Refusing(http.server.BaseHTTPRequestHandler):
+    """An upstream that answers its probe and refuses every request (503)."""
+
+    def _answer(self, status: int) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def do_GET(self) -> None:
+        self._answer(200)
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._answer(503)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
 def test_a_request_a_route_handed_on_names_the_slot_it_passed(
     tmp_path: Path, browser: Any
 ) -> None:
-    port, dead = free_port(), free_port()
+    refusing = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+    threading.Thread(target=refusing.serve_forever, daemon=True).start()
+    port, refusing_port = free_port(), refusing.server_address[1]
     config = tmp_path / "hal0d.toml"
     config.write_text(config_text(port, tmp_path, keys=False) + f"""
 [[slots]]
 name = "gone"
-upstream = "http://127.0.0.1:{dead}"
+upstream = "http://127.0.0.1:{refusing_port}"
 models = ["gone-only"]
 
 [[routes]]
@@ -359,10 +384,11 @@ served = {{ gone = "chat", llm = "chat" }}
         assert "llm after gone" in row, row
         title = browser.execute_script(
             "return document.querySelector('#requests tbody tr td:nth-child(3)').title;")
-        assert title == "handed on by gone=connect_refused", title
+        assert title == "handed on by gone=status_503", title
         assert console_errors(browser) == []
     finally:
         daemon.stop()
+        refusing.shutdown()
 
 
 def test_make_screenshot_photographs_the_page_of_the_demo_make_run_serves(tmp_path: Path) -> None:

@@ -12,7 +12,8 @@ starts it; Anthropic translated, Responses relayed natively), `real-bridge` (the
 the stub does not: its own chat template and tokenizer (POST /apply-template and /tokenize, so a
 count is exact), seconds to load the model (the slot is `starting` meanwhile and requests queue),
 and a /v1/responses stream without output_index, content_index or sequence_number, which the
-openai SDK cannot read: the bridge exists for it.
+native relay completes (test_real_responses.py) and the bridge translates from chat completions
+(where a cut answer is `response.incomplete`, as the API says it).
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def test_count_tokens_is_exact_the_servers_own_prompt_count_through_its_template
     assert counted.parse().input_tokens == server.usage.prompt_tokens
 
 
-def test_the_responses_stream_the_sdk_cannot_read_natively_is_read_through_the_bridge(
+def test_the_responses_stream_is_read_through_the_bridge(
     hal0d: str,
 ) -> None:
     client = openai.OpenAI(base_url=f"{hal0d}/v1", api_key="unused", max_retries=0)

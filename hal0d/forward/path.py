@@ -46,14 +46,13 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import aiohttp
 from aiohttp import hdrs, web
 
 from hal0d.config import DispatcherConfig, RouteConfig, SlotConfig
-from hal0d.conversations import Affinity
 from hal0d.errors import (
     ErrorCode,
     Hal0Error,
@@ -66,9 +65,9 @@ from hal0d.errors import (
 from hal0d.forward.exchange import Answer, Call, Exchange, upstream_refusal
 from hal0d.forward.keepalive import Waiting
 from hal0d.forward.modes import AnthropicModes, ResponsesModes
+from hal0d.forward.placement import Placement
 from hal0d.keys import KEY
-from hal0d.lifecycle.machine import SlotState
-from hal0d.lifecycle.remote import KIND_HAL0D, RemoteModels
+from hal0d.lifecycle.remote import RemoteModels
 from hal0d.lifecycle.slots import LOADING, Lease, SlotTable
 from hal0d.logs import get_logger
 from hal0d.observability.requestinfo import INFO, RequestInfo, client_of
@@ -435,10 +434,6 @@ def abort_client(request: web.Request) -> Callable[[], None]:
     return abort
 
 
-# Prefer-loaded order: a slot in these states answers without a load.
-_WARM: Final = frozenset({SlotState.READY, SlotState.SERVING, SlotState.STARTING})
-
-
 @dataclass(frozen=True, slots=True)
 class Dispatch:
     """What the forward path works with, handed to it as one."""
@@ -458,8 +453,8 @@ class Dispatch:
     remote: RemoteModels | None = None
     # Told each keepalive sent, with its surface: hal0d_keepalives_total.
     on_keepalive: Callable[[str], None] | None = None
-    # The slot that last served each conversation (hal0d/conversations.py).
-    affinity: Affinity | None = None
+    # The order of a route's slots (placement.py): its conversations' slots, its failing ones.
+    placement: Placement = field(default_factory=lambda: Placement(SlotTable(())))
 
     async def serve(self, request: web.Request, model: str, exchange: Exchange, *,
                     client: str | None = None, slot: str | None = None,
@@ -499,8 +494,9 @@ class Dispatch:
                     self.handed_on(plan.model, route.slot.name, routes[index + 1].slot.name,
                                    exc.reason)
                     continue
-                if self.affinity is not None and info.ok and info.status == 200:
-                    self.affinity.served(conversation, route.slot.name)
+                if info.ok and info.status == 200:
+                    self.placement.affinity.served(conversation, route.slot.name)
+                    self.placement.cooldowns.answered(route.slot.name)
                 return response
         except Hal0Error as exc:
             if tried:  # the last slot failed too: its error, naming the slots before it
@@ -542,47 +538,19 @@ class Dispatch:
         return info, plan
 
     def order(self, plan: Plan, conversation: str | None = None) -> tuple[Route, ...]:
-        """The plan's slots in the order they are tried: as configured; the slots whose model is
-        loaded first when the route says prefer_loaded; and in a route that spreads its work
-        (spill_when_busy or prefer_loaded), within that rule, the slot that served the
-        conversation's last turn first while it has a free place (or no other slot has one): a
-        busy warm slot is not waited for while another is free. A route that is only a
-        failover order keeps its order (its first slot is the preferred one)."""
-        route = plan.route
-        if route is None or not (route.spill_when_busy or route.prefer_loaded):
-            return plan.routes
-        held = self.affinity.slot_for(conversation) if self.affinity is not None else None
-        if held is not None and not self._free(held) and any(
-                self._free(route.slot.name) for route in plan.routes):
-            held = None
-        return tuple(sorted(plan.routes, key=lambda r: (
-            route.prefer_loaded and not self.warm(r), r.slot.name != held)))
-
-    def _free(self, name: str) -> bool:
-        slot = self.slots.get(name)
-        return slot is not None and not slot.queued and slot.in_flight < slot.config.max_concurrent
+        return self.placement.order(plan, conversation)
 
     def warm(self, route: Route) -> bool:
-        """Whether the slot answers without a load: its process is up or coming up, it has none
-        to do (no on-demand command), or, another hal0d, that one reports the model so."""
-        slot = route.slot
-        if slot.kind == KIND_HAL0D:
-            state = self.remote.state(slot.name, route.served_model) if self.remote else None
-            return state is not None and state in _WARM
-        live = self.slots.get(slot.name)
-        return not slot.on_demand or (live is not None and live.state in _WARM)
+        return self.placement.warm(route)
 
     def state_of(self, route: Route) -> str:
-        """The state a client is shown for a route's slot: another hal0d's report of the model
-        when known, else the slot's own (offline when the table does not have it)."""
-        if self.remote is not None and (
-                remote := self.remote.state(route.slot.name, route.served_model)) is not None:
-            return remote
-        live = self.slots.get(route.slot.name)
-        return str(live.state) if live is not None else "offline"
+        return self.placement.state_of(route)
 
     def handed_on(self, route: str, slot: str, to: str, reason: str) -> None:
-        log.warning("dispatch.failover", route=route, to=to, reason=reason, **{"from": slot})
+        """One line a hand-on; a slot that starts or stops failing is said once, as a warning
+        (cooldown.py)."""
+        log.info("dispatch.failover", route=route, to=to, reason=reason, **{"from": slot})
+        self.placement.cooldowns.handed_on(slot, reason)
         if self.on_failover is not None:
             self.on_failover(route, slot, reason)
 

@@ -233,12 +233,15 @@ class Groups:
 
     @contextlib.asynccontextmanager
     async def turn(self, slot: Slot, config: SlotConfig, *, pinned: bool,
-                   urgent: bool = False) -> AsyncIterator[None]:
+                   urgent: bool = False, evicts_for: str | None = None
+                   ) -> AsyncIterator[None]:
         """The group's turn for `config`'s start, with room made for it; no group, no wait.
         A `pinned` (always) slot starts even when no room can be made: the config check made
         sure the group's `always` slots fit together. Otherwise NoRoom says why not. An
         `urgent` load (pinned, or asked for by the API) does not wait for a batch to end;
-        another load whose requests all left meanwhile raises Withdrawn."""
+        another load whose requests all left meanwhile raises Withdrawn. `evicts_for`: why the
+        slot's last load failed, when it did: it loads only into room there is, unloading no
+        other model for a load that is likely to fail again (NoRoom)."""
         group = self.get(config.group)
         if group is None:
             yield
@@ -246,7 +249,8 @@ class Groups:
         await group.take_turn(slot)
         try:
             try:
-                await self._make_room(group, slot, config, urgent=urgent or pinned)
+                await self._make_room(group, slot, config, urgent=urgent or pinned,
+                                      failed=None if pinned else evicts_for)
             except NoRoom:
                 if not pinned:
                     raise
@@ -255,15 +259,15 @@ class Groups:
             group.give_turn()
 
     async def _make_room(self, group: Group, slot: Slot, config: SlotConfig, *,
-                         urgent: bool) -> None:
+                         urgent: bool, failed: str | None = None) -> None:
         need = config.memory_mib or 0
         try:
-            await self._room(group, slot, config, need, urgent=urgent)
+            await self._room(group, slot, config, need, urgent=urgent, failed=failed)
         finally:
             group.pending = None
 
     async def _room(self, group: Group, me: Slot, config: SlotConfig, need: int, *,
-                    urgent: bool) -> None:
+                    urgent: bool, failed: str | None) -> None:
         limits = group.config
         swapped: Member | None = None
         planned = False
@@ -284,6 +288,12 @@ class Groups:
                 others = ("no other slot of the group is loaded" if not loaded else
                           "the loaded ones are start = 'always', never unloaded")
                 raise NoRoom(f"no room in group {limits.name!r}: {short}; {others}")
+            if failed is not None:
+                log.info("slot.not_evicting", slot=victim.slot.name, group=limits.name,
+                         **{"for": config.name}, reason=failed)
+                raise NoRoom(f"its last load failed ({failed}); no model is unloaded for it "
+                             f"again ({short}) until its config changes or an operator loads "
+                             "it")
             if limits.batch and not urgent:
                 wake = self._not_yet(limits, me, victim)
                 if wake is not None:

@@ -100,8 +100,7 @@ class LifecycleManager:
         self.cache_root = cache_root
         # Told of each slot a reload adds, once the manager has it (the event feed watches it).
         self.slot_added: list[Callable[[Slot], None]] = []
-        # Told of each slot a reload changed, once its new config is in its view (the event
-        # feed shows it: a page or `status --watch` would show the old one otherwise).
+        # Told of each slot a reload changed, once its view has the new config (the event feed).
         self.slot_reconfigured: list[Callable[[Slot], None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
@@ -207,7 +206,8 @@ class LifecycleManager:
         runner.idle_timer = None
         slot = runner.slot
         if slot.state is SlotState.READY and not slot.queued and not self._stopping:
-            self._unload_now(runner, UnloadReason.IDLE)
+            self._unload_now(runner, UnloadReason.IDLE if runner.keep_alive_s is None
+                             else UnloadReason.KEEP_ALIVE)
 
     def _demand(self, slot: Slot) -> None:
         """A request found the on-demand slot stopped: it loads."""
@@ -457,8 +457,7 @@ class LifecycleManager:
             prompt_cache.sweep(self.cache_root, [*self.configs.values(),
                                                  *(r.config for r in self.runners.values())])
 
-    def restarts(self) -> dict[str, int]:
-        """How often each `always` slot's process was restarted since hal0d started."""
+    def restarts(self) -> dict[str, int]:  # since hal0d started, of each `always` slot
         return {name: r.restarts for name, r in self.runners.items() if not r.config.on_demand}
 
     def shut(self) -> None:
@@ -531,7 +530,8 @@ class LifecycleManager:
         step = reload.change(self.table, self.configs, runner, after, drain_s)
         if step is Step.ADOPT and (adopted := self._adopt(after)) is not None:
             self._begin(adopted)
-        if runner is None:
+        if runner is None:  # its state and reason were its old upstream's: asked anew now
+            self._spawn(self.probe_once(name))
             return
         if step is Step.RECONFIGURE:
             if runner.idle_unload_s() != idle_before and runner.slot.state is SlotState.READY:
@@ -581,7 +581,7 @@ class LifecycleManager:
             runner.slot.turn_wait_s = 0.0
             self._spawn(self.probe_once(runner.name))
             return
-        runner.config = after
+        runner.config, runner.load_error = after, None  # a new config may well load
         runner.slot.demand = self._demand if after.on_demand else None
         runner.slot.turn_wait_s = self.groups.turn_wait_s(after)
         self.sweep_caches()  # the old command's caches, now that its process is gone

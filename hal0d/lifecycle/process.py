@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import ctypes
 import os
 import resource
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
+from hal0d.config import model_files
 from hal0d.logs import get_logger
 from hal0d.transport import descriptors
 
@@ -132,6 +134,29 @@ def resolve_program(argv: tuple[str, ...]) -> list[str]:
     return list(argv)
 
 
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def launch_problem(command: tuple[str, ...]) -> str | None:
+    """What makes a launch fail for sure, seen before anything is unloaded to make room for it:
+    a program that is not there or not executable, a model file the server is told to load
+    (config.model_files) that does not exist. None: nothing known against it."""
+    argv = resolve_program(command)
+    program = argv[0]
+    if os.sep not in program:
+        return f"cannot start {program!r}: not found beside hal0d's Python or on PATH"
+    if not os.path.isfile(program) or not os.access(program, os.X_OK):
+        return f"cannot start {program!r}: no such executable file"
+    for model in model_files(command):
+        if not os.path.exists(model.path):
+            return f"model file {model.path!r} ({model.option}) does not exist"
+    return None
+
+
 class LaunchFailed(Exception):
     """The command could not be started at all (a missing program, a refused exec)."""
 
@@ -170,7 +195,12 @@ class Child:
         self._exited = exited
         # The last lines it printed: a failed load names them (exit_summary).
         self.last_lines: collections.deque[str] = collections.deque(maxlen=SUMMARY_LINES)
-        self._output = asyncio.create_task(self._log_output())
+        # Its lines are logged at info while it loads (what went wrong is there), at debug once
+        # it answers (llama-server writes several lines a request): answering().
+        self._line_level = log.info
+        # In a context of its own: the request that asked for the load is not the one its
+        # later lines are about (`journalctl -g request_id=` must not mix them in).
+        self._output = asyncio.create_task(self._log_output(), context=contextvars.Context())
 
     @classmethod
     async def start(cls, slot: str, command: tuple[str, ...]) -> Child:
@@ -212,6 +242,10 @@ class Child:
         done, _ = await asyncio.wait({self._exited}, timeout=timeout_s)
         return bool(done)
 
+    def answering(self) -> None:
+        """It answers: what it prints from now on is about requests, logged at debug."""
+        self._line_level = log.debug
+
     @property
     def last_line(self) -> str | None:
         return self.last_lines[-1] if self.last_lines else None
@@ -219,6 +253,9 @@ class Child:
     def exit_summary(self, code: int | None) -> str:
         """The exit code and the last few lines the process printed: a server's real error is
         often a line or two above its closing usage hint."""
+        if code is not None and code < 0:
+            # Killed: its last lines are whatever it was doing, not why it ended.
+            return f"process killed by signal {-code} ({signal_name(-code)})"
         summary = f"process exited with code {code}"
         if not self.last_lines:
             return summary
@@ -277,4 +314,4 @@ class Child:
             text += f" [... {len(line) - MAX_LOGGED_LINE} more bytes]"
         if text:
             self.last_lines.append(text)
-            log.info("slot.process_output", slot=self.slot, line=text)
+            self._line_level("slot.process_output", slot=self.slot, line=text)

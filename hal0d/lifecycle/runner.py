@@ -19,7 +19,7 @@ from typing import Final, Protocol
 from hal0d.config import GroupConfig, SlotConfig
 from hal0d.lifecycle.groups import Groups, NoRoom, Swap, Withdrawn
 from hal0d.lifecycle.probe import port_taken, until_answering
-from hal0d.lifecycle.process import Child, LaunchFailed, resolve_program
+from hal0d.lifecycle.process import Child, LaunchFailed, launch_problem, resolve_program
 from hal0d.lifecycle.prompt_cache import PromptCache, Warmth, make_folder
 from hal0d.lifecycle.slots import Slot, SlotState
 from hal0d.logs import get_logger
@@ -36,6 +36,7 @@ HEALTHY_RUN_S: Final = 60.0
 
 class UnloadReason(enum.StrEnum):
     IDLE = "idle"
+    KEEP_ALIVE = "keep_alive"  # the idle wait a client's keep_alive set (0: at once)
     EVICTED = "evicted"
     API = "api"
     RELOAD = "reload"
@@ -121,6 +122,10 @@ class Runner:
     backoff: Backoff = field(default_factory=Backoff)
     retry_in_s: float = 0.0  # the backoff of the last failure, for its actions
     cause: str | None = None  # why the last start failed
+    # Why the model itself did not load, the last time it tried (not for want of room): until
+    # its config changes or an operator loads it, its loads evict nothing (groups.py), so a
+    # broken model never unloads a working one again and again.
+    load_error: str | None = None
     last_used: float = field(default_factory=time.monotonic)
     loaded_at: float | None = None
     restarts: int = 0
@@ -254,6 +259,7 @@ class Runner:
             self.failed(cause, elapsed, exit_code)
             return Started.FAILED
         assert self.child is not None
+        self.child.answering()
         await self.warm_up(client)
         elapsed = progress.elapsed()
         self.loaded_at = time.monotonic()
@@ -269,9 +275,13 @@ class Runner:
         urgent, self.urgent = self.urgent, False
         try:
             if groups.get(config.group) is not None:
+                if (problem := launch_problem(config.command or ())) is not None:
+                    raise LaunchFailed(problem)  # before any model is unloaded for it
                 progress.enter(LoadPhase.WAITING_FOR_ROOM)
                 slot.turn_wait(True)
-            async with groups.turn(slot, config, pinned=not config.on_demand, urgent=urgent):
+            evicts = urgent or self.load_error is None
+            async with groups.turn(slot, config, pinned=not config.on_demand, urgent=urgent,
+                                   evicts_for=None if evicts else self.load_error):
                 slot.turn_wait(False)
                 argv = " ".join(resolve_program(config.command or ()))
                 what = f"launching {argv}" if not config.on_demand else f"loading: {argv}"
@@ -285,9 +295,14 @@ class Runner:
                     make_folder(config.prompt_cache_dir)
                 child = await self.launch()
                 progress.enter(LoadPhase.PROBING)
-                return await until_answering(client, self.config, child,
-                                             config.load_timeout_s - progress.elapsed())
-        except (LaunchFailed, NoRoom) as exc:
+                failure = await until_answering(client, self.config, child,
+                                                config.load_timeout_s - progress.elapsed())
+                self.load_error = failure
+                return failure
+        except NoRoom as exc:
+            return str(exc)
+        except LaunchFailed as exc:
+            self.load_error = str(exc)
             return str(exc)
 
     async def launch(self) -> Child:

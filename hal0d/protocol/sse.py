@@ -183,6 +183,13 @@ def encode(event: str, data: bytes) -> bytes:
     return b"event: " + event.encode() + b"\ndata: " + data + b"\n\n"
 
 
+def frame(event: str | None, data: bytes) -> bytes:
+    """One event written again as a Decoder read it: its name when it had one, and its data, a
+    `data:` line for each of its lines (a Decoder joins them with LF)."""
+    head = b"" if event is None else b"event: " + event.encode() + b"\n"
+    return head + b"".join(b"data: " + line + b"\n" for line in data.split(b"\n")) + b"\n"
+
+
 def comment(text: str) -> bytes:
     """One comment line and the blank line after it: what a client's SSE reader skips, and a
     proxy or an idle timeout sees as traffic. Line breaks in `text` become spaces (one line)."""
