@@ -12,6 +12,11 @@ decides the scope it needs:
 On the Ollama listener ([ollama] listen) every route is a model's (`inference`) but `/` and
 /api/version, which Ollama clients ask to see that a server is there.
 
+A request without a key gets its listener's `anonymous` access, when it has one and the request
+comes from one of its networks (config/anonymous.py): it is judged as a key named `anonymous`
+with the table's scopes and models, and recorded under that name. A request that carries a key
+is judged by that key alone, a wrong one included (401, never the anonymous access).
+
 The page itself (/ and /static/*) and the probes (/healthz, /readyz) need none: they hold no data,
 and the page asks for a key before it reads /api/.
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import fnmatch
 import hmac
+import ipaddress
 import math
 import time
 from collections import deque
@@ -37,12 +43,13 @@ from typing import Final
 
 from aiohttp import hdrs, web
 
-from hal0d.config import KEY_SCOPES, Config
+from hal0d.config import ANONYMOUS, KEY_SCOPES, AnonymousConfig, Config, Network, networks_of
 from hal0d.errors import Forbidden, KeyLimited
 
 INFERENCE, READ, ADMIN = KEY_SCOPES
 EVERY_SCOPE: Final = frozenset(KEY_SCOPES)
 RATE_WINDOW_S: Final = 60.0
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +60,8 @@ class Key:
     models: tuple[str, ...] | None = None  # globs; None is every model
     max_concurrent: int | None = None
     requests_per_minute: int | None = None
+    # A listener's access for requests without a key (named ANONYMOUS), not a presented key.
+    anonymous: bool = False
 
     @property
     def limited(self) -> bool:
@@ -71,7 +80,8 @@ class Key:
         `requested` resolves to."""
         if not self.may_use(served):
             named = repr(requested) if requested == served else f"{requested!r} ({served!r})"
-            raise Forbidden(f"key {self.name!r} may not use model {named} (it may use "
+            who = "a request without a key" if self.anonymous else f"key {self.name!r}"
+            raise Forbidden(f"{who} may not use model {named} (it may use "
                             f"{', '.join(self.models or ())})", field="model")
 
 
@@ -98,9 +108,43 @@ def ollama_scope_of(method: str, path: str) -> str | None:
     return None if path in OLLAMA_OPEN_PATHS else INFERENCE
 
 
+def source_address(remote: str | None) -> IPAddress | None:
+    """A request's source address as the networks are matched against it: an IPv4 client of a
+    dual-stack listener (`::ffff:192.168.1.5`) as IPv4, a link-local one without its zone."""
+    if not remote:
+        return None
+    try:
+        address = ipaddress.ip_address(remote.partition("%")[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+@dataclass(frozen=True, slots=True)
+class Anonymous:
+    """A listener's access for requests without a key: the Key they are judged by, and the
+    source ranges whose requests count."""
+
+    key: Key
+    networks: tuple[Network, ...]
+
+    @classmethod
+    def of(cls, table: AnonymousConfig | None) -> Anonymous | None:
+        if table is None:
+            return None
+        key = Key(ANONYMOUS, frozenset(table.scopes), table.models, anonymous=True)
+        return cls(key, networks_of(table))
+
+    def admits(self, remote: str | None) -> bool:
+        address = source_address(remote)
+        return address is not None and any(address in network for network in self.networks)
+
+
 class KeyRing:
-    """Every key a configuration accepts, by its secret (built with the Runtime, so a reload
-    brings the new keys without touching a slot)."""
+    """Every key a configuration accepts, by its secret, and each listener's access without one
+    (built with the Runtime, so a reload brings the new keys without touching a slot)."""
 
     def __init__(self, config: Config) -> None:
         self._secrets: list[tuple[bytes, Key]] = [
@@ -111,9 +155,20 @@ class KeyRing:
                       entry.requests_per_minute)
             self._secrets.append((entry.secret.encode(), key))
         self.names: tuple[str, ...] = tuple(entry.name for entry in config.keys)
+        self._server_anonymous = Anonymous.of(config.server.anonymous)
+        self._ollama_anonymous = Anonymous.of(config.ollama.anonymous)
+        address = config.ollama.address
+        self._ollama_port = address[1] if address is not None else None
 
     def __bool__(self) -> bool:
         return bool(self._secrets)
+
+    def anonymous_on(self, port: int | None) -> Anonymous | None:
+        """The access without a key of the listener on `port` (the Ollama listener's port is
+        its own; any other is [server]'s)."""
+        if self._ollama_port is not None and port == self._ollama_port:
+            return self._ollama_anonymous
+        return self._server_anonymous
 
     def identify(self, presented: str) -> Key | None:
         # aiohttp decodes header bytes with surrogateescape; encode them back the same way.

@@ -1,7 +1,8 @@
 """Checks of a valid configuration against the machine it is about to run on.
 
 config.parse answers "is this file well-formed"; these checks answer "will it work here": is there
-anything to serve, do the slots' programs exist, are the environment variables they name set.
+anything to serve, do the slots' programs and the model files they name exist, are the
+environment variables they name set, does llama-server leave each request enough context.
 
 An error means hal0d would serve nothing: `check-config` and `serve` exit 1. A warning is a fact
 of the environment that may still change before the service starts (a program installed later,
@@ -16,8 +17,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hal0d.config import Config, SlotConfig
+from hal0d.config import Config, SlotConfig, context_split, model_files
 from hal0d.lifecycle.process import resolve_program
+
+# Below this many tokens per llama-server slot a warning says so: Codex's and Claude Code's
+# first request (the system prompt and the tools) fills a few thousand on its own.
+MIN_CONTEXT_PER_SLOT = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +52,8 @@ def check(config: Config) -> Findings:
             problem = program_problem(slot.command)
             if problem:
                 findings.warnings.append(Finding(f"{path}.command", problem))
+            findings.warnings.extend(Finding(f"{path}.command", problem)
+                                     for problem in command_problems(slot.command))
         if slot.api_key_env is not None:
             problem = api_key_env_problem(slot)
             if problem:
@@ -57,6 +64,8 @@ def check(config: Config) -> Findings:
 def program_problem(command: tuple[str, ...]) -> str | None:
     """Why the lifecycle manager could not start `command` here, looked up as it looks it up."""
     program = resolve_program(command)[0]
+    if "{" in program:
+        return None  # a placeholder: what it stands for is known when the process starts
     if os.sep not in program:
         return (
             f"program {program!r} is not found beside {Path(sys.executable).parent} "
@@ -67,6 +76,31 @@ def program_problem(command: tuple[str, ...]) -> str | None:
     if not os.access(program, os.X_OK):
         return f"{program!r} is not executable; the slot's process cannot be started"
     return None
+
+
+def command_problems(command: tuple[str, ...]) -> list[str]:
+    """What the command line itself tells of a load that will fail or serve badly: a model
+    file that is not there (config/slot_command.py reads the known servers' options), and
+    llama-server's context split so thin between its slots that an agent's prompt overflows."""
+    problems: list[str] = []
+    for model in model_files(command):
+        path = Path(model.path)
+        if not path.exists():
+            problems.append(f"model file {model.path!r} ({model.option}) does not exist"
+                            + ("" if path.is_absolute() else " (a relative path is read from "
+                               f"the folder hal0d runs in, here {Path.cwd()})")
+                            + "; the slot's process cannot load it")
+        elif not os.access(path, os.R_OK):
+            problems.append(f"model file {model.path!r} ({model.option}) is not readable by "
+                            "this user; the slot's process cannot load it")
+    split = context_split(command)
+    if split is not None and split.per_slot < MIN_CONTEXT_PER_SLOT:
+        problems.append(
+            f"llama-server splits -c {split.context} between its --parallel {split.parallel} "
+            f"slots: {split.per_slot} tokens per request, below {MIN_CONTEXT_PER_SLOT} (a coding "
+            "agent's first prompt alone can be larger); raise -c to "
+            f"{split.parallel * MIN_CONTEXT_PER_SLOT} or more, or lower --parallel")
+    return problems
 
 
 def api_key_env_problem(slot: SlotConfig) -> str | None:

@@ -24,7 +24,8 @@ ours and comes first: aiohttp's timeout is the grace plus TERMINAL_FRAME_S. A se
 what is left of the grace.
 
 Reload (SIGHUP): RELOADING=1, then the config file is read and validated again. Invalid: hal0d
-keeps running on the old one and logs `config.reload_failed` with every problem. Valid: slot
+keeps running on the old one and logs each problem (`config.reload_problem problem=...`, one line
+each), then `config.reload_failed problems=N`. Valid: slot
 changes are applied (LifecycleManager.apply), then app[RUNTIME] points at a new Runtime, which new
 requests use; in-flight ones keep the one they started with. READY=1 either way. The keys in
 RESTART_KEYS only take effect at start: they keep their running values and a warning says so.
@@ -40,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
+import os
 import signal
 import socket
 from collections.abc import Mapping, Sequence
@@ -113,6 +115,16 @@ def log_warnings(warnings: Sequence[Finding], config_path: Path) -> None:
                     problem=warning.problem)
 
 
+def log_reload_failed(config_path: Path, problems: Sequence[str]) -> None:
+    """A refused reload: a line per problem, as check-config prints them (a list in one field
+    would be a Python repr on a key=value or journald line), then the refusal with their count,
+    the line that ends the story."""
+    for problem in problems:
+        log.error("config.reload_problem", config=str(config_path), problem=problem)
+    log.error("config.reload_failed", config=str(config_path), problems=len(problems),
+              keeping="the running configuration")
+
+
 async def run(config: Config, config_path: Path,
               server_overrides: Mapping[str, Any] | None = None) -> int:
     return await Daemon(config, config_path, server_overrides).run()
@@ -174,18 +186,21 @@ def close_all(sockets: list[socket.socket]) -> None:
         sock.close()
 
 
-def bind_hint(exc: OSError) -> str:
-    """What the operator can do about a listening address that cannot be had."""
+def bind_hint(exc: OSError, environ: Mapping[str, str] = os.environ) -> str:
+    """What the operator can do about a listening address that cannot be had: under make (its
+    recipes have MAKELEVEL set: `make run`), make's HOST= and PORT=; else the flags."""
+    make = "MAKELEVEL" in environ
+    host, port = ("make run HOST=...", "make run PORT=...") if make else ("--host", "--port")
     if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
-        return ("no interface of this machine has that address; choose another with --host "
-                "(make run HOST=...) or [server].host")
+        return (f"no interface of this machine has that address; choose another with {host} "
+                "or [server].host")
     if exc.errno == errno.EADDRINUSE:
-        return ("another process listens there; choose another port with --port "
-                "(make run PORT=...) or [server].port")
+        return f"another process listens there; choose another port with {port} or [server].port"
     if exc.errno == errno.EACCES:
         return ("ports below 1024 need privileges (CAP_NET_BIND_SERVICE); choose another port "
-                "with --port (make run PORT=...) or [server].port")
-    return "check --host/--port (make run HOST=... PORT=...) or [server].host and .port"
+                f"with {port} or [server].port")
+    both = "make run HOST=... PORT=..." if make else "--host/--port"
+    return f"check {both} or [server].host and .port"
 
 
 OLLAMA_BIND_HINT = ("the Ollama listener's address cannot be had (another process, an Ollama "
@@ -426,15 +441,12 @@ class Daemon:
                 configuration.load(self.config_path), self.server_overrides
             )
         except configuration.ConfigError as exc:
-            log.error("config.reload_failed", config=str(self.config_path),
-                      problems=exc.problems, keeping="the running configuration")
+            log_reload_failed(self.config_path, exc.problems)
             return
         # The same rule as at start: a file hal0d would serve nothing with is refused.
         findings = preflight.check(loaded)
         if findings.errors:
-            log.error("config.reload_failed", config=str(self.config_path),
-                      problems=[str(error) for error in findings.errors],
-                      keeping="the running configuration")
+            log_reload_failed(self.config_path, [str(error) for error in findings.errors])
             return
         log_warnings(findings.warnings, self.config_path)
         try:

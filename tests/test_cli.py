@@ -73,7 +73,8 @@ ServeFactory = Callable[..., Awaitable[Hal0d]]
 async def serve(tmp_path: Path) -> AsyncIterator[ServeFactory]:
     started: list[Hal0d] = []
 
-    async def start(config_text: str, *flags: str, port: int, wait: bool = True) -> Hal0d:
+    async def start(config_text: str, *flags: str, port: int, wait: bool = True,
+                    env: dict[str, str] | None = None) -> Hal0d:
         config = tmp_path / "hal0d.toml"
         config.write_text(config_text)
         log = tmp_path / f"hal0d-{len(started)}.log"
@@ -81,7 +82,7 @@ async def serve(tmp_path: Path) -> AsyncIterator[ServeFactory]:
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "hal0d", "serve", "--config", str(config), *flags,
                 stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
-                env=env_without(UNSET_VARIABLE),
+                env=env if env is not None else env_without(UNSET_VARIABLE),
             )
         served = Hal0d(process, port, config, log)
         started.append(served)
@@ -136,24 +137,33 @@ async def test_serve_port_flag_overrides_the_config_and_a_reload_keeps_it_withou
 
 async def test_a_taken_port_exits_1_with_a_hint_naming_the_way_out(serve, stub: Stub,
                                                                     tmp_path: Path):
-    """...and before any slot process is started: the port is taken first."""
+    """...and before any slot process is started: the port is taken first. A plain `serve`
+    is told of --port, one that make runs (`make run`: MAKELEVEL set) of make's PORT=."""
     model_port = free_port()
     command = ["hal0d", "stub", "--port", str(model_port)]
     slots = slot_toml(f"http://127.0.0.1:{model_port}", command=command)
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        served = await serve(config_toml(tmp_path, port, slots), port=port, wait=False)
-        code = await asyncio.wait_for(served.process.wait(), DEADLINE_S)
-    assert code == 1
-    assert served.named("slot.process_started") == [], served.log.read_text()
-    failed = served.named("server.bind_failed")
-    assert len(failed) == 1, served.log.read_text()
-    assert failed[0]["port"] == port
-    assert "address already in use" in failed[0]["error"].lower()
-    assert "another process listens there" in failed[0]["hint"]
-    assert "--port" in failed[0]["hint"] and "make run PORT=" in failed[0]["hint"]
+    plain = env_without(UNSET_VARIABLE, "MAKELEVEL", "MAKEFLAGS")
+    hints = []
+    for env in (plain, {**plain, "MAKELEVEL": "1"}):
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            served = await serve(config_toml(tmp_path, port, slots), port=port, wait=False,
+                                 env=env)
+            code = await asyncio.wait_for(served.process.wait(), DEADLINE_S)
+        assert code == 1
+        assert served.named("slot.process_started") == [], served.log.read_text()
+        failed = served.named("server.bind_failed")
+        assert len(failed) == 1, served.log.read_text()
+        assert failed[0]["port"] == port
+        assert "address already in use" in failed[0]["error"].lower()
+        hints.append(failed[0]["hint"])
+    assert hints == [
+        "another process listens there; choose another port with --port or [server].port",
+        "another process listens there; choose another port with make run PORT=... or "
+        "[server].port",
+    ]
 
 
 def test_make_run_passes_port_and_host_only_when_given():

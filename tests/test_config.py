@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
 import tomllib
 from pathlib import Path
 
@@ -95,7 +96,30 @@ def test_print_config_fills_defaults_and_round_trips(tmp_path):
     printed = tomllib.loads(result.stdout)
     assert printed["dispatcher"]["stream_total_timeout_s"] == 900.0
     assert printed["slots"][0]["max_concurrent"] == 8
-    again = write(tmp_path, result.stdout)
+    again = tmp_path / "printed.toml"
+    again.write_text(result.stdout)
+    assert config.load(again) == config.load(path)
+
+
+def test_print_config_round_trips_the_anonymous_tables_and_durations_as_seconds(tmp_path):
+    path = write(tmp_path, SLOT + 'queue_timeout_s = "2m"\n' + textwrap.dedent("""
+        [server]
+        api_keys_file = "keys.txt"
+        anonymous = { scopes = ["inference", "read"], models = ["m"] }
+
+        [ollama]
+        listen = "0.0.0.0:11434"
+        anonymous = { scopes = ["inference"], networks = ["192.168.1.7/24", "fd00::/8"] }
+    """))
+    (tmp_path / "keys.txt").write_text("a-key-from-a-file\n")
+    result = hal0d_cli("print-config", "--config", str(path))
+    assert result.returncode == 0, result.stderr
+    printed = tomllib.loads(result.stdout)
+    assert printed["slots"][0]["queue_timeout_s"] == 120.0
+    assert printed["ollama"]["anonymous"] == {"scopes": ["inference"],
+                                              "networks": ["192.168.1.0/24", "fd00::/8"]}
+    again = tmp_path / "printed.toml"
+    again.write_text(result.stdout)
     assert config.load(again) == config.load(path)
 
 

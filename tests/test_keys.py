@@ -421,7 +421,7 @@ def test_check_config_refuses_a_key_without_scope_two_keys_of_one_name_and_an_em
         'keys[4].key_file: the secret is empty (key "d")',
         "keys[5].key_env: the environment variable 'HAL0D_TEST_EMPTY_KEY' is unset or empty "
         '(key "e")',
-        "keys[6].scopes: ['write'] must list at least one of inference, read, admin (key \"f\")",
+        "keys[6].scopes: 'write' is not a scope (scopes: inference, read, admin) (key \"f\")",
         'keys[6]: needs exactly one of key, key_env, key_file (has key, key_env) (key "f")',
     ], problems
     for problem in problems:

@@ -10,15 +10,18 @@ only the slots that passed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hal0d.config.anonymous import check_anonymous
 from hal0d.config.cache_dir import PROMPT_CACHE_DIR, with_prompt_cache_dir
 from hal0d.config.model import (
     LIFECYCLE_KEYS,
     ON_DEMAND_KEYS,
     PROMPT_CACHE_MODES,
     PROMPT_CACHE_SAVE,
+    REDACTED_SECRET,
     START_ALWAYS,
     START_ON_DEMAND,
     GroupConfig,
@@ -77,6 +80,9 @@ def check_slots(raw: Any, problems: list[str], base_dir: Path,
             one_of(good, key, choices, path, problems)
         if "api_key" in good and "api_key_env" in good:
             problems.append(f"{path}: set api_key or api_key_env, not both")
+        if good.get("api_key") == REDACTED_SECRET:
+            problems.append(f"{path}.api_key: {REDACTED_SECRET!r} is what print-config writes "
+                            "in place of a secret: put the key back (or use api_key_env)")
         for model in good.get("models") or ():
             if model in served:
                 problems.append(
@@ -193,10 +199,42 @@ def _check_group_members(
                         f"{pinned_mib} MiB of its slots with start = 'always'")
 
 
-def check_routes(raw: Any, slots: tuple[SlotConfig, ...], problems: list[str]
-                 ) -> tuple[RouteConfig, ...]:
+@dataclass(frozen=True, slots=True)
+class Broken:
+    """The slots and models of tables that failed their own checks. A route or an alias that
+    names one adds no problem of its own: the table's own problems say what to fix, and "is no
+    slot" beside them would only send the reader looking for a slot that is there, misspelt."""
+
+    slots: frozenset[str] = frozenset()
+    models: frozenset[str] = frozenset()
+
+    def __or__(self, other: Broken) -> Broken:
+        return Broken(self.slots | other.slots, self.models | other.models)
+
+
+def broken_slots(raw: Any, passed: tuple[SlotConfig, ...]) -> Broken:
+    """The names and models of the [[slots]] tables that are not among `passed`."""
+    names = {slot.name for slot in passed}
+    tables = [table for table in raw if isinstance(table, dict)] if isinstance(raw, list) else []
+    failed = [table for table in tables if table.get("name") not in names]
+    return Broken(
+        frozenset(str(table["name"]) for table in failed if "name" in table),
+        frozenset(str(model) for table in failed if isinstance(table.get("models"), list)
+                  for model in table["models"]))
+
+
+def broken_routes(raw: Any, passed: tuple[RouteConfig, ...]) -> Broken:
+    """The models of the [[routes]] tables that are not among `passed`."""
+    models = {route.model for route in passed}
+    tables = [table for table in raw if isinstance(table, dict)] if isinstance(raw, list) else []
+    return Broken(models=frozenset(str(table["model"]) for table in tables
+                                   if "model" in table and table["model"] not in models))
+
+
+def check_routes(raw: Any, slots: tuple[SlotConfig, ...], problems: list[str],
+                 broken: Broken = Broken()) -> tuple[RouteConfig, ...]:
     """The [[routes]] tables: a model no slot serves by itself, slots that exist (at least one),
-    `served` naming only those slots."""
+    `served` naming only those slots. A route naming a slot in `broken` is left out quietly."""
     if not isinstance(raw, list):
         problems.append("routes: must be an array of tables ([[routes]])")
         return ()
@@ -207,6 +245,7 @@ def check_routes(raw: Any, slots: tuple[SlotConfig, ...], problems: list[str]
     for index, table in enumerate(raw):
         path = f"routes[{index}]"
         before = len(problems)
+        names_broken: list[str] = []
         good = check_table(table, ROUTE_SPEC, path, problems)
         for required in ("model", "slots"):
             if isinstance(table, dict) and required not in table:
@@ -222,6 +261,8 @@ def check_routes(raw: Any, slots: tuple[SlotConfig, ...], problems: list[str]
             listed = string_list(good["slots"], f"{path}.slots", problems)
             if listed is not None:
                 unknown = [name for name in listed if name not in names]
+                names_broken = [name for name in unknown if name in broken.slots]
+                unknown = [name for name in unknown if name not in broken.slots]
                 if unknown:
                     problems.append(f"{path}.slots: {', '.join(map(repr, unknown))} is no slot "
                                     f"(slots: {', '.join(sorted(names)) or 'none'})")
@@ -234,7 +275,7 @@ def check_routes(raw: Any, slots: tuple[SlotConfig, ...], problems: list[str]
                 problems.append(f"{path}.served.{slot}: is not one of the route's slots")
             elif not isinstance(name, str) or not name:
                 problems.append(f"{path}.served.{slot}: must be a non-empty model name")
-        if len(problems) == before:
+        if len(problems) == before and not names_broken:
             routes.append(RouteConfig(**good))
         elif isinstance(model, str) and model:
             problems[before:] = [f'{problem} (route "{model}")' for problem in problems[before:]]
@@ -242,7 +283,10 @@ def check_routes(raw: Any, slots: tuple[SlotConfig, ...], problems: list[str]
 
 
 def check_models(raw: Any, slots: tuple[SlotConfig, ...], problems: list[str],
-                 routes: tuple[RouteConfig, ...] = ()) -> dict[str, str]:
+                 routes: tuple[RouteConfig, ...] = (), broken: Broken = Broken()
+                 ) -> dict[str, str]:
+    """The aliases: each names a served model; one naming a model of a table in `broken` adds
+    no problem (that table's own say what is wrong)."""
     if not isinstance(raw, dict):
         problems.append("models: must be a table of alias = served model")
         return {}
@@ -252,6 +296,8 @@ def check_models(raw: Any, slots: tuple[SlotConfig, ...], problems: list[str],
         where = f"models.{pattern!r}" if not pattern.isidentifier() else f"models.{pattern}"
         if not isinstance(target, str):
             problems.append(f"{where}: {target!r} is not a string")
+        elif target in broken.models and target not in served:
+            continue
         elif slots and target not in served:
             problems.append(f"{where}: {target!r} is not a model any slot "
                             + ("or route serves" if routes else "serves"))
@@ -261,12 +307,19 @@ def check_models(raw: Any, slots: tuple[SlotConfig, ...], problems: list[str],
 
 
 def check_ollama(raw: Any, server: dict[str, Any], problems: list[str]) -> dict[str, Any]:
-    """[ollama] listen: host:port, on a port of its own (not [server].port)."""
+    """[ollama] listen: host:port, on a port of its own (not [server].port); its anonymous
+    table (config/anonymous.py) only beside a listen."""
     good = check_table(raw, OLLAMA_SPEC, "ollama", problems)
     listen = good.get("listen")
+    address = None if listen is None else split_address(listen)
+    if "anonymous" in good:
+        if listen is None:
+            problems.append("ollama.anonymous: only with ollama.listen (there is no Ollama "
+                            "listener without it)")
+        good["anonymous"] = check_anonymous(good["anonymous"], "ollama.anonymous",
+                                            address[0] if address else None, problems)
     if listen is None:
         return good
-    address = split_address(listen)
     if address is None:
         problems.append(f"ollama.listen: {listen!r} is not host:port (e.g. \"127.0.0.1:11434\", "
                         "\"[::1]:11434\")")

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hal0d.config.model import KEY_SCOPES, KEY_SECRET_SOURCES, KeyConfig
+from hal0d.config.model import KEY_SCOPES, KEY_SECRET_SOURCES, REDACTED_SECRET, KeyConfig
 from hal0d.config.spec import KEY_SPEC, check_table, string_list
 
 
@@ -24,6 +24,9 @@ def access_keys(server: dict[str, Any], base_dir: Path, problems: list[str]) -> 
     listed = server.get("api_keys", [])
     if not all(isinstance(key, str) and key.strip() for key in listed):
         problems.append("server.api_keys: every key must be a non-empty string")
+    elif REDACTED_SECRET in (key.strip() for key in listed):
+        problems.append(f"server.api_keys: {REDACTED_SECRET!r} is what print-config writes in "
+                        "place of a key: put the keys back (or use api_keys_file)")
     else:
         server["api_keys"] = tuple(key.strip() for key in listed)
         keys.update(server["api_keys"])
@@ -63,15 +66,10 @@ def check_keys(raw: Any, server: dict[str, Any], base_dir: Path, problems: list[
             if name in names:
                 problems.append(f"{path}.name: {name!r} is used by another key")
             names.add(name)
-        scopes = good.get("scopes")
         if isinstance(table, dict) and "scopes" not in table:
             problems.append(f"{path}.scopes: is required (any of {', '.join(KEY_SCOPES)})")
-        elif scopes is not None:
-            if not scopes or not all(scope in KEY_SCOPES for scope in scopes):
-                problems.append(f"{path}.scopes: {scopes!r} must list at least one of "
-                                f"{', '.join(KEY_SCOPES)}")
-            else:
-                good["scopes"] = tuple(dict.fromkeys(scopes))
+        elif "scopes" in good:
+            good["scopes"] = check_scopes(good["scopes"], f"{path}.scopes", problems)
         if "models" in good:
             good["models"] = string_list(good["models"], f"{path}.models", problems)
         secret = _key_secret(good, table, path, base_dir, problems)
@@ -85,6 +83,22 @@ def check_keys(raw: Any, server: dict[str, Any], base_dir: Path, problems: list[
         elif isinstance(name, str) and name:
             problems[before:] = [f'{problem} (key "{name}")' for problem in problems[before:]]
     return tuple(keys)
+
+
+def check_scopes(scopes: list[Any], where: str, problems: list[str],
+                 allowed: tuple[str, ...] = KEY_SCOPES, refused: str = "") -> tuple[str, ...]:
+    """The scopes listed, each once; a problem naming every entry that is no scope (a typo
+    among valid ones is named, not hidden behind "at least one of"). `refused`: why a scope
+    of KEY_SCOPES missing from `allowed` is not for this table."""
+    if not scopes:
+        problems.append(f"{where}: {scopes!r} must list at least one of {', '.join(allowed)}")
+        return ()
+    for scope in scopes:
+        if not isinstance(scope, str) or scope not in KEY_SCOPES:
+            problems.append(f"{where}: {scope!r} is not a scope (scopes: {', '.join(allowed)})")
+        elif scope not in allowed:
+            problems.append(f"{where}: {scope!r} {refused} (scopes here: {', '.join(allowed)})")
+    return tuple(dict.fromkeys(scope for scope in scopes if isinstance(scope, str)))
 
 
 def _key_secret(good: dict[str, Any], table: Any, path: str, base_dir: Path,
@@ -101,6 +115,10 @@ def _key_secret(good: dict[str, Any], table: Any, path: str, base_dir: Path,
     where = f"{path}.{source}"
     if source == "key":
         secret = good["key"].strip()
+        if secret == REDACTED_SECRET:
+            problems.append(f"{where}: {REDACTED_SECRET!r} is what print-config writes in place "
+                            "of a secret: put the key back (or use key_env, key_file)")
+            return None
     elif source == "key_env":
         secret = os.environ.get(good["key_env"], "").strip()
         if not secret:

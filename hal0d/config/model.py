@@ -3,14 +3,15 @@
 They hold no checking, no file reading and no rendering, so a `Config` built by hand (as the
 tests do) is the same thing `load` returns. Beside them: the error that lists every problem
 found, the constants the dataclasses answer by (a slot's start modes, a group's policies, the
-timeouts a slot may set, a key's scopes) and the two readings of their values that run while
-serving (a `host:port`, a model alias).
+timeouts a slot may set, a key's scopes) and the readings of their values that run while
+serving (a `host:port`, a loopback host, a model alias).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import ipaddress
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,26 @@ class ConfigError(Exception):
     def __init__(self, problems: list[str]) -> None:
         super().__init__("\n".join(problems))
         self.problems = problems
+
+
+KEY_SCOPES = ("inference", "read", "admin")
+# What a request without a key may be let do: never admin (loading and unloading for anyone).
+ANONYMOUS_SCOPES = KEY_SCOPES[:2]
+KEY_SECRET_SOURCES = ("key", "key_env", "key_file")
+# What print-config writes in place of a secret; a config that carries it is refused, so a
+# printed file loaded again never runs with this word as a key.
+REDACTED_SECRET = "<redacted>"
+
+
+@dataclass(frozen=True, slots=True)
+class AnonymousConfig:
+    """A listener's `anonymous` table: what a request that carries no key may do there (its
+    scopes and model globs, as a key's), and from which source addresses (`networks`, CIDR
+    ranges; None: loopback alone). A request with a key is judged by its key alone."""
+
+    scopes: tuple[str, ...]
+    models: tuple[str, ...] | None = None
+    networks: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +61,8 @@ class ServerConfig:
     # Host names (beyond loopback and the listening address) and browser origins let in.
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
+    # Requests without a key on this listener, beside the keys (None: they get a 401).
+    anonymous: AnonymousConfig | None = None
     # The keys clients may present: api_keys plus the lines of api_keys_file, read at load time.
     # Kept out of repr and of print-config's output.
     accepted_keys: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
@@ -207,11 +230,23 @@ class OllamaConfig:
     """The `[ollama]` section: a second listener that speaks Ollama's API (off unless set)."""
 
     listen: str | None = None  # "host:port", e.g. "127.0.0.1:11434"
+    # Requests without a key on this listener (Home Assistant sends none), beside the keys.
+    anonymous: AnonymousConfig | None = None
 
     @property
     def address(self) -> tuple[str, int] | None:
         """(host, port) of `listen` (an IPv6 host without its brackets), None when off."""
         return None if self.listen is None else split_address(self.listen)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address, IPv6 without brackets) is this machine alone."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def split_address(listen: str) -> tuple[str, int] | None:
@@ -224,10 +259,6 @@ def split_address(listen: str) -> tuple[str, int] | None:
     elif ":" in host:
         return None  # an IPv6 address needs its brackets before the port
     return (host, int(port)) if host and " " not in host else None
-
-
-KEY_SCOPES = ("inference", "read", "admin")
-KEY_SECRET_SOURCES = ("key", "key_env", "key_file")
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,9 +12,12 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from hal0d.config.anonymous import check_anonymous, check_beside_keys
 from hal0d.config.cache_dir import cache_root
 from hal0d.config.checks import (
     allowed_names,
+    broken_routes,
+    broken_slots,
     check_groups,
     check_models,
     check_ollama,
@@ -54,6 +57,9 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     server = check_table(raw.get("server", {}), SERVER_SPEC, "server", problems)
     access_keys(server, base_dir, problems)
     allowed_names(server, problems)
+    if "anonymous" in server:
+        server["anonymous"] = check_anonymous(server["anonymous"], "server.anonymous",
+                                              server.get("host", ServerConfig().host), problems)
     keys = check_keys(raw.get("keys", []), server, base_dir, problems)
     dispatcher = check_table(raw.get("dispatcher", {}), DISPATCHER_SPEC, "dispatcher", problems)
     metrics = check_table(raw.get("metrics", {}), METRICS_SPEC, "metrics", problems)
@@ -63,14 +69,19 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     if logging_.get("format", "auto") not in LOG_FORMATS:
         problems.append(f"logging.format: {logging_['format']!r} is not one of {LOG_FORMATS}")
     ollama = check_ollama(raw.get("ollama", {}), server, problems)
+    has_keys = bool(server.get("accepted_keys")) or bool(raw.get("keys"))
+    check_beside_keys({"server.anonymous": server.get("anonymous"),
+                       "ollama.anonymous": ollama.get("anonymous")}, has_keys, keys, problems)
     database = Path(metrics.get("database", MetricsConfig().database))
     slots = check_slots(raw.get("slots", []), problems, base_dir,
                         cache_root(database if database.is_absolute() else base_dir / database))
     raw_slots = raw.get("slots", [])
     groups = check_groups(raw.get("groups", {}), slots, problems,
                           raw_slots if isinstance(raw_slots, list) else [])
-    routes = check_routes(raw.get("routes", []), slots, problems)
-    models = check_models(raw.get("models", {}), slots, problems, routes)
+    broken = broken_slots(raw_slots, slots)
+    routes = check_routes(raw.get("routes", []), slots, problems, broken)
+    models = check_models(raw.get("models", {}), slots, problems, routes,
+                          broken | broken_routes(raw.get("routes", []), routes))
     for pattern in models:
         if not any(ch in pattern for ch in "*?[") and (
                 any(pattern in s.models for s in slots) or any(pattern == r.model for r in routes)):

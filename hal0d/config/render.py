@@ -1,8 +1,12 @@
 """The effective configuration as TOML, for `hal0d print-config`: every default filled in.
 
-What it prints must parse again to the same configuration, so a key that is not set is left out
-(TOML has no null), the secrets are left out (a field kept out of repr is kept out here too),
-and a slot without a command shows none of the lifecycle keys it would refuse.
+What it prints parses again to the same configuration, so a key that is not set is left out
+(TOML has no null) and a slot without a command shows none of the lifecycle keys it would
+refuse. Secrets are the exception: print-config's output is pasted into issues and chats, so a
+secret written in the file (a key's `key`, `[server] api_keys`, a slot's `api_key`) is printed
+as REDACTED_SECRET, which check-config refuses until the secret is put back; one read from
+elsewhere (`key_env`, `key_file`, `api_keys_file`, `api_key_env`) prints as it is written
+and round-trips. A field kept out of repr (a secret as read) is kept out here too.
 """
 
 from __future__ import annotations
@@ -12,19 +16,44 @@ from typing import Any
 
 import tomli_w
 
-from hal0d.config.model import LIFECYCLE_KEYS, ON_DEMAND_KEYS, Config, SlotConfig
+from hal0d.config.model import (
+    LIFECYCLE_KEYS,
+    ON_DEMAND_KEYS,
+    REDACTED_SECRET,
+    Config,
+    KeyConfig,
+    ServerConfig,
+    SlotConfig,
+)
+
+# The fields that hold a secret as written in the file, by the table's type.
+SECRET_FIELDS: dict[type, frozenset[str]] = {
+    KeyConfig: frozenset({"key"}),
+    ServerConfig: frozenset({"api_keys"}),
+    SlotConfig: frozenset({"api_key"}),
+}
+
+
+def table(obj: Any) -> dict[str, Any]:
+    """A dataclass's keys as TOML holds them: tuples as lists, a nested table as a table, the
+    secrets redacted."""
+    secrets = SECRET_FIELDS.get(type(obj), frozenset())
+    out: dict[str, Any] = {}
+    for item in dataclasses.fields(obj):
+        value = getattr(obj, item.name)
+        if value is None or not item.repr:
+            continue  # TOML has no null: an absent key means "not set"
+        if item.name in secrets:
+            value = [REDACTED_SECRET for _ in value] if isinstance(value, tuple) else (
+                REDACTED_SECRET)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            out[item.name] = table(value)
+        else:
+            out[item.name] = list(value) if isinstance(value, tuple) else value
+    return out
 
 
 def to_dict(config: Config) -> dict[str, Any]:
-    def table(obj: Any) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for item in dataclasses.fields(obj):
-            value = getattr(obj, item.name)
-            if value is None or not item.repr:
-                continue  # TOML has no null: an absent key means "not set"
-            out[item.name] = list(value) if isinstance(value, tuple) else value
-        return out
-
     doc: dict[str, Any] = {
         "server": table(config.server),
         "dispatcher": table(config.dispatcher),
@@ -63,4 +92,8 @@ def slot_table(slot: SlotConfig, keys: dict[str, Any]) -> dict[str, Any]:
 
 
 def to_toml(config: Config) -> str:
-    return tomli_w.dumps(to_dict(config))
+    text = tomli_w.dumps(to_dict(config))
+    if f'"{REDACTED_SECRET}"' in text:
+        text = (f"# Secrets written in the file print as {REDACTED_SECRET}: put them back before "
+                "loading this output\n# (check-config refuses it until then).\n" + text)
+    return text

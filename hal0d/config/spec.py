@@ -12,9 +12,11 @@ from __future__ import annotations
 import math
 from typing import Any, cast
 
+from hal0d.config.duration import DURATION_EXAMPLES, go_duration
 from hal0d.config.model import POLICY_BATCH, POLICY_FIFO, SLOT_TIMEOUT_KEYS, DispatcherConfig
 
-# Per key: (type, minimum, maximum); None means unbounded. Floats accept integers too.
+# Per key: (type, minimum, maximum); None means unbounded. Floats accept integers too, and a
+# float `*_s` key (seconds) a duration as Ollama's keep_alive takes one ("5m", "1h30m").
 Range = tuple[type, float | None, float | None]
 SERVER_SPEC: dict[str, Range] = {
     "host": (str, None, None),
@@ -29,6 +31,7 @@ SERVER_SPEC: dict[str, Range] = {
     "protect_metrics": (bool, None, None),
     "allowed_hosts": (list, None, None),
     "allowed_origins": (list, None, None),
+    "anonymous": (dict, None, None),
 }
 DISPATCHER_SPEC: dict[str, Range] = {
     "direct_read_timeout_s": (float, 30.0, 600.0),
@@ -113,6 +116,13 @@ LOGGING_SPEC: dict[str, Range] = {
 }
 OLLAMA_SPEC: dict[str, Range] = {
     "listen": (str, None, None),
+    "anonymous": (dict, None, None),
+}
+# A listener's `anonymous` table ([server], [ollama]): client_keys.check_anonymous.
+ANONYMOUS_SPEC: dict[str, Range] = {
+    "scopes": (list, None, None),
+    "models": (list, None, None),
+    "networks": (list, None, None),
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "console", "json", "journald", "logfmt")
@@ -134,30 +144,48 @@ def check_table(
         return {}
     good: dict[str, Any] = {}
     value: Any
-    for key, value in raw.items():
+    for key, written in raw.items():
         where = f"{path}.{key}"
         if key not in spec:
             problems.append(f"{where}: unknown key (known: {', '.join(spec)})")
             continue
         kind, low, high = spec[key]
+        seconds = kind is float and key.endswith("_s")
+        value = _duration(written, where, problems) if seconds else written
+        if value is None:
+            continue
+        shown = f"{written!r} ({value!r} s)" if isinstance(written, str) and seconds else ""
         # bool is an int in Python; a TOML `true` is never a number here.
         if (isinstance(value, bool) and kind is not bool) or not (
             isinstance(value, kind) or (kind is float and isinstance(value, int))
         ):
-            problems.append(f"{where}: {value!r} is not {_type_name(kind)}")
+            also = f' or a duration ({DURATION_EXAMPLES})' if seconds else ""
+            problems.append(f"{where}: {value!r} is not {_type_name(kind)}{also}")
             continue
         checked: Any = float(cast(float, value)) if kind is float else value
         if kind is float and not math.isfinite(checked):
             problems.append(f"{where}: {checked!r} is not a finite number")
             continue
         if low is not None and high is not None and not (low <= checked <= high):
-            problems.append(f"{where}: {checked!r} is outside {low}-{high}")
+            problems.append(f"{where}: {shown or repr(checked)} is outside {low}-{high}")
             continue
         if where in NO_EFFECT and checked != NO_EFFECT[where][0]:
             problems.append(f"{where}: {checked!r} {NO_EFFECT[where][1]}")
             continue
         good[key] = checked
     return good
+
+
+def _duration(value: Any, where: str, problems: list[str]) -> Any:
+    """A seconds key's value: a duration string read as its seconds, anything else as it is
+    (its type is checked next); None, with a problem, for a string that is no duration."""
+    if not isinstance(value, str):
+        return value
+    seconds = go_duration(value)
+    if seconds is None:
+        problems.append(f"{where}: {value!r} is not a duration ({DURATION_EXAMPLES}) nor a "
+                        "number of seconds")
+    return seconds
 
 
 def string_list(value: list[Any], where: str, problems: list[str]) -> tuple[str, ...] | None:

@@ -14,9 +14,11 @@ A web page the same person opens in a browser can send requests to 127.0.0.1 (a 
   anything else is 403 on every method and path. An allowed foreign origin gets CORS answers
   (a preflight, `Access-Control-Allow-Origin` naming it alone); any other gets no CORS header.
 
-Then the key (hal0d.keys: which scope a path needs, what each key may do). /healthz and /readyz
-never need one: a load balancer's or systemd's probe carries no key. /readyz shows the slots'
-reasons only to a key holder when keys are set (may_see_details).
+Then the key (hal0d.keys: which scope a path needs, what each key may do), or, for a request
+that carries none, the anonymous access of the listener it came in on (by its port), for the
+source addresses that table names. /healthz and /readyz never need one: a load balancer's or
+systemd's probe carries no key. /readyz shows the slots' reasons only to a key holder when keys
+are set (may_see_details).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Final
 
 from aiohttp import hdrs, web
 
-from hal0d.config import ServerConfig
+from hal0d.config import ServerConfig, is_loopback
 from hal0d.errors import Forbidden, Unauthorized
 from hal0d.keys import ADMIN, INFERENCE, READ, Key, KeyRing, ollama_scope_of, scope_of
 from hal0d.logs import get_logger
@@ -170,11 +172,15 @@ SCOPE_WORK: Final = {INFERENCE: "call models", READ: "read hal0d's state",
                      ADMIN: "load or unload slots"}
 
 
+KEY_REQUIRED: Final = "Authorization: Bearer KEY or x-api-key: KEY"
+
+
 def check(request: web.Request, ring: KeyRing, server: ServerConfig, *,
           ollama: bool = False) -> Key | None:
     """The key the request came in with when its path needs one (hal0d.keys.scope_of, or
     ollama_scope_of for the Ollama listener's API): 401 without a key or with an unknown one,
-    403 when the key lacks the scope. None when keys are not set or the path needs none."""
+    403 when the key lacks the scope. Without a key: the listener's anonymous access, when it
+    lets this request in (anonymous). None when keys are not set or the path needs none."""
     if not ring:
         return None
     scope = (ollama_scope_of(request.method, request.path) if ollama
@@ -183,7 +189,7 @@ def check(request: web.Request, ring: KeyRing, server: ServerConfig, *,
         return None
     presented = presented_key(request)
     if presented is None:
-        raise Unauthorized("an API key is required: Authorization: Bearer KEY or x-api-key: KEY")
+        return anonymous(request, ring, scope)
     key = ring.identify(presented)
     if key is None:
         raise Unauthorized("the API key is not valid")
@@ -194,6 +200,26 @@ def check(request: web.Request, ring: KeyRing, server: ServerConfig, *,
     return key
 
 
+def anonymous(request: web.Request, ring: KeyRing, scope: str) -> Key:
+    """The Key a request without one is judged by: its listener's anonymous access, when the
+    request comes from one of its networks and needs one of its scopes; else 401, as for any
+    request without a key (a key may still be let in where anonymous is not)."""
+    access = ring.anonymous_on(listener_port(request))
+    if access is None or not access.admits(request.remote):
+        raise Unauthorized(f"an API key is required: {KEY_REQUIRED}")
+    if scope not in access.key.scopes:
+        may = ", ".join(SCOPE_WORK[own] for own in sorted(access.key.scopes))
+        raise Unauthorized(f"an API key is required to {SCOPE_WORK[scope]} (without one, "
+                           f"requests here may {may}): {KEY_REQUIRED}")
+    return access.key
+
+
+def listener_port(request: web.Request) -> int | None:
+    """The port of the listener the request came in on (each listener has its own access)."""
+    sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    return sockname[1] if isinstance(sockname, tuple) and len(sockname) >= 2 else None
+
+
 def may_see_details(request: web.Request, ring: KeyRing) -> bool:
     """Open probes (/readyz) answer anyone, but the slots' reasons (error texts, upstream
     addresses) are what /api/slots guards: with keys set, only a key holder sees them."""
@@ -201,12 +227,3 @@ def may_see_details(request: web.Request, ring: KeyRing) -> bool:
         return True
     presented = presented_key(request)
     return presented is not None and ring.identify(presented) is not None
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

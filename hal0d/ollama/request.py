@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import base64
 import binascii
-import re
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import orjson
 
+from hal0d.config import go_duration
 from hal0d.errors import InvalidRequest
 from hal0d.protocol.limits import MAX_MESSAGES
 
@@ -58,10 +58,6 @@ LOAD_OPTIONS = frozenset({"num_ctx", "num_batch", "num_gpu", "main_gpu", "use_mm
 THINK_LEVELS = ("high", "medium", "low", "max")
 KEEP_FOR_EVER = -1.0
 
-# Go's time.ParseDuration units, in seconds.
-_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
-          "h": 3600.0}
-_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
 # The first bytes of the image formats vision models take; anything else is sent as PNG.
 _IMAGE_MAGIC = ((b"\x89PNG", "image/png"), (b"\xff\xd8\xff", "image/jpeg"),
                 (b"GIF8", "image/gif"), (b"RIFF", "image/webp"))
@@ -190,23 +186,6 @@ def parse_keep_alive(value: object) -> float | None:
     if seconds is None:
         _invalid(f"time: invalid duration {value!r}", "keep_alive")
     return KEEP_FOR_EVER if seconds < 0 else seconds
-
-
-def go_duration(text: str) -> float | None:
-    """Go's time.ParseDuration ("1h30m", "300ms", "-1m", "0") in seconds; None if invalid."""
-    text = text.strip()
-    sign = -1.0 if text.startswith("-") else 1.0
-    rest = text.lstrip("+-")
-    if rest == "0":
-        return 0.0
-    total, at = 0.0, 0
-    while at < len(rest):
-        match = _DURATION_PART.match(rest, at)
-        if match is None:
-            return None
-        total += float(match.group(1)) * _UNITS[match.group(2)]
-        at = match.end()
-    return sign * total if rest else None
 
 
 def parse_format(value: object) -> dict[str, Any] | None:
