@@ -4,15 +4,29 @@ the Runtime (the settings, the router and the keys) a request runs on.
 A model a slot lists is served by that slot alone. A `[[routes]]` model is served by its slots in
 their order (each asked for its `served` name), so the forward path can hand a request on to the
 next while nothing has reached the client; the order is the plan, and with `prefer_loaded` the
-slots that have their model loaded go first (hal0d/forward/dispatch.py asks the slot table)."""
+slots that have their model loaded go first (hal0d/forward/placement.py orders them).
+
+Ollama treats `x` and `x:latest` as one name, and its clients' configurations carry the tag: a
+name ending in `:latest` that no slot, route or exact alias names as it is is served as the
+name without the tag, on every surface (before the glob aliases: a catch-all `"*"` does not take
+`x:latest` from a served `x`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from hal0d.config import Config, RouteConfig, SlotConfig, alias_target
 from hal0d.errors import NoRoute
 from hal0d.keys import Key, KeyRing
+
+# Ollama's default tag: `x:latest` is `x` (see the module's docstring).
+LATEST: Final = ":latest"
+# How near each state is to answering, nearest first (ready and serving alike): a route is shown
+# in its best slot's state. A state not listed (a remote's word hal0d does not use) comes last.
+READINESS: Final = {"ready": 0, "serving": 0, "starting": 1, "stopped": 2, "stopping": 3,
+                    "error": 4, "offline": 5}
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +73,7 @@ class Router:
     def plan(self, model: str, key: Key | None = None) -> Plan:
         """The plan for the name a client asked for, its alias applied; NoRoute (404) listing
         the served models, those `key` may use when the request has a key."""
-        served = model if model in self._plans else alias_target(self._aliases, model)
+        served = self._served(model)
         plan = self._plans.get(served) if served is not None else None
         if plan is None:
             listed = [name for name in self.served_models() if key is None or key.may_use(name)]
@@ -69,9 +83,31 @@ class Router:
             )
         return plan
 
+    def _served(self, model: str) -> str | None:
+        """The served name `model` stands for: itself or its exact alias, then (a name with
+        Ollama's `:latest`) the name without it or its exact alias; only then a glob alias."""
+        names = (model, model.removesuffix(LATEST)) if model.endswith(LATEST) else (model,)
+        for name in names:
+            if name in self._plans:
+                return name
+            if name in self._aliases:
+                return self._aliases[name]
+        for name in names:
+            if (target := alias_target(self._aliases, name)) is not None:
+                return target
+        return None
+
     def resolve(self, model: str, key: Key | None = None) -> Route:
         """The first slot of the model's plan."""
         return self.plan(model, key).first
+
+
+def best(routes: Sequence[Route], state_of: Callable[[Route], str]) -> tuple[Route, str]:
+    """The slot a model is shown by, and its state: of `routes` (a plan's, in the order they
+    are tried), the first in the best state (READINESS), so a route whose first box is down but
+    whose second answers is shown ready, by the second."""
+    states = [(route, state_of(route)) for route in routes]
+    return min(states, key=lambda pair: READINESS.get(pair[1], len(READINESS)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -189,3 +189,20 @@ def test_check_config_refuses_admin_a_bad_range_and_no_networks_beyond_loopback(
         "ollama.anonymous.networks: '192.168.1.0/33' is not an address range in CIDR form "
         "(\"192.168.1.0/24\", \"10.0.0.5/32\", \"fd00::/8\")",
     ], result.stderr
+
+
+async def test_without_a_key_a_model_is_used_but_not_unloaded_through_ollamas_api(
+    start_hal0d: ServerFactory, stub: Stub, tmp_path: Path
+) -> None:
+    """Ollama's own way to unload, keep_alive 0 with no prompt (`ollama stop`), takes a key as
+    hal0d's unload does; a keyless chat's keep_alive is left out, the chat answered."""
+    _, base = await start(start_hal0d, stub, tmp_path)
+    keyless = AsyncClient(host=base)
+    with pytest.raises(ResponseError) as refused:
+        await keyless.generate(model="chat", keep_alive=0)
+    assert refused.value.status_code == 403 and "unload" in str(refused.value.error)
+    answer = await keyless.chat(model="chat", messages=HI, keep_alive=0)
+    assert answer.message.content
+    operator = AsyncClient(host=base, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    stopped = await operator.generate(model="chat", keep_alive=0)
+    assert stopped.done_reason == "unload"

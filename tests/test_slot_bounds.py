@@ -35,8 +35,8 @@ SLACK = 0.5
          "slots[0].stream_total_timeout_s: 90000.0 is outside 0.0-86400.0"),
         (SLOT + "direct_read_timeout_s = 5\n",
          "slots[0].direct_read_timeout_s: 5.0 is outside 30.0-600.0"),
-        (SLOT + 'stream_idle_timeout_s = "3s"\n',
-         "slots[0].stream_idle_timeout_s: '3s' is not a number"),
+        (SLOT + 'stream_idle_timeout_s = "3 sec"\n',
+         "slots[0].stream_idle_timeout_s: '3 sec' is not a duration"),
     ],
 )
 def test_bad_slot_bounds_are_reported_with_their_key_path(tmp_path, toml, problem):

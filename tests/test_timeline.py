@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -15,6 +16,7 @@ import pytest
 from hal0d.config import GroupConfig
 from hal0d.lifecycle.groups import Swap, SwapPhase
 from hal0d.lifecycle.runner import LoadPhase, UnloadReason
+from hal0d.lifecycle.slots import SlotState
 from hal0d.observability.history import HistoryWriter, RequestRecord, percentile
 from hal0d.observability.timeline import LifecycleLog
 from tests.conftest import eventually, free_port, kill_with_its_group
@@ -108,7 +110,7 @@ def test_the_log_keeps_an_hour_infers_what_began_before_it_and_records_swap_step
                      ("a", "unload", "evicted"), ("b", "load", None),
                      ("b", "load_failed", "exit code 1")]
     start = now[0] - 112
-    spans = log.spans(0, {"a": False, "b": False, "c": True})
+    spans = log.spans(0, {"a": None, "b": None, "c": "loaded"})
     assert [(s.slot, s.state, s.start - start, None if s.end is None else s.end - start,
              s.outcome) for s in spans] == [
         ("a", "loading", 0, 2, "loaded"), ("a", "loaded", 2, 102, None),
@@ -118,8 +120,30 @@ def test_the_log_keeps_an_hour_infers_what_began_before_it_and_records_swap_step
     now[0] += 3545  # a's load falls out of the hour, its unload does not: loaded before it
     assert [e["kind"] for e in log.events(0)] == ["swap", "unload", "load", "load_failed"]
     assert [(s.start - start, None if s.end is None else s.end - start)
-            for s in log.spans(0, {"a": False}) if s.slot == "a"] == [(57, 102)]
+            for s in log.spans(0, {"a": None}) if s.slot == "a"] == [(57, 102)]
     assert [e["kind"] for e in log.events(now[0] - 60)] == []
+
+
+def test_a_slot_in_error_has_error_spans_until_it_answers_and_the_hour_infers_one_begun_before(
+) -> None:
+    now = [10_000.0]
+    log = LifecycleLog(keep_s=3600, clock=lambda: now[0])
+    gone: Any = SimpleNamespace(name="gone")  # a slot without a command: probes only
+    log.slot_changed(gone, SlotState.OFFLINE, SlotState.ERROR, "cannot connect")
+    now[0] += 10
+    log.slot_changed(gone, SlotState.ERROR, SlotState.READY, None)
+    now[0] += 10
+    log.slot_changed(gone, SlotState.READY, SlotState.ERROR, "probe failed")
+    log.slot_changed(gone, SlotState.ERROR, SlotState.ERROR, "still failing")  # no news
+    assert [(e["kind"], e.get("old")) for e in log.events(0)] == [
+        ("error", "offline"), ("recovered", None), ("error", "ready")]
+    spans = [(s.state, s.start - 10_000, None if s.end is None else s.end - 10_000)
+             for s in log.spans(0, {"gone": "error"})]
+    assert spans == [("error", 0, 10), ("loaded", 10, 20), ("error", 20, None)]
+    now[0] += 3595  # out of the hour but the last error, which says what it left: loaded
+    assert [s.state for s in log.spans(0, {"gone": "error"})] == ["loaded", "error"]
+    now[0] += 3600  # nothing kept: the slot's state now says it
+    assert [(s.state, s.end) for s in log.spans(0, {"gone": "error"})] == [("error", None)]
 
 
 async def timeline(http: aiohttp.ClientSession, url: Any, query: str = "") -> dict[str, Any]:

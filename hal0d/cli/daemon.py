@@ -332,6 +332,9 @@ class Board:
             self._take(data["view"])
             self.last = f"{data['slot']}: {data['old']} -> {data['new']}" + (
                 f" ({data['reason']})" if data.get("reason") else "")
+        elif name == "counts":  # in flight or queued changed, with no change of state
+            if (view := self.views.get(data["slot"])) is not None:
+                view["in_flight"], view["queued"] = data["in_flight"], data["queued"]
         elif name == "load":
             if data["phase"] in ("ready", "failed"):
                 self.loading.pop(data["slot"], None)

@@ -1,20 +1,22 @@
-"""The operator's endpoints: health, slot states, the event feed, live metrics, request history,
-Prometheus."""
+"""The operator's endpoints: health, slot (and route) states, the event feed, live metrics,
+request history, Prometheus."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 import time
+from typing import Any
 
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hal0d import __version__
-from hal0d.appkeys import EVENTS, LIFECYCLE, RECORDER, RUNTIME, SLOTS, VIEWS
+from hal0d.appkeys import DISPATCH, EVENTS, LIFECYCLE, RECORDER, RUNTIME, SLOTS, VIEWS
 from hal0d.config import DispatcherConfig
 from hal0d.errors import Conflict, ErrorCode, InvalidRequest, NoRoute
+from hal0d.forward import Dispatch
 from hal0d.front import access
 from hal0d.lifecycle.manager import LifecycleManager
 from hal0d.lifecycle.runner import UnloadReason
@@ -23,6 +25,7 @@ from hal0d.logs import get_logger
 from hal0d.observability import events as feed
 from hal0d.observability.requestinfo import INFO
 from hal0d.observability.tally import HOUR_S
+from hal0d.routing import best
 from hal0d.transport.stallguard import client_bound_s
 from hal0d.transport.upstream import SSE_HEADERS
 
@@ -70,7 +73,27 @@ def loadable(slot: Slot) -> bool:
 
 
 async def slots(request: web.Request) -> web.Response:
-    return json({"slots": [request.app[VIEWS](slot) for slot in request.app[SLOTS]]})
+    return json({"slots": [request.app[VIEWS](slot) for slot in request.app[SLOTS]],
+                 "routes": route_views(request.app[DISPATCH])})
+
+
+def route_views(dispatch: Dispatch) -> list[dict[str, Any]]:
+    """Each [[routes]] model as /api/slots and the feed's `hello` show it: its state and the
+    slot it is shown by (routing.best, as /v1/models lists it), its settings, and each of its
+    slots (in the configured order) with the state a client is shown for it there."""
+    views = []
+    for plan in dispatch.runtime.current.router.listed(None):
+        if (config := plan.route) is None:
+            continue
+        shown, state = best(dispatch.order(plan), dispatch.state_of)
+        views.append({
+            "model": plan.model, "state": state, "slot": shown.slot.name,
+            "slots": [{"name": route.slot.name, "served": route.served_model,
+                       "state": dispatch.state_of(route)} for route in plan.routes],
+            "prefer_loaded": config.prefer_loaded, "spill_when_busy": config.spill_when_busy,
+            "first_byte_timeout_s": config.first_byte_timeout_s,
+        })
+    return views
 
 
 async def events(request: web.Request) -> web.StreamResponse:
@@ -92,7 +115,7 @@ async def events(request: web.Request) -> web.StreamResponse:
     subscriber = hub.subscribe()
     hello = feed.frame("hello", {"ts": time.time(), "slots": [
         request.app[VIEWS](slot) for slot in request.app[SLOTS]
-    ]})
+    ], "routes": route_views(request.app[DISPATCH])})
     try:
         data: bytes | None = hello
         while data is not None:

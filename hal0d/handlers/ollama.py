@@ -12,6 +12,7 @@ this load's idle timer of an on-demand slot.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from typing import Any, Final
@@ -20,8 +21,8 @@ import orjson
 from aiohttp import web
 
 from hal0d import conversations
-from hal0d.appkeys import DISPATCH, LIFECYCLE, OLLAMA_THINKERS, RUNTIME, SLOTS
-from hal0d.errors import Hal0Error, InvalidRequest, NoRoute, UpstreamInvalid
+from hal0d.appkeys import DISPATCH, LIFECYCLE, OLLAMA_THINKERS, RUNTIME
+from hal0d.errors import Forbidden, Hal0Error, InvalidRequest, NoRoute, UpstreamInvalid
 from hal0d.forward import Answer, Attempt, Call, Exchange
 from hal0d.forward.exchange import upstream_refusal
 from hal0d.handlers.body import parse_json_object, read_body
@@ -48,6 +49,7 @@ from hal0d.ollama.stream import (
 )
 from hal0d.ollama.transform import OllamaTransform
 from hal0d.protocol.transform import Transform
+from hal0d.routing import Plan, Route
 from hal0d.transport.upstream import NDJSON_HEADERS
 
 log = get_logger()
@@ -60,6 +62,8 @@ UNMANAGED: Final = ("pull", "push", "create", "copy", "delete")
 # Options named once in the log each (a client sends the same few with every request).
 _options_logged: set[str] = set()
 _MAX_OPTIONS_LOGGED: Final = 256
+# The states in which a slot has its model loaded (as another hal0d reports them too).
+UP: Final = frozenset({str(SlotState.READY), str(SlotState.SERVING)})
 
 
 async def running(_: web.Request) -> web.Response:
@@ -70,17 +74,28 @@ async def version(_: web.Request) -> web.Response:
     return web.json_response({"version": OLLAMA_VERSION})
 
 
-def served(request: web.Request) -> list[shapes.Served]:
-    """Every model the request's key may use, with its slot (a route's model: its first)."""
-    thinkers = request.app[OLLAMA_THINKERS]
-    return [shapes.Served(plan.model, plan.first.slot.name,
-                          plan.first.slot.memory_mib if plan.route is None else None,
-                          plan.model in thinkers)
-            for plan in request.app[RUNTIME].current.router.listed(request.get(KEY))]
+def listed(request: web.Request) -> list[Plan]:
+    """Every model the request's key may use."""
+    return request.app[RUNTIME].current.router.listed(request.get(KEY))
+
+
+def served(plan: Plan, thinkers: set[str], name: str | None = None,
+           slot: Route | None = None) -> shapes.Served:
+    """`plan`'s model as the lists show it, named `name` (the client's, else the served one):
+    a slot's own with its slot; a route's as the route, with `slot` when one has it loaded."""
+    thinks = any(route.served_model in thinkers for route in plan.routes)
+    if plan.route is None:
+        return shapes.Served(name or plan.model, plan.first.slot.name,
+                             plan.first.slot.memory_mib, thinks)
+    return shapes.Served(name or plan.model, slot.slot.name if slot else None,
+                         slot.slot.memory_mib if slot else None, thinks,
+                         route=plan.model, slots=plan.route.slots)
 
 
 async def tags(request: web.Request) -> web.Response:
-    return web.json_response(shapes.tags(served(request), STARTED))
+    thinkers = request.app[OLLAMA_THINKERS]
+    return web.json_response(shapes.tags([served(plan, thinkers) for plan in listed(request)],
+                                         STARTED))
 
 
 async def show(request: web.Request) -> web.Response:
@@ -95,21 +110,23 @@ async def show(request: web.Request) -> web.Response:
         raise NoRoute(f"model {model!r} not found: {exc.message}", field="model") from None
     if key is not None:
         key.check_model(model, plan.model)
-    route = plan.first
-    thinks = route.served_model in request.app[OLLAMA_THINKERS]
-    model_shape = shapes.Served(model, route.slot.name, route.slot.memory_mib, thinks)
-    return web.json_response(shapes.show(model_shape, STARTED))
+    shown = served(plan, request.app[OLLAMA_THINKERS], model)
+    return web.json_response(shapes.show(shown, STARTED))
 
 
 async def ps(request: web.Request) -> web.Response:
-    """The models of the slots that are up, with when each unloads (never, for a slot hal0d
-    does not unload)."""
-    table, lifecycle = request.app[SLOTS], request.app[LIFECYCLE]
+    """The models that are loaded, with when each unloads (never, for a slot hal0d does not
+    unload): a slot's own while its slot is up, a route's while any of its slots has it up
+    (shown by the one that would answer first, unloading when the last of them does)."""
+    dispatch, lifecycle = request.app[DISPATCH], request.app[LIFECYCLE]
+    thinkers = request.app[OLLAMA_THINKERS]
     loaded: list[tuple[shapes.Served, float | None]] = []
-    for model in served(request):
-        slot = table.get(model.slot)
-        if slot is not None and slot.state in (SlotState.READY, SlotState.SERVING):
-            loaded.append((model, lifecycle.unloads_in(slot.name)))
+    for plan in listed(request):
+        up = [route for route in dispatch.order(plan) if dispatch.state_of(route) in UP]
+        if up:
+            expiries = [lifecycle.unloads_in(route.slot.name) for route in up]
+            expires = None if None in expiries else max(e for e in expiries if e is not None)
+            loaded.append((served(plan, thinkers, slot=up[0]), expires))
     return web.json_response(shapes.ps(loaded, time.time()))
 
 
@@ -249,9 +266,28 @@ class Converse(OllamaExchange):
             fwd.info.prompt_tokens = transform.translator.prompt_tokens
 
 
+def client_keep_alive(request: web.Request, model: str, keep_alive_s: float | None, *,
+                      unload_only: bool = False) -> float | None:
+    """The client's keep_alive when it may set one. A request without a key (its listener's
+    anonymous access) may use its models, not decide how long they stay loaded: its keep_alive
+    is left out, and an unload alone (`ollama stop`) is refused, since hal0d's own unload takes
+    a key with the admin scope."""
+    key = request.get(KEY)
+    if keep_alive_s is None or key is None or not key.anonymous:
+        return keep_alive_s
+    if unload_only and keep_alive_s == 0:
+        raise Forbidden(f"a request without a key may not unload {model!r}: unloading takes a "
+                        "key with the admin scope")
+    log.debug("ollama.keep_alive_ignored", model=model, keep_alive_s=keep_alive_s,
+              reason="a request without a key does not set how long a model stays loaded")
+    return None
+
+
 async def converse(request: web.Request, req: OllamaRequest, *,
                    chat: bool) -> web.StreamResponse:
     log_ignored(req.ignored)
+    req.keep_alive_s = client_keep_alive(request, req.model, req.keep_alive_s,
+                                         unload_only=req.load_only)
     exchange = Converse(req, request.app[LIFECYCLE], request.app[OLLAMA_THINKERS], chat=chat)
     conversation = conversations.of_chat(
         request.headers, {"model": req.model, "messages": req.messages, "tools": req.tools})
@@ -304,5 +340,7 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
 
 async def embeddings_of(request: web.Request, *, legacy: bool) -> web.StreamResponse:
     req = parse_embed(parse_json_object(await read_body(request)), legacy=legacy)
+    req = dataclasses.replace(req, keep_alive_s=client_keep_alive(request, req.model,
+                                                                  req.keep_alive_s))
     exchange = Embed(req, request.app[LIFECYCLE], request.app[OLLAMA_THINKERS], legacy=legacy)
     return await serve(request, req.model, exchange)

@@ -29,6 +29,7 @@ from hal0d.observability.requestinfo import INFO, client_of
 from hal0d.openai.transform import Passthrough
 from hal0d.protocol.limits import MAX_MESSAGES, MAX_TOKENS_LIMIT
 from hal0d.protocol.transform import Transform
+from hal0d.routing import best
 from hal0d.transport.upstream import response_headers
 
 ENDPOINTS = (
@@ -155,13 +156,15 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
 
 async def list_models(request: web.Request) -> web.Response:
     """Every model the key may use, loaded or not; `state` tells a client whether the first
-    request will load it (a route's: its best slot's, a warm one before one that must load)."""
+    request will load it. A route's is its best slot's (routing.best: ready or serving, then
+    starting, stopped, error), and `owned_by` names that slot, so a route whose first box is
+    down but whose second answers is listed as the second, ready."""
     dispatch = request.app[DISPATCH]
     data = []
     for plan in dispatch.runtime.current.router.listed(request.get(KEY)):
-        first = dispatch.order(plan)[0]
+        shown, state = best(dispatch.order(plan), dispatch.state_of)
         entry = {"id": plan.model, "object": "model", "created": 0,
-                 "owned_by": first.slot.name, "state": dispatch.state_of(first)}
+                 "owned_by": shown.slot.name, "state": state}
         if plan.route is not None:
             entry["slots"] = list(plan.route.slots)
         data.append(entry)

@@ -1,6 +1,7 @@
 """GET /api/timeline: the last hour per minute and per slot, as the status page's charts draw it
 and a Grafana panel (the JSON API or Infinity data source) can read it: the requests' per-minute
-figures from the history, the loads and unloads from the lifecycle's log, each group's memory."""
+figures from the history, the loads, unloads and errors from the lifecycle's log, each group's
+memory."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from aiohttp import web
 from hal0d.appkeys import RECORDER, RUNTIME, SLOTS, TIMELINE
 from hal0d.handlers.admin import json, unix_time
 from hal0d.lifecycle.groups import LOADED
+from hal0d.lifecycle.slots import SlotState
 
 BUCKET_S: Final = 60
 WINDOW_S: Final = 3600.0
@@ -37,7 +39,8 @@ async def timeline(request: web.Request) -> web.Response:
     table = request.app[SLOTS]
     config = request.app[RUNTIME].current.config
     configs = {slot.name: slot for slot in config.slots}
-    loaded_now = {slot.name: slot.state in LOADED for slot in table}
+    now_as = {slot.name: "error" if slot.state is SlotState.ERROR
+              else "loaded" if slot.state in LOADED else None for slot in table}
     slots = [{"name": slot.name, "state": str(slot.state),
               "group": configs[slot.name].group if slot.name in configs else None,
               "memory_mib": configs[slot.name].memory_mib if slot.name in configs else None}
@@ -50,7 +53,7 @@ async def timeline(request: web.Request) -> web.Response:
         "slots": slots,
         "minutes": minutes,
         "spans": [{"slot": span.slot, "state": span.state, "from": span.start, "to": span.end,
-                   "outcome": span.outcome} for span in log.spans(since, loaded_now)],
+                   "outcome": span.outcome} for span in log.spans(since, now_as)],
         "events": log.events(since),
         "groups": await groups(request, slots),
     })

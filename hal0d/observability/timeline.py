@@ -1,8 +1,9 @@
 """The last hour of the slots' lives, for GET /api/timeline and the status page's timeline: when
 each load began, ended or failed, each unload and why, each step of a swap.
 
-``LifecycleLog`` is told these as a lifecycle observer (and as a watcher of the slots, for a
-process that went away with no unload), and keeps them in memory: at most `size` events, none
+``LifecycleLog`` is told these as a lifecycle observer (and, as a watcher of the slots, a process
+that went away with no unload, a slot that went into `error` and one that answers again), and
+keeps them in memory: at most `size` events, none
 older than `keep_s`, so it costs the same after a week as after an hour. Each event is also
 handed to `keep` (the history writer's queue, its `lifecycle` table), and a new run begins with
 the last hour read back (`restore`), so the page's last hour survives a restart; a slot the
@@ -10,9 +11,9 @@ previous run left loaded (it ended without unloading it: a crash) is marked `sto
 restart. Every method is a plain append: no await, no I/O, nothing on a request's way.
 
 ``spans`` turns the events into what the timeline draws, per slot: from when to when it was
-loading and loaded. What happened before the log's horizon is inferred from the first event
-kept (an unload means it was loaded until then) or, with no event at all, from the slot's state
-now.
+loading, loaded and in error. What happened before the log's horizon is inferred from the first
+event kept (an unload means it was loaded until then) or, with no event at all, from the slot's
+state now.
 
 ``FreeMemory`` runs a group's `free_memory_command` for the timeline's memory figures, at most
 once per `every_s` per group, so a page left open does not run nvidia-smi on every refresh.
@@ -43,12 +44,13 @@ SIZE: Final = 2000
 FREE_MEMORY_EVERY_S: Final = 30.0
 LOADING_PHASES: Final = frozenset({"waiting_for_room", "starting", "probing"})
 AT_REST: Final = frozenset({SlotState.STOPPED, SlotState.OFFLINE})
+UP: Final = frozenset({SlotState.READY, SlotState.SERVING})
 
 
 @dataclass(frozen=True, slots=True)
 class Span:
     slot: str
-    state: str  # loading | loaded
+    state: str  # loading | loaded | error
     start: float
     end: float | None  # None: it still is
     outcome: str | None = None  # how a loading span ended: loaded, failed, withdrawn
@@ -82,7 +84,7 @@ class LifecycleLog:
         left_open: set[str] = set()  # loading or loaded when the previous run's events end
         for event in restored:
             kind = event["kind"]
-            if kind in ("load", "loaded"):
+            if kind in ("load", "loaded", "error", "recovered"):
                 left_open.add(event["slot"])
             elif kind in ("unload", "stopped") or kind.startswith("load_"):
                 left_open.discard(event["slot"])
@@ -126,9 +128,13 @@ class LifecycleLog:
 
     def slot_changed(self, slot: Slot, old: SlotState, new: SlotState, reason: str | None
                      ) -> None:
-        if new in AT_REST and slot.name in self._up:
+        if new in AT_REST and (slot.name in self._up or old is SlotState.ERROR):
             self._up.discard(slot.name)
-            self._add(slot.name, "stopped", reason=reason)
+            self._add(slot.name, "stopped", reason=reason, old=str(old))
+        elif new is SlotState.ERROR and old is not SlotState.ERROR:
+            self._add(slot.name, "error", reason=reason, old=str(old))
+        elif old is SlotState.ERROR and new in UP:
+            self._add(slot.name, "recovered")
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -141,32 +147,43 @@ class LifecycleLog:
         start = max(since, now - self.keep_s)
         return [dict(event) for event in self._events if event["ts"] >= start]
 
-    def spans(self, since: float, loaded_now: dict[str, bool]) -> list[Span]:
-        """Each slot's loading and loaded spans that reach into [since, now]; `loaded_now`: every
-        slot's name, and whether its process is up (or starting) now."""
+    def spans(self, since: float, now_as: dict[str, str | None]) -> list[Span]:
+        """Each slot's loading, loaded and error spans that reach into [since, now]; `now_as`:
+        every slot's name, and what it is now (`loaded`: its process is up or starting,
+        `error`, None: at rest), for a slot the kept events say nothing of."""
         now = self.clock()
         horizon = self.horizon(now)
         kept = [event for event in self._events if event["ts"] >= horizon]
         out: list[Span] = []
-        for name, up in loaded_now.items():
+        for name, now_state in now_as.items():
             mine = [event for event in kept if event["slot"] == name]
-            out.extend(span for span in _spans_of(name, mine, horizon, up)
+            out.extend(span for span in _spans_of(name, mine, horizon, now_state)
                        if span.end is None or span.end >= since)
         return [Span(s.slot, s.state, max(s.start, since), s.end, s.outcome) for s in out]
 
 
-def _spans_of(name: str, events: Iterable[dict[str, Any]], horizon: float, up: bool
-              ) -> list[Span]:
+# What a slot was before the first kept event of each kind: an unload or a stop means it was
+# loaded until then, an answer again that it was in error, anything else but a load that it was
+# loading (a load whose beginning is past the horizon). A stop or an error that says the state
+# it left (`old`) is taken at its word.
+_BEFORE: Final = {"unload": "loaded", "stopped": "loaded", "error": "loaded",
+                  "recovered": "error", "load": None}
+_SPAN_OF_STATE: Final = {"ready": "loaded", "serving": "loaded", "stopping": "loaded",
+                         "starting": "loading", "error": "error"}
+
+
+def _before(event: dict[str, Any]) -> str | None:
+    if "old" in event:
+        return _SPAN_OF_STATE.get(event["old"])
+    return _BEFORE.get(event["kind"], "loading")
+
+
+def _spans_of(name: str, events: Iterable[dict[str, Any]], horizon: float,
+              now_state: str | None) -> list[Span]:
     events = [event for event in events if event["kind"] != "swap"]
     out: list[Span] = []
-    open_state: str | None = None
+    open_state = _before(events[0]) if events else now_state
     open_at = horizon
-    if not events:
-        open_state = "loaded" if up else None
-    elif events[0]["kind"] in ("unload", "stopped"):
-        open_state = "loaded"  # loaded since before the horizon
-    elif events[0]["kind"] != "load":
-        open_state = "loading"  # a load whose beginning is past the horizon
 
     def close(at: float, outcome: str | None = None) -> None:
         nonlocal open_state
@@ -187,6 +204,12 @@ def _spans_of(name: str, events: Iterable[dict[str, Any]], horizon: float, up: b
             close(at, kind.removeprefix("load_"))
         elif kind in ("unload", "stopped"):
             close(at, "unloaded")
+        elif kind == "error":
+            close(at, "failed")
+            open_state, open_at = "error", at
+        elif kind == "recovered":
+            close(at)
+            open_state, open_at = "loaded", at
     if open_state is not None:
         out.append(Span(name, open_state, open_at, None))
     return out

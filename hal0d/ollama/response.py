@@ -4,7 +4,10 @@ and /api/ps show them.
 
 hal0d knows a model by its slot, not by a file: `size` and `size_vram` are the slot's
 `memory_mib` (0 unknown), `digest` is made from the slot and model names (stable across runs),
-`details.slot` names the slot, and the format, family and quantization are left empty.
+`details.slot` names the slot, and the format, family and quantization are left empty. A
+`[[routes]]` model is named as the route it is: `details.route` and `details.slots` (its slots in
+their order), in /api/ps also `details.slot`, the one that has it loaded; its digest is the
+route's, the same whichever slot serves it.
 """
 
 from __future__ import annotations
@@ -122,21 +125,29 @@ def embed_answer(answer: object, model: str, clocks: Clocks, *, legacy: bool) ->
 
 @dataclass(frozen=True, slots=True)
 class Served:
-    """One model of a slot, as the model lists show it."""
+    """One model of a slot or a route, as the model lists show it."""
 
     model: str
-    slot: str
+    slot: str | None  # the slot that serves it; a route's: the one that has it loaded, or None
     memory_mib: int | None
     thinks: bool = False  # hal0d has seen it reason
+    route: str | None = None  # a [[routes]] model: the route's name
+    slots: tuple[str, ...] = ()  # and its slots, in their order
 
 
 def digest(served: Served) -> str:
-    return hashlib.sha256(f"hal0d:{served.slot}:{served.model}".encode()).hexdigest()
+    owner = f"route:{served.route}" if served.route else f"{served.slot}:{served.model}"
+    return hashlib.sha256(f"hal0d:{owner}".encode()).hexdigest()
 
 
 def details(served: Served) -> dict[str, Any]:
-    return {"parent_model": "", "format": "", "family": "", "families": None,
-            "parameter_size": "", "quantization_level": "", "slot": served.slot}
+    out: dict[str, Any] = {"parent_model": "", "format": "", "family": "", "families": None,
+                           "parameter_size": "", "quantization_level": ""}
+    if served.route is not None:
+        out.update(route=served.route, slots=list(served.slots))
+    if served.slot is not None:
+        out["slot"] = served.slot
+    return out
 
 
 def size(served: Served) -> int:
@@ -156,9 +167,14 @@ def capabilities(served: Served) -> list[str]:
 
 
 def show(served: Served, modified_at: float) -> dict[str, Any]:
+    info: dict[str, Any] = {"general.architecture": ""}
+    if served.route is not None:
+        info.update({"hal0d.route": served.route, "hal0d.slots": list(served.slots)})
+    else:
+        info["hal0d.slot"] = served.slot
     return {"modelfile": "", "parameters": "", "template": "", "details": details(served),
-            "model_info": {"general.architecture": "", "hal0d.slot": served.slot},
-            "capabilities": capabilities(served), "modified_at": timestamp(modified_at)}
+            "model_info": info, "capabilities": capabilities(served),
+            "modified_at": timestamp(modified_at)}
 
 
 def ps(loaded: Iterable[tuple[Served, float | None]], wall: float) -> dict[str, Any]:

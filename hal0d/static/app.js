@@ -14,6 +14,7 @@ const state = {
   status: null,          // GET /api/status, and when it was read
   statusAt: 0,
   slots: new Map(),      // name -> the /api/slots view
+  routes: [],            // the /api/slots routes: each [[routes]] model, its state and slots
   slotsAt: 0,
   metrics: new Map(),    // name -> the /api/slots/metrics view
   loads: new Map(),      // name -> the latest load event while a load lasts
@@ -248,6 +249,27 @@ function renderSlots() {
   }
 }
 
+function routeCard(route) {
+  // A route is shown in its best slot's state (the one /v1/models lists), its slots in order.
+  const settings = [route.prefer_loaded ? "prefer_loaded" : null,
+    route.spill_when_busy ? "spill_when_busy" : null,
+    route.first_byte_timeout_s ? `first byte within ${route.first_byte_timeout_s} s` : null]
+    .filter(Boolean);
+  return el("article", { class: "card route", "data-state": route.state, "data-route": route.model },
+    el("h3", {}, el("span", {}, route.model), el("span", { class: "state" }, route.state)),
+    el("p", { class: "reason" }, `best slot: ${route.slot}; its slots in order:`),
+    el("ol", { class: "members" }, route.slots.map((member) => el("li",
+      { "data-state": member.state, "data-slot": member.name },
+      el("span", { class: "state" }, member.state), " ", el("b", {}, member.name),
+      member.served !== route.model ? el("span", { class: "muted" }, ` as ${member.served}`) : null))),
+    settings.length ? el("p", { class: "models" }, settings.join(", ")) : null);
+}
+
+function renderRoutes() {
+  $("routes-section").hidden = state.routes.length === 0;
+  $("routes").replaceChildren(...state.routes.map(routeCard));
+}
+
 function renderRequests() {
   const slot = $("filter-slot").value;
   const errorsOnly = $("filter-errors").checked;
@@ -337,6 +359,7 @@ function clearMinute() {
 function render() {
   renderHeader();
   renderSlots();
+  renderRoutes();
   renderRequests();
   renderHour();
 }
@@ -355,6 +378,7 @@ async function snapshot() {
   state.errorTimes = (status.error_times || []).slice();
   state.slots = new Map(slots.slots.map((view) => [view.name, view]));
   state.slotsAt = Date.now();
+  state.routes = slots.routes || [];
   state.metrics = new Map(metrics.slots.map((view) => [view.name, view]));
   state.requests = requests.requests;
 }
@@ -369,6 +393,20 @@ function refreshMetricsSoon() {
       const metrics = await api("/api/slots/metrics");
       state.metrics = new Map(metrics.slots.map((view) => [view.name, view]));
       renderSlots();
+    } catch { /* the event stream's own reconnect reports trouble */ }
+  }, 1000);
+}
+
+// A route's state is its slots' (and another hal0d's report of its model), judged by hal0d: the
+// routes are re-read after a slot changes state or a reload changed one, at most once a second.
+let routesPending = null;
+function refreshRoutesSoon(reloaded) {
+  if (routesPending || (!reloaded && !state.routes.length)) return;
+  routesPending = setTimeout(async () => {
+    routesPending = null;
+    try {
+      state.routes = (await api("/api/slots")).routes || [];
+      renderRoutes();
     } catch { /* the event stream's own reconnect reports trouble */ }
   }, 1000);
 }
@@ -410,7 +448,9 @@ const handlers = {
       state.slots = new Map(data.slots.map((view) => [view.name, view]));
       state.slotsAt = Date.now();
     }
+    if (data.routes) state.routes = data.routes;
     renderSlots();
+    renderRoutes();
   },
   slot(data) {
     const view = data.view;
@@ -418,6 +458,7 @@ const handlers = {
     state.slotsAt = Date.now();
     if (!["starting", "stopped"].includes(view.state)) state.loads.delete(view.name);
     renderSlots();
+    if (data.old !== data.new || data.reason === "reloaded") refreshRoutesSoon(data.reason === "reloaded");
   },
   counts(data) {
     const view = state.slots.get(data.slot);

@@ -73,6 +73,8 @@ function describe(event) {
     case "unload": return `${event.slot}: unloaded at ${at} (${event.reason})`
       + (event.loaded_s ? ` after ${span(event.loaded_s)} loaded` : "");
     case "stopped": return `${event.slot}: stopped at ${at}${event.reason ? `: ${event.reason}` : ""}`;
+    case "error": return `${event.slot}: in error from ${at}${event.reason ? `: ${event.reason}` : ""}`;
+    case "recovered": return `${event.slot}: answering again at ${at}`;
     case "swap": return `${event.group}: swap ${event.phase} at ${at}, ${event.victim || "–"} for ${event.slot}`
       + (event.reason ? ` (${event.reason})` : "");
     default: return `${event.slot}: ${event.kind.replaceAll("_", " ")} at ${at}`;
@@ -81,7 +83,8 @@ function describe(event) {
 
 function spanText(item, now) {
   const end = item.to === null ? now : item.to;
-  const what = item.state === "loading" ? (item.outcome === "failed" ? "a failed load" : "loading") : "loaded";
+  const what = item.state === "loading" ? (item.outcome === "failed" ? "a failed load" : "loading")
+    : item.state === "error" ? "in error" : "loaded";
   return `${item.slot}: ${what} from ${clock(item.from)} to ${item.to === null ? "now" : clock(item.to)} (${span(end - item.from)})`;
 }
 
@@ -164,15 +167,17 @@ export function timeline(data, now, width, picked) {
     const at = x(event.ts);
     const attrs = { "data-x": at.toFixed(1), "data-slot": event.slot, "data-kind": event.kind, "data-reason": event.reason ?? "",
       "data-ts": event.ts, "data-detail": describe(event) };
-    const cls = { load_failed: "failed", unload: "unload", loaded: "loaded", swap: "swap" }[event.kind] || "other";
+    const cls = { load_failed: "failed", unload: "unload", loaded: "loaded", recovered: "loaded", swap: "swap",
+      error: "error" }[event.kind] || "other";
     const shape = event.kind === "load_failed"
       ? svg("path", { d: `M${at - 4},${y + 5}l8,8m0,-8l-8,8` })
       : event.kind === "swap" ? svg("path", { d: `M${at},${y + 4}l4,5l-4,5l-4,-5z` })
-        : event.kind === "loaded" ? svg("path", { d: `M${at},${y + 4}l4,6h-8z` })
+        : ["loaded", "recovered"].includes(event.kind) ? svg("path", { d: `M${at},${y + 4}l4,6h-8z` })
           : svg("path", { d: `M${at},${y + ROW - 4}l4,-6h-8z` });
     const mark = svg("g", { class: `mark ${cls}`, ...attrs }, title(describe(event)),
       svg("rect", { class: "hit", x: at - 7, y: y + 2, width: 14, height: ROW - 4 }), shape);
-    const word = event.kind === "unload" ? event.reason : event.kind === "load_failed" ? "failed" : null;
+    const word = event.kind === "unload" ? event.reason
+      : { load_failed: "failed", error: "error" }[event.kind] || null;
     if (word) {
       // Right of the mark, or left of it near the window's end; none where it would overlap.
       const wide = word.length * 6;
