@@ -91,8 +91,11 @@ async def test_a_first_slot_that_died_hands_one_request_on_and_is_skipped_after(
     """The first slot answered its probe, then died: the next request is handed on at once
     (connect refused), and the ones after it go to the second slot first while the first cools
     down. One warning says it started failing; each hand-on is an info line."""
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"data": []})
+
     first = web.Application()
-    first.router.add_get("/v1/models", lambda _: web.json_response({"data": []}))
+    first.router.add_get("/v1/models", models)
     one = await aiohttp_server(first)
     text = route_config(str(one.make_url("")).rstrip("/"), stub.url, tmp_path)
     hal0d = await start_routed(start_hal0d, text, tmp_path)
