@@ -2,7 +2,9 @@
 `max_loaded = 1` under `policy = "batch"` serves a loaded model's burst before it swaps, under
 `"fifo"` it swaps for every request of the other model; a request for the other model still
 gets its turn within `max_wait_s`, and a model with no work is swapped out at once. A swap
-that waits shows in /api/slots, on /api/events, in /metrics and in the history's turn_ms."""
+that waits shows in /api/slots, on /api/events, in /metrics and in the history's turn_ms.
+With `min_turn_loads`, a busy model's turn lasts that many of its own measured loads: three
+models whose loads outlast `max_wait_s` still batch, within the wait bound /api/slots shows."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp.test_utils import TestServer
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
@@ -37,8 +40,12 @@ from tests.test_loader import (
 LOAD_S = "0.8"  # the stub's --startup-delay: a model that loads for 0.8 s
 
 
-def swap_group(policy: str, max_wait_s: float = 30.0) -> dict[str, GroupConfig]:
-    return {"gpu0": GroupConfig("gpu0", max_loaded=1, policy=policy, max_wait_s=max_wait_s)}
+def swap_group(policy: str, max_wait_s: float = 30.0,
+               min_turn_loads: float = 0.0) -> dict[str, GroupConfig]:
+    """A group of max_loaded = 1; by default max_wait_s alone ends a turn (min_turn_loads = 0),
+    the rule most tests here are about."""
+    return {"gpu0": GroupConfig("gpu0", max_loaded=1, policy=policy, max_wait_s=max_wait_s,
+                                min_turn_loads=min_turn_loads)}
 
 
 def two_models(where: Path, **keys: Any) -> list[SlotConfig]:
@@ -301,3 +308,167 @@ async def test_a_load_through_the_api_waits_for_no_batch(
     stop.set()
     await asyncio.gather(*streams)
     assert took_s < 10, took_s  # a's batch would have held it for 30 s
+
+
+# -- turns that pay for their load (min_turn_loads) -----------------------------------------------
+
+THREE = {"a": "chat", "b": "think-only", "c": "tool"}
+
+
+def three_models(where: Path) -> list[SlotConfig]:
+    where.mkdir(exist_ok=True)
+    return [on_demand(name, where, "--startup-delay", "1", group="gpu0") for name in THREE]
+
+
+async def timed_loop(http: aiohttp.ClientSession, hal0d: TestServer, seconds: float,
+                     clients_per_model: int = 3) -> list[tuple[int, float]]:
+    """Closed-loop clients on the three models: each request's status and latency."""
+    answers: list[tuple[int, float]] = []
+    until = time.monotonic() + seconds
+
+    async def client(model: str) -> None:
+        while time.monotonic() < until:
+            began = time.monotonic()
+            status = await streamed(http, hal0d, model)
+            answers.append((status, time.monotonic() - began))
+
+    await asyncio.gather(*(client(model) for model in THREE.values()
+                           for _ in range(clients_per_model)))
+    return answers
+
+
+async def test_three_models_whose_loads_outlast_max_wait_s_batch_with_turns_that_pay_for_them(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """Three models loading for about 1 s, max_wait_s = 0.5 (below a load), three clients per
+    model for 12 s, fifo and batch side by side: without a minimum turn every wait has passed
+    max_wait_s by the time a load is done, and batch swaps as often as fifo; with
+    min_turn_loads = 3 a turn pays for its load, so batch makes at most half fifo's loads.
+    Every request is answered, none waits past the learned bound, never are two loaded."""
+    runs: dict[str, tuple[TestServer, PidLog]] = {}
+    for policy in ("fifo", "batch"):
+        where = tmp_path / policy
+        hal0d = await start(start_hal0d, lifecycle_config(
+            where, *three_models(where),
+            groups=swap_group(policy, max_wait_s=0.5, min_turn_loads=3.0)))
+        runs[policy] = (hal0d, PidLog(str(where)))
+    for _, sampler in runs.values():
+        sampler.start()
+    try:
+        results = await asyncio.gather(*(timed_loop(http, hal0d, 12.0)
+                                         for hal0d, _ in runs.values()))
+    finally:
+        for _, sampler in runs.values():
+            sampler.__exit__()
+    loads = {policy: len(sampler.pids) for policy, (_, sampler) in runs.items()}
+    answered = {policy: len(answers) for policy, answers in zip(runs, results, strict=True)}
+    batch = await views(http, runs["batch"][0])
+    load_s = max(view["load_s"] for view in batch.values() if view["load_s"] is not None)
+    bound_s = batch["a"]["turn_wait_s"]  # the learned wait for a turn, the same for all three
+    slowest = max(latency for _, latency in results[1])
+    print(f"\nthree models, 12 s: loads {loads}, answered {answered}; batch: slowest "
+          f"{slowest:.2f} s, turn_wait_s {bound_s} s, load {load_s} s")
+    for answers in results:
+        assert answers and {status for status, _ in answers} == {200}
+    for _, sampler in runs.values():
+        assert sampler.samples > 100 and sampler.most_alive == 1
+    assert loads["batch"] * 2 <= loads["fifo"], loads
+    assert bound_s == pytest.approx(2 * (3 * load_s + load_s), abs=0.2)  # (n - 1)(turn + load)
+    # The documented bound: the turns and loads of the two others, then its own load, plus
+    # each of those three swaps' victim draining its requests (a few ms here) and its process
+    # exiting, and the spread of loads that run beside the other hal0d's: 2 s in all.
+    assert slowest <= bound_s + load_s + 2.0, (slowest, bound_s, load_s)
+
+
+async def test_a_busy_model_keeps_its_turn_for_min_turn_loads_of_its_own_load(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """max_wait_s = 0.3 is long over when b's turn comes: a, busy, keeps the group until it
+    has been loaded 3 times its measured load time; /api/slots shows the load time, when b's
+    turn comes and the wait bound learned from the loads."""
+    hal0d = await start(start_hal0d, lifecycle_config(
+        tmp_path, *two_models(tmp_path), groups=swap_group("batch", 0.3, min_turn_loads=3.0)))
+    assert await streamed(http, hal0d, "chat") == 200
+    stop = asyncio.Event()
+
+    async def stream_for_a() -> None:
+        while not stop.is_set():
+            assert await streamed(http, hal0d, "chat") == 200
+
+    with capture_logs() as logs:
+        streams = [asyncio.create_task(stream_for_a()) for _ in range(3)]
+        a = (await views(http, hal0d))["a"]
+        asked = time.monotonic()
+        turn_left_s = 3 * a["load_s"] - a["loaded_for_s"]  # of a's turn, as b asks
+        for_b = asyncio.create_task(streamed(http, hal0d, "think-only"))
+
+        async def pending() -> dict[str, Any] | None:
+            return (await views(http, hal0d))["b"]["pending_swap"]
+
+        async def seen() -> bool:
+            return await pending() is not None
+
+        await until(seen, 5, "b's pending swap")
+        swap = await pending()
+        assert await for_b == 200
+        waited_s = time.monotonic() - asked
+        stop.set()
+        await asyncio.gather(*streams)
+    print(f"\na's load {a['load_s']} s, its turn left {turn_left_s:.2f} s; b waited "
+          f"{waited_s:.2f} s; {swap}")
+    assert turn_left_s > 1.0 and waited_s >= turn_left_s - 0.15, (turn_left_s, waited_s)
+    assert swap is not None and swap["turn_at_s"] == pytest.approx(turn_left_s, abs=0.3)
+    assert swap["max_wait_s"] == 0.3 and f"of {swap['turn_at_s']:g}" in swap["why"]
+    [started] = [e for e in logs if e["event"] == "swap.started" and e["slot"] == "b"]
+    assert "a's turn paid for its load (3 x" in started["why"], started
+    b = (await views(http, hal0d))["b"]
+    loads = [a["load_s"], b["load_s"]]
+    assert b["turn_wait_s"] == pytest.approx(3 * max(loads) + max(loads), abs=0.15), (b, loads)
+    [loaded] = [e for e in logs if e["event"] == "slot.loaded" and e["slot"] == "b"]
+    assert loaded["load_s"] == b["load_s"] and 0.8 <= loaded["measured_s"] < loaded["elapsed_s"]
+
+
+async def test_a_model_with_no_work_is_swapped_out_at_once_whatever_its_minimum_turn(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """No minimum turn for nobody: a model with nothing queued or in flight goes as soon as
+    another is asked for, though its turn of 50 loads is far from over."""
+    hal0d = await start(start_hal0d, lifecycle_config(
+        tmp_path, *two_models(tmp_path), groups=swap_group("batch", 0.3, min_turn_loads=50.0)))
+    assert await streamed(http, hal0d, "chat") == 200
+    load_s = (await views(http, hal0d))["a"]["load_s"]
+    with capture_logs() as logs:
+        began = time.monotonic()
+        assert await streamed(http, hal0d, "think-only") == 200
+        took_s = time.monotonic() - began
+    assert took_s < 4 * load_s, (took_s, load_s)  # an unload and a load, no turn waited out
+    [evicting] = [e for e in logs if e["event"] == "slot.evicting"]
+    assert "a has nothing queued or in flight" in evicting["why"]
+
+
+async def test_a_turn_that_is_over_never_cuts_the_request_in_flight(
+    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """a's turn (one load, max_wait_s 0.2) ends while its 3 s stream runs: the stream ends
+    whole, and b loads only after it."""
+    tmp_path.mkdir(exist_ok=True)
+    slots = [on_demand("a", tmp_path, "--startup-delay", LOAD_S, "--delay", "0.02",
+                       group="gpu0", models=("reasoning",)),
+             on_demand("b", tmp_path, "--startup-delay", LOAD_S, group="gpu0")]
+    hal0d = await start(start_hal0d, lifecycle_config(
+        tmp_path, *slots, groups=swap_group("batch", 0.2, min_turn_loads=1.0)))
+    assert await streamed(http, hal0d, "reasoning") == 200
+    long = body("reasoning", "long", stream=True, max_tokens=150)
+    with capture_logs() as logs:
+        async with http.post(hal0d.make_url(CHAT), json=long) as resp:
+            assert resp.status == 200
+            await resp.content.readany()
+            for_b = asyncio.create_task(streamed(http, hal0d, "think-only"))
+            whole = await resp.read()
+            told_by_its_end = [e["event"] for e in logs]
+        assert whole.endswith(b"data: [DONE]\n\n"), whole[-200:]
+        assert await for_b == 200
+    # a's turn ended and its unload began with the stream in flight; b loaded only after.
+    assert "slot.evicting" in told_by_its_end and "slot.draining" in told_by_its_end
+    assert not any(e["event"] == "slot.loaded" for e in logs[:len(told_by_its_end)])
+    assert any(e["event"] == "slot.loaded" and e["slot"] == "b" for e in logs)

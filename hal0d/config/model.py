@@ -181,7 +181,9 @@ class GroupConfig:
     """Slots that share a device: at most `max_loaded` of them loaded at once, the sum of their
     `memory_mib` within `memory_mib`, and each load only when `free_memory_command` reports room.
     `policy` says when a model waiting for room may unload a busy one: `batch` once it has
-    waited `max_wait_s` (a loaded model serves its queue first), `fifo` at once."""
+    waited `max_wait_s` and the busy one has been loaded `min_turn_loads` times its own measured
+    load time (a loaded model serves its queue first, long enough to pay for its load; 0: the
+    wait alone counts), `fifo` at once."""
 
     name: str
     max_loaded: int | None = None
@@ -189,6 +191,7 @@ class GroupConfig:
     free_memory_command: tuple[str, ...] | None = None
     policy: str = "batch"
     max_wait_s: float = 30.0
+    min_turn_loads: float = 3.0
 
     @property
     def batch(self) -> bool:

@@ -85,6 +85,7 @@ GROUP_SPEC: dict[str, Range] = {
     "free_memory_command": (list, None, None),
     "policy": (str, None, None),
     "max_wait_s": (float, 0.1, 3600.0),
+    "min_turn_loads": (float, 0.0, 100.0),
 }
 ROUTE_SPEC: dict[str, Range] = {
     "model": (str, None, None),

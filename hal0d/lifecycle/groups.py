@@ -11,15 +11,21 @@ When the unload happens is the group's `policy`:
     fifo    at once: the victim drains what is in flight and goes; its next requests queue and
             load it back in their turn (a swap per request when two models alternate)
     batch   a victim with work (requests queued or in flight) keeps serving it, those that keep
-            arriving included, until the oldest request waiting for the loading model has
-            waited `max_wait_s`; a victim with no work goes at once (IDLE_GRACE_S after its
-            last request ended: a client sending one request after another is not gone).
-            The next load's turn goes to the model whose oldest request has waited longest, so
-            every model gets its turn and a request waits about `max_wait_s` plus the loads in
-            front of it at most.
+            arriving included, until both the oldest request waiting for the loading model has
+            waited `max_wait_s` and the victim has been loaded `min_turn_loads` times its own
+            measured load time (its turn pays for its load: with loads long against
+            `max_wait_s`, or three models, the waits alone would end every turn after one
+            round); a victim with no work goes at once (IDLE_GRACE_S after its last request
+            ended: a client sending one request after another is not gone). The next load's
+            turn goes to the model whose oldest request has waited longest, so every model gets
+            its turn and a request waits at most about (n - 1) x (turn + load) with n models
+            busy (`wait_bound_s`, which the slots' queue bounds are given).
+
+A load's measured time is the median of its slot's last loads, from the launch to the first
+good probe (runner.py measures them); before a slot's first, its turn is `max_wait_s` alone.
 
 A batch wait is woken by what can end it (the manager pokes the group when a member's state or
-counts change) and by one timer at the waiting request's `max_wait_s`; it never polls. A load
+counts change) and by one timer at the end of the victim's turn; it never polls. A load
 whose requests all left while it waited is withdrawn (`Withdrawn`): nothing is unloaded for
 nobody. A load asked for by the API or an `always` slot's start does not wait for a batch.
 """
@@ -91,13 +97,15 @@ class PendingSwap:
     victim: str
     since: float  # monotonic: when the oldest waiting request came
     max_wait_s: float
+    turn_at_s: float  # how long that request will have waited when the victim's turn ends
 
     def view(self, now: float) -> dict[str, object]:
         waited = max(0.0, now - self.since)
         return {
             "waiting": self.slot, "victim": self.victim,
             "waited_s": round(waited, 1), "max_wait_s": self.max_wait_s,
-            "why": f"waiting for {self.slot}'s turn: {waited:.0f} s of {self.max_wait_s:g}",
+            "turn_at_s": self.turn_at_s,
+            "why": f"waiting for {self.slot}'s turn: {waited:.0f} s of {self.turn_at_s:g}",
         }
 
 
@@ -156,6 +164,37 @@ class Member:
     memory_mib: int
     evictable: bool  # on demand: may be unloaded to make room
     last_used: float
+    loaded_at: float | None = None  # monotonic: when its current load answered
+    load_s: float | None = None  # its measured load time; None before its first load
+
+
+def turn_ends(limits: GroupConfig, member: Member) -> float | None:
+    """When a loaded member's turn has paid for its load (monotonic): `min_turn_loads` times its
+    measured load time after it loaded; None when no such turn holds it (the rule is off, it is
+    not loaded, or no load of it was measured yet)."""
+    if not limits.min_turn_loads or member.loaded_at is None or member.load_s is None:
+        return None
+    return member.loaded_at + limits.min_turn_loads * member.load_s
+
+
+def turn_over(limits: GroupConfig, since: float, victim: Member) -> float:
+    """When a busy `victim` is to go for a model whose oldest request came at `since`
+    (monotonic): once that request waited max_wait_s and the victim's turn paid for its load."""
+    ends = turn_ends(limits, victim)
+    return max(since + limits.max_wait_s, ends if ends is not None else since)
+
+
+def wait_bound_s(limits: GroupConfig, members: Iterable[Member]) -> float:
+    """The longest a request waits for its model's turn with every on-demand model of the group
+    busy: the n - 1 others' turns (`max_wait_s` or `min_turn_loads` loads, the longer) and
+    loads, by the slowest measured load; (n - 1) x `max_wait_s` before any load was measured."""
+    on_demand = [m for m in members if m.evictable]
+    others = max(1, len(on_demand) - 1)
+    loads = [m.load_s for m in on_demand if m.load_s is not None]
+    if not loads:
+        return others * limits.max_wait_s
+    load = max(loads)
+    return round(others * (max(limits.max_wait_s, limits.min_turn_loads * load) + load), 1)
 
 
 async def free_memory_mib(group: GroupConfig) -> int | None:
@@ -210,12 +249,23 @@ class Groups:
         return self.groups.get(name or "")
 
     def turn_wait_s(self, config: SlotConfig) -> float:
-        """The longest a request for `config`'s slot may wait for its model's turn (its
-        group's `max_wait_s` when the group batches), on top of the load's own bound."""
+        """The longest a request for `config`'s slot may wait for its model's turn when its
+        group batches (wait_bound_s), on top of the load's own bound."""
         group = self.get(config.group)
         if group is None or not group.config.batch or not config.on_demand:
             return 0.0
-        return group.config.max_wait_s
+        return wait_bound_s(group.config, self._members(group.config.name))
+
+    def refresh(self, name: str | None) -> None:
+        """Every slot of the group given its wait bound anew: a member came, or a load of one
+        was measured."""
+        group = self.get(name)
+        if group is None:
+            return
+        members = list(self._members(group.config.name))
+        bound = wait_bound_s(group.config, members) if group.config.batch else 0.0
+        for member in members:
+            member.slot.turn_wait_s = bound if member.evictable else 0.0
 
     def replace(self, groups: dict[str, GroupConfig]) -> None:
         """A reload's [groups]; a group whose limits changed keeps its turn order."""
@@ -283,7 +333,7 @@ class Groups:
             if stopping:
                 await self._settled(stopping[0].slot.name)
                 continue
-            victim = self._victim(loaded, batch=limits.batch)
+            victim = self._victim(loaded, limits)
             if victim is None:
                 others = ("no other slot of the group is loaded" if not loaded else
                           "the loaded ones are start = 'always', never unloaded")
@@ -297,14 +347,14 @@ class Groups:
             if limits.batch and not urgent:
                 wake = self._not_yet(limits, me, victim)
                 if wake is not None:
-                    group.pending = PendingSwap(me.name, victim.slot.name,
-                                                me.oldest_waiting_since() or time.monotonic(),
-                                                limits.max_wait_s)
+                    pending = self._pend(group, me, victim)
                     if not planned:
                         planned = True
                         self._tell(group, SwapPhase.PLANNED, me, victim,
-                                   f"{victim.slot.name} has work: swapping within "
-                                   f"max_wait_s = {limits.max_wait_s:g} s")
+                                   f"{victim.slot.name} has work: swapping once {me.name}'s "
+                                   f"oldest request waited {pending.turn_at_s:g} s (max_wait_s "
+                                   f"= {limits.max_wait_s:g} s, min_turn_loads = "
+                                   f"{limits.min_turn_loads:g})")
                     await self._wait_turn(group, me, victim.slot.name, wake)
                     continue
                 group.pending = None
@@ -312,6 +362,9 @@ class Groups:
             if limits.batch and not urgent:
                 why += (f"; the oldest request for {me.name} waited max_wait_s" if busy(victim.slot)
                         else f"; {victim.slot.name} has nothing queued or in flight")
+                if busy(victim.slot) and turn_ends(limits, victim) is not None:
+                    why += (f" and {victim.slot.name}'s turn paid for its load "
+                            f"({limits.min_turn_loads:g} x {victim.load_s:g} s)")
             if not planned:
                 self._tell(group, SwapPhase.PLANNED, me, victim, why)
             self._tell(group, SwapPhase.STARTED, me, victim, why)
@@ -338,16 +391,27 @@ class Groups:
     @staticmethod
     def _not_yet(limits: GroupConfig, me: Slot, victim: Member) -> float | None:
         """Batch: None when `victim` is to go now for `me`; else when to look again (monotonic).
-        It goes once the oldest request for `me` has waited max_wait_s, or once it has no work
-        (IDLE_GRACE_S after its last request ended). Withdrawn when nothing waits for `me`."""
+        With work it goes once the oldest request for `me` has waited max_wait_s and its own
+        turn paid for its load (turn_ends); with no work at once (IDLE_GRACE_S after its last
+        request ended). Withdrawn when nothing waits for `me`."""
         since = me.oldest_waiting_since()
         if since is None and not me.in_flight:
             raise Withdrawn(f"no request waits for slot {me.name!r} any more")
         now = time.monotonic()
-        deadline = (since or now) + limits.max_wait_s
-        if not busy(victim.slot):
+        deadline = turn_over(limits, since or now, victim)
+        if not busy(victim.slot):  # a gap between two requests of its turn is not the end
             deadline = min(deadline, victim.last_used + IDLE_GRACE_S)
         return deadline if now < deadline else None
+
+    @staticmethod
+    def _pend(group: Group, me: Slot, victim: Member) -> PendingSwap:
+        """The swap that waits, as /api/slots shows it: when `me`'s turn comes if `victim`
+        keeps its work."""
+        since = me.oldest_waiting_since() or time.monotonic()
+        turn_at_s = turn_over(group.config, since, victim) - since
+        group.pending = PendingSwap(me.name, victim.slot.name, since, group.config.max_wait_s,
+                                    round(max(0.0, turn_at_s), 1))
+        return group.pending
 
     def _tell(self, group: Group, phase: SwapPhase, me: Slot, victim: Member, why: str) -> None:
         since = me.oldest_waiting_since()
@@ -368,6 +432,8 @@ class Groups:
             if member is None or member.slot.state not in EVICTABLE:
                 return
             next_wake = self._not_yet(limits, me, member)
+            if next_wake is not None:
+                self._pend(group, me, member)
 
     @staticmethod
     async def _until(group: Group, deadline: float) -> None:
@@ -383,14 +449,17 @@ class Groups:
             group.wake = None
 
     @staticmethod
-    def _victim(loaded: list[Member], *, batch: bool) -> Member | None:
+    def _victim(loaded: list[Member], limits: GroupConfig) -> Member | None:
         """The least recently used loaded on-demand slot, one with nothing in flight first
-        (batch: one with no work, nothing queued or in flight, first)."""
+        (batch: one with no work, nothing queued or in flight, first; of those with work, the
+        one whose turn ends first)."""
         candidates = [m for m in loaded if m.evictable and m.slot.state in EVICTABLE]
         if not candidates:
             return None
-        if batch:
-            return min(candidates, key=lambda m: (busy(m.slot), m.last_used))
+        if limits.batch:
+            return min(candidates, key=lambda m: (
+                busy(m.slot), (turn_ends(limits, m) or 0.0) if busy(m.slot) else 0.0,
+                m.last_used))
         return min(candidates, key=lambda m: (m.slot.in_flight > 0, m.last_used))
 
 

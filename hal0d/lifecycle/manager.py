@@ -151,7 +151,7 @@ class LifecycleManager:
         slot.count_watchers.append(self._on_counts)
         slot.demand = self._demand if config.on_demand else None
         slot.exit_seen = self._exit_seen
-        slot.turn_wait_s = self.groups.turn_wait_s(config)
+        self.groups.refresh(config.group)  # its wait bound, and its group's others' with it
         return runner
 
     def _begin(self, runner: Runner) -> None:
@@ -164,7 +164,9 @@ class LifecycleManager:
             if config.group == group and name in self.table:
                 yield Member(self.table[name], config.memory_mib or 0,
                              evictable=runner is not None and config.on_demand,
-                             last_used=runner.last_used if runner else 0.0)
+                             last_used=runner.last_used if runner else 0.0,
+                             loaded_at=runner.loaded_at if runner else None,
+                             load_s=runner.load_s if runner else None)
 
     def _on_change(self, slot: Slot, old: SlotState, new: SlotState, reason: str | None) -> None:
         """The idle timer of an on-demand slot: armed while it is ready, cancelled otherwise;
@@ -298,8 +300,7 @@ class LifecycleManager:
             self.tell(runner, Event.EXITED, cause)
 
     def _recover(self, runner: Runner) -> None:
-        """After an exit: started again after the backoff when wanted (nothing granted until
-        then: its requests wait for the restart), else at rest now."""
+        """After an exit: restarted after the backoff when wanted (requests wait), else rests."""
         if runner.wanted():
             runner.slot.hold(runner.slot.reason or "process exited")
             self._retry_later(runner)
@@ -493,8 +494,6 @@ class LifecycleManager:
         missing from the table. What drains (a removed slot's leases, the streams of a process
         that changed) drains for at most `drain_s`."""
         self.groups.replace(diff.groups)
-        for runner in self.runners.values():
-            runner.slot.turn_wait_s = self.groups.turn_wait_s(runner.config)
         plain: list[str] = []
         for config in diff.added:
             slot = reload.added_slot(self.table, config)
@@ -512,6 +511,8 @@ class LifecycleManager:
             self._change(config, drain_s)
             for tell in self.slot_reconfigured:
                 tell(self.table[config.name])
+        for runner in self.runners.values():  # the groups' members as the reload left them
+            runner.slot.turn_wait_s = self.groups.turn_wait_s(runner.config)
         self.sweep_caches()
 
     def _remove(self, name: str, drain_s: float) -> None:
@@ -562,8 +563,7 @@ class LifecycleManager:
             self._unload_now(runner, UnloadReason.RELOAD)
 
     async def _after_withdrawn(self, runner: Runner) -> None:
-        """A load that waited for its group's room, cancelled by a reload: once its task has
-        ended, the new config is taken on as after an unload."""
+        """A load a reload cancelled while it waited for room: once ended, as after an unload."""
         if runner.job is not None:
             await asyncio.wait({runner.job})
         if runner.slot.state is SlotState.STOPPED:

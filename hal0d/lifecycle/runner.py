@@ -1,6 +1,7 @@
 """What the lifecycle manager keeps for each slot with a command (Runner: its process, its task,
-its timers, its backoff), the steps of that process it runs (a start up to the first answer, a
-drain, a stop), and the words it tells its observers (load phases, unload reasons).
+its timers, its backoff, how long its loads took), the steps of that process it runs (a start
+up to the first answer, a drain, a stop), and the words it tells its observers (load phases,
+unload reasons).
 
 A Runner never changes its slot's state: what its steps lead to, the manager tells the table.
 """
@@ -8,8 +9,10 @@ A Runner never changes its slot's state: what its steps lead to, the manager tel
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import enum
+import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -32,6 +35,9 @@ BACKOFF_MAX_S: Final = 60.0
 LOAD_TICK_S: Final = 1.0
 # A process that was up this long before it exited starts again from the first backoff step.
 HEALTHY_RUN_S: Final = 60.0
+# How many of a slot's last loads its measured load time is the median of: a few, so a cache
+# that was cold once does not stand for every load, and a changed model shows within as many.
+LOAD_HISTORY: Final = 5
 
 
 class UnloadReason(enum.StrEnum):
@@ -128,6 +134,10 @@ class Runner:
     load_error: str | None = None
     last_used: float = field(default_factory=time.monotonic)
     loaded_at: float | None = None
+    # The times of its last loads that answered, each from its launch to its first good probe
+    # (not the wait for room): what its group's turns and wait bounds learn from.
+    load_times: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=LOAD_HISTORY))
     restarts: int = 0
     unloading: UnloadReason = UnloadReason.API
     drain_s: float | None = None  # the bound of the unload's drain (a reload's), None: none
@@ -182,6 +192,11 @@ class Runner:
     @property
     def busy(self) -> bool:
         return self.job is not None and not self.job.done()
+
+    @property
+    def load_s(self) -> float | None:
+        """Its measured load time: the median of its last loads; None before the first."""
+        return round(statistics.median(self.load_times), 3) if self.load_times else None
 
     def wanted(self) -> bool:
         """An `always` slot is wanted all the time; an on-demand one while requests are there."""
@@ -263,7 +278,8 @@ class Runner:
         await self.warm_up(client)
         elapsed = progress.elapsed()
         self.loaded_at = time.monotonic()
-        log.info("slot.loaded", slot=self.name, elapsed_s=elapsed, pid=self.child.pid)
+        log.info("slot.loaded", slot=self.name, elapsed_s=elapsed, pid=self.child.pid,
+                 measured_s=round(self.load_times[-1], 3), load_s=self.load_s)
         progress.enter(LoadPhase.READY)
         return Started.ANSWERED
 
@@ -293,11 +309,15 @@ class Runner:
                     raise LaunchFailed(taken)
                 if config.prompt_cache_dir is not None:
                     make_folder(config.prompt_cache_dir)
+                launched = time.monotonic()
                 child = await self.launch()
                 progress.enter(LoadPhase.PROBING)
                 failure = await until_answering(client, self.config, child,
                                                 config.load_timeout_s - progress.elapsed())
                 self.load_error = failure
+                if failure is None:
+                    self.load_times.append(time.monotonic() - launched)
+                    groups.refresh(config.group)  # its group's wait bounds learn this load
                 return failure
         except NoRoom as exc:
             return str(exc)

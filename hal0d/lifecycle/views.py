@@ -1,6 +1,6 @@
 """What /api/slots and the event feed show of a slot beyond its admission snapshot: its group's
 limits and the swap it may wait for, and for an on-demand slot its load (loaded and idle for how
-long, when the idle timer unloads it, its process).
+long, when the idle timer unloads it, its process, how long its loads take).
 
 Read only: each function is handed the parts of the lifecycle manager's state it shows (the
 slot's config, its group, its runner), so a view never changes what it looks at.
@@ -43,6 +43,10 @@ def slot_view(slot: Slot, config: SlotConfig | None, group: Group | None,
         pending = group.pending
         view["group_policy"] = group.config.policy
         view["group_max_wait_s"] = group.config.max_wait_s
+        view["group_min_turn_loads"] = group.config.min_turn_loads
+        # The longest a request may wait for its model's turn (groups.wait_bound_s), learned
+        # from the group's measured loads.
+        view["turn_wait_s"] = slot.turn_wait_s
         # A swap waiting for a batch to end, on the waiting slot's view and the victim's.
         view["pending_swap"] = (pending.view(now) if pending is not None
                                 and slot.name in (pending.slot, pending.victim) else None)
@@ -64,4 +68,5 @@ def _load_view(runner: Runner, now: float) -> dict[str, object]:
         "idle_unload_in_s": None if idle_unload_in is None else round(idle_unload_in, 1),
         "keep_alive_s": runner.keep_alive_s,
         "pid": runner.child.pid if runner.child else None,
+        "load_s": runner.load_s,
     }

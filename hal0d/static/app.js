@@ -129,7 +129,9 @@ function swapLine(view) {
   const swap = told || pending;
   if (!swap) return null;
   const waited = swap.waited_s + (Date.now() - swap.at) / 1000;
-  return `waiting for ${view.name}'s turn: ${Math.round(waited)} s of ${swap.max_wait_s}`
+  // When the victim's turn ends, learned from its load time (the view's); else max_wait_s.
+  const of = pending && pending.turn_at_s ? pending.turn_at_s : swap.max_wait_s;
+  return `waiting for ${view.name}'s turn: ${Math.round(waited)} s of ${of}`
     + ` (${swap.victim} serves its queue)`;
 }
 
@@ -195,6 +197,7 @@ function card(view) {
   if (saved) facts.push(["saved cache", saved]);
   const lifecycle = lifecycleLine(view);
   if (lifecycle) facts.push(["model", el("span", { "data-tick": view.name }, lifecycle)]);
+  if (view.load_s) facts.push(["load", `${num(view.load_s)} s (median of its last loads)`]);
   const memory = groupMemory(view);
   if (memory) facts.push(["memory", memory]);
   if (load) facts.push(["loading", `${load.phase.replaceAll("_", " ")}, ${num(load.elapsed_s)} s`]);
