@@ -75,7 +75,7 @@ async def dispatch_context(app: web.Application) -> AsyncIterator[None]:
                         tokens=TokenCounter(upstreams), anthropic_modes=AnthropicModes(),
                         responses_modes=ResponsesModes(), streams=set(),
                         on_failover=recorder.prom.failover, on_keepalive=recorder.prom.keepalive,
-                        remote=remote, placement=placement)
+                        placement=placement)
     app[DISPATCH] = dispatch
     lifecycle = LifecycleManager(table, config.slots, upstreams, groups=config.groups,
                                  end_streams=dispatch.end_streams, warmth=affinity,

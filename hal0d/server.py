@@ -475,7 +475,7 @@ class Daemon:
         await lifecycle.apply(diff, drain_s=drain_s)
         # No await between the slot table change and this swap: see LifecycleManager.apply.
         self.app[RUNTIME].current = Runtime.build(effective)
-        if (remote := self.app[DISPATCH].remote) is not None:
+        if (remote := self.app[DISPATCH].placement.remote) is not None:
             remote.watch(effective.slots)
         changes = diff.names()
         log.info(

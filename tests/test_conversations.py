@@ -19,7 +19,7 @@ from hal0d import conversations
 from hal0d.config import parse
 from hal0d.conversations import Affinity
 from tests.conftest import ServerFactory, StubFactory
-from tests.test_failover import Upstream, route_config
+from tests.test_failover import Upstream, answering_stream, route_config
 
 SYSTEM = {"role": "system", "content": "You are a careful coding agent."}
 
@@ -194,11 +194,7 @@ async def test_a_conversation_spills_to_the_free_replica_while_its_own_is_full(
         body = await request.json()
         if body["messages"][-1]["content"] == "hold":
             await release.wait()
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        await response.write(b'data: {"choices":[{"index":0,"delta":{"content":"ok"},'
-                             b'"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
-        return response
+        return await answering_stream(request)
 
     one = await upstream_app({"POST /v1/chat/completions": first_replica})
     two = await start_stub()
@@ -235,11 +231,7 @@ async def test_a_failover_route_keeps_its_order(
         calls += 1
         if calls == 1:
             return web.json_response({"error": {"message": "overloaded"}}, status=503)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        await response.write(b'data: {"choices":[{"index":0,"delta":{"content":"ok"},'
-                             b'"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
-        return response
+        return await answering_stream(request)
 
     one = await upstream_app({"POST /v1/chat/completions": fails_once})
     two = await start_stub()

@@ -355,24 +355,31 @@ class _Refusing(http.server.BaseHTTPRequestHandler):
         pass
 
 
+def route_config_text(port: int, tmp_path: Path, gone: str, second: str, served: str) -> str:
+    """config_text's with a slot `gone` at `gone` and the route `either` over it and `second`
+    (asked for `served`)."""
+    return config_text(port, tmp_path, keys=False) + f"""
+[[slots]]
+name = "gone"
+upstream = "{gone}"
+models = ["gone-only"]
+
+[[routes]]
+model = "either"
+slots = ["gone", "{second}"]
+served = {{ gone = "chat", {second} = "{served}" }}
+"""
+
+
 def test_a_request_a_route_handed_on_names_the_slot_it_passed(
     tmp_path: Path, browser: Any
 ) -> None:
     refusing = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
     threading.Thread(target=refusing.serve_forever, daemon=True).start()
-    port, refusing_port = free_port(), refusing.server_address[1]
+    port = free_port()
     config = tmp_path / "hal0d.toml"
-    config.write_text(config_text(port, tmp_path, keys=False) + f"""
-[[slots]]
-name = "gone"
-upstream = "http://127.0.0.1:{refusing_port}"
-models = ["gone-only"]
-
-[[routes]]
-model = "either"
-slots = ["gone", "llm"]
-served = {{ gone = "chat", llm = "chat" }}
-""")
+    config.write_text(route_config_text(
+        port, tmp_path, f"http://127.0.0.1:{refusing.server_address[1]}", "llm", "chat"))
     daemon = Daemon(port, config, tmp_path / "hal0d.out")
     daemon.start()
     try:

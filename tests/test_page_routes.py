@@ -14,7 +14,7 @@ import pytest
 
 from tests import test_page
 from tests.conftest import free_port
-from tests.test_page import Daemon, config_text, console_errors, screenshot, until
+from tests.test_page import Daemon, console_errors, route_config_text, screenshot, until
 
 browser = test_page.browser  # the fixture: headless chromium, skipped where there is none
 
@@ -25,17 +25,8 @@ def routed(tmp_path: Path) -> Iterator[Daemon]:
     and the route `either` over it and the on-demand slot (at rest)."""
     port = free_port()
     config = tmp_path / "hal0d.toml"
-    config.write_text(config_text(port, tmp_path, keys=False) + f"""
-[[slots]]
-name = "gone"
-upstream = "http://127.0.0.1:{free_port()}"
-models = ["gone-only"]
-
-[[routes]]
-model = "either"
-slots = ["gone", "ondemand"]
-served = {{ gone = "chat", ondemand = "think-only" }}
-""")
+    config.write_text(route_config_text(port, tmp_path, f"http://127.0.0.1:{free_port()}",
+                                        "ondemand", "think-only"))
     daemon = Daemon(port, config, tmp_path / "hal0d.out")
     daemon.start()
     try:

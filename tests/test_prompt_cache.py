@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,16 +20,15 @@ import pytest
 from hal0d.config import ConfigError, parse
 from hal0d.config.cache_dir import cache_root, command_digest
 from hal0d.lifecycle.prompt_cache import MANIFEST, PromptCache, make_folder, sweep
+from tests import test_lifecycle_reload
 from tests.conftest import eventually, free_port
-from tests.test_loader import stub_pids
-from tests.test_server import Hal0d, launch, stop
+from tests.test_lifecycle_reload import Serve, reload, state_is, views
+from tests.test_server import Hal0d, stop
 
 STARTUP_S = 15.0
 # A long first message: the later turns add a few tokens, so a warm turn reads almost none.
 OPENING = " ".join(f"line {n} of the repository's long context." for n in range(120))
 _PORTS: dict[tuple[Path, str], int] = {}
-
-Serve = Callable[[str], Awaitable[Hal0d]]
 
 
 def command(name: str, tmp_path: Path, *extra: str) -> list[str]:
@@ -51,19 +49,7 @@ def slot(name: str, model: str, tmp_path: Path, *extra: str, **keys: Any) -> str
     return "[[slots]]\n" + "\n".join(lines) + "\n"
 
 
-@pytest.fixture
-async def serve(tmp_path: Path) -> AsyncIterator[Serve]:
-    started: list[Hal0d] = []
-
-    async def start(slots: str) -> Hal0d:
-        hal0d = await launch(tmp_path, "unused", slot=slots)
-        started.append(hal0d)
-        return hal0d
-
-    yield start
-    for hal0d in started:
-        await stop(hal0d.process)
-    assert not stub_pids(str(tmp_path)), "a slot process outlived hal0d"
+serve = test_lifecycle_reload.serve  # the fixture: real `hal0d serve`s, stopped, none left
 
 
 def messages(n: int) -> list[dict[str, str]]:
@@ -91,21 +77,6 @@ def cached(usage: dict[str, Any]) -> int:
 
 def warm(usage: dict[str, Any]) -> bool:
     return cached(usage) > 0.9 * usage["prompt_tokens"]
-
-
-async def views(http: aiohttp.ClientSession, hal0d: Hal0d) -> dict[str, dict[str, Any]]:
-    async with http.get(f"{hal0d.url}/api/slots") as resp:
-        return {view["name"]: view for view in (await resp.json())["slots"]}
-
-
-async def state_is(http: aiohttp.ClientSession, hal0d: Hal0d, name: str, state: str
-                   ) -> dict[str, Any]:
-    async def reached() -> dict[str, Any]:
-        view = (await views(http, hal0d))[name]
-        assert view["state"] == state, view
-        return view
-
-    return await eventually(reached, STARTUP_S, f"slot {name} {state}")
 
 
 async def unload(http: aiohttp.ClientSession, hal0d: Hal0d, name: str) -> float:
@@ -213,8 +184,6 @@ async def test_a_restart_of_hal0d_keeps_the_conversation_warm(
 async def test_a_changed_command_restores_nothing_and_its_old_files_are_deleted(
     serve: Serve, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
-    from tests.test_lifecycle_reload import reload
-
     hal0d = await serve(slot("a", "chat", tmp_path))
     await turn(http, hal0d, "chat", 1)
     await unload(http, hal0d, "a")

@@ -67,7 +67,6 @@ from hal0d.forward.keepalive import Waiting
 from hal0d.forward.modes import AnthropicModes, ResponsesModes
 from hal0d.forward.placement import Placement
 from hal0d.keys import KEY
-from hal0d.lifecycle.remote import RemoteModels
 from hal0d.lifecycle.slots import LOADING, Lease, SlotTable
 from hal0d.logs import get_logger
 from hal0d.observability.requestinfo import INFO, RequestInfo, client_of
@@ -449,8 +448,6 @@ class Dispatch:
     streams: set[StallGuard]
     # Told each hand-on: (route, the slot that handed it on, why); the failover metrics.
     on_failover: Callable[[str, str, str], None] | None = None
-    # What other hal0d boxes (slots of kind "hal0d") report loaded.
-    remote: RemoteModels | None = None
     # Told each keepalive sent, with its surface: hal0d_keepalives_total.
     on_keepalive: Callable[[str], None] | None = None
     # The order of a route's slots (placement.py): its conversations' slots, its failing ones.
