@@ -34,7 +34,7 @@ import orjson
 from aiohttp import hdrs
 
 from hal0d.config import SlotConfig
-from hal0d.errors import UpstreamUnavailable
+from hal0d.errors import UpstreamUnavailable, upstream_message
 from hal0d.logs import get_logger
 from hal0d.transport.upstream import UpstreamClient
 
@@ -193,8 +193,7 @@ class PromptCache:
         except orjson.JSONDecodeError:
             answer = None
         if status != 200 or answer is None:
-            message = answer.get("error", {}).get("message") if isinstance(answer, dict) and (
-                isinstance(answer.get("error"), dict)) else data[:200].decode("utf-8", "replace")
+            message = upstream_message(answer) or data[:200].decode("utf-8", "replace")
             raise CacheFailed(f"{method} {path} answered {status}: {message}")
         return answer
 
