@@ -12,7 +12,6 @@ import os
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+
+from hal0d.config.ports import unused_port as free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / "bench" / ".peers"
@@ -31,12 +32,6 @@ def raise_nofile() -> None:
     """Open-files limit up to the hard limit: 1,000 streams need over 2,000 sockets."""
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def rss_kb(pid: int) -> int:

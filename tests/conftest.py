@@ -12,7 +12,6 @@ import io
 import logging
 import os
 import signal
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ from aiohttp.test_utils import TestServer
 from hal0d import logs
 from hal0d.app import make_app
 from hal0d.config import Config, DispatcherConfig, MetricsConfig, OllamaConfig, SlotConfig
+from hal0d.config.ports import unused_port
 from hal0d.lifecycle.process import PRCTL
 from hal0d.observability.history import HistoryWriter
 from hal0d_stub.app import make_stub_app
@@ -194,9 +194,7 @@ def free_port() -> int:
     handed out before: two calls before either port is bound (hal0d's and its slot's) could
     otherwise get the same one, and the slot's process would find hal0d on its port."""
     while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
+        port = unused_port()
         if port not in _handed_out:
             _handed_out.add(port)
             return port

@@ -154,6 +154,10 @@ def test_free_port_is_one_port_of_the_slots_own_in_its_upstream_and_command(
     assert slots(tmp_path) == (slot,)  # read again (a reload): the same port
     [other] = slots(tmp_path / "elsewhere")
     assert other.upstream != slot.upstream
+    # Below the ports Linux gives outgoing connections: between the pick and the slot's process
+    # binding it, no connection on the machine can take it (a CI run once lost a bind so).
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert 1024 <= port < ephemeral_low
 
 
 def test_pool_timeout_s_bounds_nothing_so_only_its_default_loads(tmp_path):

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ import aiohttp
 import pytest
 import tomli_w
 
+from hal0d.config.ports import unused_port as free_port
+
 REAL_SERVER = os.environ.get("HAL0D_REAL_SERVER", "")
 REAL_MODEL = os.environ.get("HAL0D_REAL_MODEL", "")
 STARTUP_S = 180.0
@@ -29,12 +30,6 @@ def require_real_server() -> None:
     if not (Path(REAL_SERVER).exists() and Path(REAL_MODEL).exists()):
         pytest.fail("HAL0D_REAL_SERVER and HAL0D_REAL_MODEL must point at llama-server and the "
                     "model: run this through `make test-real`")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def server_command(model: str, port: int, *, context: int = 2048,

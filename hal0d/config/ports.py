@@ -8,6 +8,7 @@ unchanged slot would look changed and be restarted.
 
 from __future__ import annotations
 
+import random
 import socket
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,43 @@ FREE_PORT = "{free_port}"
 _picked_ports: dict[tuple[str, str, str], int] = {}
 
 
-def _unused_port() -> int:
+# Where Linux says which ports it gives out as the local end of outgoing connections.
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+# How far below the ephemeral range a picked port may lie.
+_PICK_SPAN = 12000
+
+
+def _ephemeral_floor() -> int:
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def unused_port() -> int:
+    """A loopback port nothing is bound to, picked below the kernel's ephemeral range.
+
+    The port is released before the program that is to listen on it binds it. A port from the
+    ephemeral range (what binding port 0 gives) can meanwhile become the local end of any
+    outgoing connection on the machine, and the program's bind then fails with "address
+    already in use"; ports below that range are only ever taken by binding them by number."""
+    floor = _ephemeral_floor()
+    low = max(1024, floor - _PICK_SPAN)
+    for _ in range(200):
+        port = random.randrange(low, floor) if floor > low else 0
+        if port and _bindable(port):
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))  # no room below the range: the kernel's pick
         return int(sock.getsockname()[1])
 
 
@@ -34,7 +69,7 @@ def with_free_port(good: dict[str, Any], base_dir: Path) -> dict[str, Any]:
         return good
     key = (str(base_dir), good["name"], good["upstream"])
     if key not in _picked_ports:
-        _picked_ports[key] = _unused_port()
+        _picked_ports[key] = unused_port()
     port = str(_picked_ports[key])
     good["upstream"] = good["upstream"].replace(FREE_PORT, port)
     if command:
