@@ -24,10 +24,10 @@ from hal0d.appkeys import (
     HEADS,
     KEY_LIMITS,
     OLLAMA_PORT,
-    OLLAMA_THINKERS,
     RECORDER,
     RESPONSE_OWNERS,
     RUNTIME,
+    UPSTREAM_PROPS,
 )
 from hal0d.config import Config
 from hal0d.contexts import dispatch_context, recorder_context
@@ -49,6 +49,7 @@ from hal0d.observability.recorder import (
 from hal0d.observability.requestinfo import INFO, RequestInfo
 from hal0d.response_owners import ResponseOwners
 from hal0d.routing import Runtime, RuntimeRef
+from hal0d.transport.props import UpstreamProps
 
 log = get_logger()
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -304,7 +305,7 @@ def make_app(config: Config) -> web.Application:
     app.on_shutdown.append(close_events)
     app[RESPONSE_OWNERS] = ResponseOwners()
     app[KEY_LIMITS] = KeyLimits()
-    app[OLLAMA_THINKERS] = set()
+    app[UPSTREAM_PROPS] = UpstreamProps()
     app.cleanup_ctx.append(recorder_context)
     app.cleanup_ctx.append(dispatch_context)
     app.on_response_prepare.append(on_prepare)

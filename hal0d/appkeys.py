@@ -15,6 +15,7 @@ from hal0d.keys import KeyLimits
 from hal0d.lifecycle.slots import SlotTable
 from hal0d.response_owners import ResponseOwners
 from hal0d.routing import RuntimeRef
+from hal0d.transport.props import UpstreamProps
 
 if TYPE_CHECKING:
     from hal0d.forward import Dispatch
@@ -45,8 +46,8 @@ RESPONSE_OWNERS = web.AppKey("response_owners", ResponseOwners)
 KEY_LIMITS = web.AppKey("key_limits", KeyLimits)
 # The port of the Ollama listener ([ollama] listen), when it is on.
 OLLAMA_PORT = web.AppKey("ollama_port", int)
-# The served models hal0d has seen reason (bounded by the served models): /api/show says they
-# can think.
-OLLAMA_THINKERS: web.AppKey[set[str]] = web.AppKey("ollama_thinkers")
+# What each slot's server says of itself (llama-server's /props), per run of its process:
+# what /api/show says its models can do.
+UPSTREAM_PROPS = web.AppKey("upstream_props", UpstreamProps)
 # The last hour of loads and unloads, and the groups' free memory, for GET /api/timeline.
 TIMELINE: web.AppKey[Timeline] = web.AppKey("timeline")

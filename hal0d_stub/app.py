@@ -13,7 +13,8 @@ role-only first chunk, one chunk per token, a final chunk with finish_reason, a 
 completions run on llama-server's server slots and their prompt cache (slots.py: `--parallel`,
 `id_slot`, `cache_prompt`, `timings`, `usage.prompt_tokens_details.cached_tokens`, a prefill paced
 by the uncached tokens), with its GET /slots and POST /slots/{id}?action=save|restore|erase
-(slot_api.py).
+(slot_api.py). Made with `props`, it describes itself at GET /props as llama-server does (the
+tests hand it a capture of the real one).
 
 It misbehaves on demand through the model name, on every endpoint, streamed or not:
 
@@ -1052,11 +1053,13 @@ async def models(request: web.Request) -> web.Response:
 def make_stub_app(
     log_path: Path | None = None, delay: float = 0.02, *, anthropic_native: bool = False,
     chat_only: bool = False, slot_options: SlotOptions | None = None,
+    props: dict[str, Any] | None = None,
 ) -> web.Application:
     """`anthropic_native`: also serve /v1/messages (and count_tokens) as llama-server does;
     without it those paths answer 404, like llama-cpp-python's server. `chat_only`: no
     /v1/responses (a 404), as llama-cpp-python's server and older vLLM. `slot_options`: the
-    server slots' (one slot, no --slot-save-path, an instant prefill by default)."""
+    server slots' (one slot, no --slot-save-path, an instant prefill by default). `props`:
+    what GET /props answers, as llama-server describes itself (without it a 404, as vLLM)."""
     app = web.Application(middlewares=[json_errors], client_max_size=MAX_BODY_BYTES)
     app[LOG_KEY] = StubLog(log_path)
     app[DELAY_KEY] = delay
@@ -1080,6 +1083,14 @@ def make_stub_app(
     if anthropic_native:
         app.router.add_post("/v1/messages", native_messages)
         app.router.add_post("/v1/messages/count_tokens", native_count_tokens)
+    if props is not None:
+        described = props
+
+        async def self_description(request: web.Request) -> web.Response:
+            app[LOG_KEY].write("props")
+            return web.json_response(described)
+
+        app.router.add_get("/props", self_description)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/apply-template", template)
 

@@ -225,9 +225,10 @@ ServerFactory = Callable[..., Awaitable[TestServer]]
 async def start_stub(
     aiohttp_server: Callable[..., Awaitable[TestServer]], tmp_path: Path
 ) -> StubFactory:
-    async def start(delay: float = 0.002) -> Stub:
+    async def start(delay: float = 0.002, **app_options: Any) -> Stub:
+        """`app_options` go to make_stub_app (`props`, `anthropic_native`, ...)."""
         log = tmp_path / f"stub-{free_port()}.log"
-        server = await aiohttp_server(make_stub_app(log, delay))
+        server = await aiohttp_server(make_stub_app(log, delay, **app_options))
         return Stub(server, log)
 
     return start

@@ -55,6 +55,14 @@ SLOT = '[[slots]]\nname = "a"\nupstream = "http://127.0.0.1:9"\nmodels = ["m"]\n
         (SLOT.replace('["m"]', "[]"), "slots[0].models: must be a non-empty list"),
         (SLOT + '[models]\n"claude-*" = "nope"\n', "'nope' is not a model any slot serves"),
         ('[logging]\nformat = "xml"\n', "logging.format: 'xml' is not one of"),
+        (SLOT + 'capabilities = ["thinking", "reasoning"]\n',
+         "slots[0].capabilities: 'reasoning' is not a capability (any of completion, tools"),
+        (SLOT + 'capabilities = { other = ["tools"] }\n',
+         "slots[0].capabilities.other: not a model of this slot (its models: m)"),
+        (SLOT + 'capabilities = { m = [] }\n',
+         "slots[0].capabilities.m: must be a non-empty list of capabilities"),
+        (SLOT + 'capabilities = "tools"\n',
+         "slots[0].capabilities: 'tools' is not a list of capabilities nor a table of them"),
     ],
 )
 def test_bad_values_are_reported_with_their_key_path(tmp_path, toml, problem):
@@ -99,6 +107,23 @@ def test_print_config_fills_defaults_and_round_trips(tmp_path):
     again = tmp_path / "printed.toml"
     again.write_text(result.stdout)
     assert config.load(again) == config.load(path)
+
+
+def test_capabilities_read_as_a_list_for_every_model_or_per_model_and_round_trip(tmp_path):
+    slot = SLOT.replace('["m"]', '["m", "e"]')
+    for written in ('capabilities = ["tools", "thinking"]',
+                    'capabilities = { m = ["thinking", "tools"], e = ["embedding"] }'):
+        path = write(tmp_path, slot + written + "\n")
+        [loaded] = config.load(path).slots
+        assert loaded.declared_capabilities("m") == ("tools", "thinking")  # Ollama's order
+        result = hal0d_cli("print-config", "--config", str(path))
+        assert result.returncode == 0, result.stderr
+        again = tmp_path / "printed.toml"
+        again.write_text(result.stdout)
+        assert config.load(again) == config.load(path)
+    assert loaded.declared_capabilities("e") == ("embedding",)
+    [undeclared] = config.load(write(tmp_path, SLOT)).slots
+    assert undeclared.declared_capabilities("m") is None
 
 
 def test_print_config_round_trips_the_anonymous_tables_and_durations_as_seconds(tmp_path):

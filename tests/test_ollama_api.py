@@ -109,19 +109,22 @@ async def test_generate_streams_the_answer_as_response_pieces(
     assert parts[-1].done and parts[-1].done_reason == "stop"
 
 
-async def test_thinking_comes_as_message_thinking_only_when_asked(
+async def test_thinking_comes_as_message_thinking_unless_think_is_false(
         stub: Stub, start_ollama: OllamaFactory) -> None:
+    """As Ollama does for a model that thinks: `think` not sent is `think: true`."""
     _, base = await start_ollama(stub.url)
     client = AsyncClient(host=base)
     parts = [p async for p in await client.chat("reasoning", HI, stream=True, think=True)]
     thinking = "".join(p.message.thinking or "" for p in parts)
     assert thinking == "The user greets me. A short friendly answer fits best here."
     assert "".join(p.message.content or "" for p in parts).startswith("Hello!")
-    plain = await client.chat("reasoning", HI, stream=False)
+    unsaid = [p async for p in await client.chat("reasoning", HI, stream=True)]
+    assert "".join(p.message.thinking or "" for p in unsaid) == thinking
+    plain = await client.chat("reasoning", HI, stream=False, think=False)
     assert plain.message.thinking is None and plain.message.content.startswith("Hello!")
-    whole = await client.chat("reasoning", HI, stream=False, think=True)
-    assert whole.message.thinking == thinking
-    assert "thinking" in ((await client.show("reasoning")).capabilities or [])
+    for think in (True, None):
+        whole = await client.chat("reasoning", HI, stream=False, think=think)
+        assert whole.message.thinking == thinking
 
 
 async def test_tool_calls_come_with_arguments_as_an_object_streamed_and_whole(
@@ -210,7 +213,12 @@ async def test_an_upstream_break_mid_stream_raises_in_the_client(
     with pytest.raises(ResponseError) as broke:
         async for part in await client.chat("broken", HI, stream=True):
             seen.append(part.message.content or "")
-    assert seen and "broke the stream" in broke.value.error
+    assert "broke the stream" in broke.value.error
+    # Before the error line, the answer says so in words: a client that drops that last line
+    # (Open WebUI) shows a cut answer, not one that looks whole.
+    answer, notice = "".join(seen[:-1]), seen[-1]
+    assert answer.startswith("Hello!")
+    assert notice == f"\n\n[hal0] the answer was cut off: {broke.value.error}"
     assert (await history(hal0d))[0]["error_code"] == "upstream_broken"
 
 

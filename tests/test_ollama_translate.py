@@ -51,7 +51,7 @@ class FixedClock:
         return self.t
 
 
-def transform(*, chat: bool = True, think: bool = False) -> OllamaTransform:
+def transform(*, chat: bool = True, think: bool | None = False) -> OllamaTransform:
     clock = FixedClock()
     clocks = Clocks(started=9.0, opened=10.0, load_s=0.25, now=clock, wall=lambda: 0.0)
     return OllamaTransform(Translator("m", clocks, chat=chat, think=think))
@@ -78,10 +78,28 @@ def test_content_chunks_become_message_objects_and_a_last_done_object_with_count
     assert last["total_duration"] > last["eval_duration"] > 0
 
 
-def test_reasoning_is_thinking_when_asked_and_left_out_otherwise() -> None:
+def test_reasoning_is_thinking_unless_think_is_false_and_then_left_out() -> None:
     body = sse(delta(reasoning_content="hmm"), delta(content="ok"), finish("stop"))
-    assert [o["message"].get("thinking") for o in run(body, think=True)] == ["hmm", None, None]
-    assert [o["message"]["content"] for o in run(body)] == ["ok", ""]
+    for think in (True, None):  # not said: as Ollama does for a model that thinks
+        assert [o["message"].get("thinking") for o in run(body, think=think)] == [
+            "hmm", None, None]
+    assert [o["message"]["content"] for o in run(body, think=False)] == ["ok", ""]
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "generate"])
+def test_reasoning_alone_with_think_false_is_the_answers_content_at_its_finish(
+        chat: bool) -> None:
+    """Never an empty message where the model said something."""
+    body = sse(delta(reasoning_content="I "), delta(reasoning_content="think"), finish("stop"),
+               USAGE)
+    out = run(body, chat=chat, think=False)
+    said = [o["message"] if chat else o for o in out]
+    assert [piece["content" if chat else "response"] for piece in said] == ["I think", ""]
+    assert not any("thinking" in piece for piece in said) and out[-1]["done"] is True
+    with_a_call = sse(delta(reasoning_content="hm"), delta(tool_calls=[
+        {"index": 0, "id": "c", "function": {"name": "f", "arguments": "{}"}}]),
+        finish("tool_calls"))
+    assert [o["message"]["content"] for o in run(with_a_call, think=False)] == ["", ""]
 
 
 def test_tool_call_fragments_become_one_call_with_arguments_as_an_object() -> None:
@@ -143,9 +161,17 @@ def test_a_stall_ends_with_the_notice_done_length_and_x_hal0_stall_and_a_break_w
     assert last["done"] is True and last["done_reason"] == "length"
     assert "stall guard" in last["message"]["content"]
     assert last["x_hal0_stall"]["reason"] == "idle"
-    broken = transform()
-    assert lines(broken.broken("upstream 'llm' broke the stream"))[0] == {
-        "error": "upstream 'llm' broke the stream"}
+    message = "upstream 'llm' broke the stream"
+    for said, notice in ((b"", f"[hal0] no answer: {message}"),
+                         (b"data: " + orjson.dumps(delta(content="a")) + b"\n\n",
+                          f"\n\n[hal0] the answer was cut off: {message}")):
+        broken = transform()
+        broken.feed(said)
+        # The failure in words as a piece of the answer, then the line a client raises on.
+        assert lines(broken.broken(message)) == [
+            {"model": "m", "created_at": "1970-01-01T00:00:00.000000Z",
+             "message": {"role": "assistant", "content": notice}, "done": False},
+            {"error": message}]
 
 
 @settings(max_examples=60, deadline=None)
@@ -202,7 +228,7 @@ def test_chat_request_maps_images_tools_format_options_and_tool_results() -> Non
     assert body["response_format"]["json_schema"]["schema"] == {"type": "object"}
     assert (body["max_tokens"], body["temperature"], body["seed"], body["stop"],
             body["repeat_penalty"]) == (64, 0.2, 3, ["\n"], 1.1)
-    assert req.ignored == ("num_ctx", "made_up") and "num_ctx" not in body
+    assert [name for name, _ in req.ignored] == ["num_ctx", "made_up"] and "num_ctx" not in body
     assert req.keep_alive_s == 5400.0
 
 

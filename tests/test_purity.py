@@ -34,6 +34,7 @@ PURE_MODULES = (
     "hal0d.ollama.stream",
     "hal0d.ollama.transform",
     "hal0d.ollama.response",
+    "hal0d.ollama.capabilities",
 )
 SURFACE_BLIND_MODULES = ("hal0d.transport.relay", "hal0d.transport.stallguard")
 SURFACE_PACKAGES = ("hal0d.openai", "hal0d.anthropic", "hal0d.ollama")

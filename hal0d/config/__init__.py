@@ -9,6 +9,7 @@ The rest of hal0d imports from here and needs to know nothing else. Inside, one 
   anonymous.py    a listener's access for requests without a key (scopes, models, networks)
   duration.py     durations as Go and Ollama write them ("5m"), for every `*_s` key
   slot_command.py what a slot's command tells: its model files, llama-server's context split
+  capabilities.py what a slot's models can do, as Ollama's clients ask (`capabilities`)
   ports.py        `{free_port}`: the port picked for a slot, the same one on every reload
   cache_dir.py    `{prompt_cache_dir}`: the folder of a slot's saved prompt caches
   render.py       print-config's TOML, every default filled in

@@ -16,6 +16,7 @@ from typing import Any
 
 from hal0d.config.anonymous import check_anonymous
 from hal0d.config.cache_dir import PROMPT_CACHE_DIR, with_prompt_cache_dir
+from hal0d.config.capabilities import check_capabilities
 from hal0d.config.model import (
     LIFECYCLE_KEYS,
     ON_DEMAND_KEYS,
@@ -67,6 +68,9 @@ def check_slots(raw: Any, problems: list[str], base_dir: Path,
             good["models"] = string_list(good["models"], f"{path}.models", problems)
         if "command" in good:
             good["command"] = string_list(good["command"], f"{path}.command", problems)
+        if "capabilities" in good:
+            good["capabilities"] = check_capabilities(
+                good["capabilities"], good.get("models") or (), f"{path}.capabilities", problems)
         upstream = good.get("upstream")
         if isinstance(upstream, str) and not upstream.startswith(("http://", "https://")):
             problems.append(f"{path}.upstream: {upstream!r} must start with http:// or https://")

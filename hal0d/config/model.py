@@ -147,6 +147,12 @@ class SlotConfig:
     # The folder `{prompt_cache_dir}` in the command stands for (config/cache_dir.py): one per
     # slot and command, so a file is only ever restored into what saved it. None: not named.
     prompt_cache_dir: str | None = None
+    # What the models can do, as Ollama's clients ask (config/capabilities.py): per model, as
+    # declared; a model not named is what its upstream says of itself.
+    capabilities: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def declared_capabilities(self, model: str) -> tuple[str, ...] | None:
+        return next((names for named, names in self.capabilities if named == model), None)
 
     @property
     def saves_prompt_cache(self) -> bool:

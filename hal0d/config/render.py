@@ -82,6 +82,10 @@ def slot_table(slot: SlotConfig, keys: dict[str, Any]) -> dict[str, Any]:
     (a slot without a command refuses them, an 'always' slot its idle unload, so the output must
     parse again)."""
     keys.pop("prompt_cache_dir", None)  # what {prompt_cache_dir} stood for, in the command
+    if slot.capabilities:
+        keys["capabilities"] = {model: list(names) for model, names in slot.capabilities}
+    else:
+        keys.pop("capabilities", None)
     if not slot.command:
         for key in LIFECYCLE_KEYS:
             keys.pop(key, None)

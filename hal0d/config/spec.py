@@ -75,6 +75,7 @@ SLOT_SPEC: dict[str, Range] = {
     "prompt_cache": (str, None, None),
     "save_timeout_s": (float, 0.1, 600.0),
     "prompt_cache_max_mib": (int, 1, 1 << 30),
+    "capabilities": (object, None, None),  # a list or a table: config/capabilities.py
 }
 SLOT_KINDS = ("openai", "hal0d")
 ANTHROPIC_MODES = ("translate", "native", "auto")
@@ -132,7 +133,7 @@ LOG_FORMATS = ("auto", "console", "json", "journald", "logfmt")
 def _type_name(kind: type) -> str:
     return {
         str: "a string", int: "an integer", float: "a number", list: "a list", bool: "a boolean",
-        dict: "a table",
+        dict: "a table", object: "a list or a table",
     }[kind]
 
 

@@ -12,16 +12,17 @@ this load's idle timer of an on-demand slot.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Mapping
 from typing import Any, Final
 
 import orjson
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from hal0d import conversations
-from hal0d.appkeys import DISPATCH, LIFECYCLE, OLLAMA_THINKERS, RUNTIME
+from hal0d.appkeys import DISPATCH, LIFECYCLE, RUNTIME, SLOTS, UPSTREAM_PROPS
 from hal0d.errors import Forbidden, Hal0Error, InvalidRequest, NoRoute, UpstreamInvalid
 from hal0d.forward import Answer, Attempt, Call, Exchange
 from hal0d.forward.exchange import upstream_refusal
@@ -30,6 +31,7 @@ from hal0d.keys import KEY
 from hal0d.lifecycle.manager import LifecycleManager
 from hal0d.lifecycle.slots import SlotState
 from hal0d.logs import get_logger
+from hal0d.ollama import capabilities
 from hal0d.ollama import response as shapes
 from hal0d.ollama.request import (
     LOAD_OPTIONS,
@@ -59,8 +61,10 @@ OLLAMA_VERSION: Final = "0.32.15"
 # The models are hal0d's configuration's: known since it started.
 STARTED: Final = time.time()
 UNMANAGED: Final = ("pull", "push", "create", "copy", "delete")
-# Options named once in the log each (a client sends the same few with every request).
-_options_logged: set[str] = set()
+# (client, option) pairs named once in the log each (a client sends the same few with every
+# request); the client is its key's name, else its User-Agent, cut at _CLIENT_CHARS.
+_options_logged: set[tuple[str, str]] = set()
+_CLIENT_CHARS: Final = 80
 _MAX_OPTIONS_LOGGED: Final = 256
 # The states in which a slot has its model loaded (as another hal0d reports them too).
 UP: Final = frozenset({str(SlotState.READY), str(SlotState.SERVING)})
@@ -79,23 +83,36 @@ def listed(request: web.Request) -> list[Plan]:
     return request.app[RUNTIME].current.router.listed(request.get(KEY))
 
 
-def served(plan: Plan, thinkers: set[str], name: str | None = None,
-           slot: Route | None = None) -> shapes.Served:
+async def served(request: web.Request, plan: Plan, name: str | None = None,
+                 slot: Route | None = None) -> shapes.Served:
     """`plan`'s model as the lists show it, named `name` (the client's, else the served one):
-    a slot's own with its slot; a route's as the route, with `slot` when one has it loaded."""
-    thinks = any(route.served_model in thinkers for route in plan.routes)
+    a slot's own with its slot; a route's as the route, with `slot` when one has it loaded
+    (what it can do is that slot's model's, else its first slot's)."""
+    can, context = await described(request, slot or plan.first)
     if plan.route is None:
         return shapes.Served(name or plan.model, plan.first.slot.name,
-                             plan.first.slot.memory_mib, thinks)
+                             plan.first.slot.memory_mib, can, context)
     return shapes.Served(name or plan.model, slot.slot.name if slot else None,
-                         slot.slot.memory_mib if slot else None, thinks,
+                         slot.slot.memory_mib if slot else None, can, context,
                          route=plan.model, slots=plan.route.slots)
 
 
+async def described(request: web.Request, route: Route) -> tuple[tuple[str, ...], int]:
+    """What the route's model can do (ollama/capabilities.py) and the context its server holds:
+    what the slot declares, else what its server says of itself while it is up."""
+    config, props = route.slot, None
+    live = request.app[SLOTS].get(config.name)
+    if live is not None and str(live.state) in UP:
+        props = await request.app[UPSTREAM_PROPS].of(request.app[DISPATCH].upstreams, config,
+                                                     live.generation)
+    can = capabilities.capabilities(config.declared_capabilities(route.served_model),
+                                    config.command, props)
+    return can, capabilities.context_length(props)
+
+
 async def tags(request: web.Request) -> web.Response:
-    thinkers = request.app[OLLAMA_THINKERS]
-    return web.json_response(shapes.tags([served(plan, thinkers) for plan in listed(request)],
-                                         STARTED))
+    shown = await asyncio.gather(*(served(request, plan) for plan in listed(request)))
+    return web.json_response(shapes.tags(shown, STARTED))
 
 
 async def show(request: web.Request) -> web.Response:
@@ -110,8 +127,7 @@ async def show(request: web.Request) -> web.Response:
         raise NoRoute(f"model {model!r} not found: {exc.message}", field="model") from None
     if key is not None:
         key.check_model(model, plan.model)
-    shown = served(plan, request.app[OLLAMA_THINKERS], model)
-    return web.json_response(shapes.show(shown, STARTED))
+    return web.json_response(shapes.show(await served(request, plan, model), STARTED))
 
 
 async def ps(request: web.Request) -> web.Response:
@@ -119,14 +135,13 @@ async def ps(request: web.Request) -> web.Response:
     unload): a slot's own while its slot is up, a route's while any of its slots has it up
     (shown by the one that would answer first, unloading when the last of them does)."""
     dispatch, lifecycle = request.app[DISPATCH], request.app[LIFECYCLE]
-    thinkers = request.app[OLLAMA_THINKERS]
     loaded: list[tuple[shapes.Served, float | None]] = []
     for plan in listed(request):
         up = [route for route in dispatch.order(plan) if dispatch.state_of(route) in UP]
         if up:
             expiries = [lifecycle.unloads_in(route.slot.name) for route in up]
             expires = None if None in expiries else max(e for e in expiries if e is not None)
-            loaded.append((served(plan, thinkers, slot=up[0]), expires))
+            loaded.append((await served(request, plan, slot=up[0]), expires))
     return web.json_response(shapes.ps(loaded, time.time()))
 
 
@@ -147,14 +162,26 @@ async def generate(request: web.Request) -> web.StreamResponse:
                           chat=False)
 
 
-def log_ignored(options: tuple[str, ...]) -> None:
-    for name in options:
-        if name in _options_logged or len(_options_logged) >= _MAX_OPTIONS_LOGGED:
+def log_ignored(request: web.Request, req: OllamaRequest) -> None:
+    """One line per client and option hal0d does not pass on (a client sends the same few with
+    every request); `num_ctx` says what to do instead: the context is the slot's own."""
+    key = request.get(KEY)
+    client = (key.name if key is not None and not key.anonymous else
+              request.headers.get(hdrs.USER_AGENT, "")[:_CLIENT_CHARS] or "unknown")
+    for name, value in req.ignored:
+        if (client, name) in _options_logged or len(_options_logged) >= _MAX_OPTIONS_LOGGED:
             continue
-        _options_logged.add(name)
-        why = ("set when a model loads: the slot's command decides it" if name in LOAD_OPTIONS
-               else "not an option hal0d knows")
-        log.info("ollama.option_ignored", option=name, reason=why)
+        _options_logged.add((client, name))
+        if name == "num_ctx":
+            why = ("the context is the slot's, set when its model loads (llama-server: -c in "
+                   "the slot's command); hal0d cannot change it per request: make the slot's "
+                   "at least this big")
+        elif name in LOAD_OPTIONS:
+            why = "set when a model loads: the slot's command decides it"
+        else:
+            why = "not an option hal0d knows"
+        log.info("ollama.option_ignored", option=name, value=value, model=req.model,
+                 client=client, reason=why)
 
 
 async def serve(request: web.Request, model: str, exchange: Exchange,
@@ -185,9 +212,8 @@ class OllamaExchange(Exchange):
         """Ollama's `{"error": ...}` line, on which its clients raise."""
         return encode([error_object(error.message)])
 
-    def __init__(self, req: OllamaRequest | EmbedRequest, lifecycle: LifecycleManager,
-                 thinkers: set[str]) -> None:
-        self.lifecycle, self.thinkers = lifecycle, thinkers
+    def __init__(self, req: OllamaRequest | EmbedRequest, lifecycle: LifecycleManager) -> None:
+        self.lifecycle = lifecycle
         self.keep_alive_s = req.keep_alive_s
         self.clocks: Clocks | None = None
 
@@ -210,17 +236,24 @@ class OllamaExchange(Exchange):
 class Converse(OllamaExchange):
     """/api/chat and /api/generate as a chat completion, the answer as Ollama's objects."""
 
-    def __init__(self, req: OllamaRequest, lifecycle: LifecycleManager, thinkers: set[str], *,
-                 chat: bool) -> None:
-        super().__init__(req, lifecycle, thinkers)
+    def __init__(self, req: OllamaRequest, lifecycle: LifecycleManager, *, chat: bool) -> None:
+        super().__init__(req, lifecycle)
         self.req, self.chat, self.stream = req, chat, req.stream
+
+    def _quiet(self) -> Translator:
+        """A translator for what is said outside the answer (no clocks: no counts)."""
+        return Translator(self.req.model, Clocks(0.0, 0.0, 0.0), chat=self.chat,
+                          think=self.req.think)
 
     def keepalive(self, what: str) -> bytes:
         """An object with empty content, not done: Ollama's clients take it as a piece of the
         answer that says nothing."""
-        quiet = Translator(self.req.model, Clocks(0.0, 0.0, 0.0), chat=self.chat,
-                           think=self.req.think)
-        return encode([quiet.keepalive()])
+        return encode([self._quiet().keepalive()])
+
+    def failed(self, error: Hal0Error) -> bytes:
+        """The failure in words as the answer's content, then Ollama's `{"error": ...}` line:
+        a client that drops that last line (Open WebUI) still shows why there is no answer."""
+        return encode([self._quiet().notice(error.message), error_object(error.message)])
 
     def unleased(self, fwd: Attempt) -> web.StreamResponse | None:
         """`ollama stop` (no prompt, keep_alive 0) loads nothing: a loaded model unloads once
@@ -248,8 +281,6 @@ class Converse(OllamaExchange):
             raise UpstreamInvalid(f"slot {fwd.slot.name!r}: {exc}") from None
         if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
             fwd.info.apply_usage(parsed["usage"])
-        if shapes.reasoned(parsed):
-            self.thinkers.add(fwd.route.served_model)
         return web.json_response(whole)
 
     def relay(self, fwd: Attempt, answer: Answer) -> tuple[Mapping[str, str], Transform]:
@@ -260,8 +291,6 @@ class Converse(OllamaExchange):
 
     def relayed(self, fwd: Attempt, transform: Transform) -> None:
         assert isinstance(transform, OllamaTransform)
-        if transform.translator.saw_thinking:
-            self.thinkers.add(fwd.route.served_model)
         if fwd.info.prompt_tokens is None:
             fwd.info.prompt_tokens = transform.translator.prompt_tokens
 
@@ -285,10 +314,10 @@ def client_keep_alive(request: web.Request, model: str, keep_alive_s: float | No
 
 async def converse(request: web.Request, req: OllamaRequest, *,
                    chat: bool) -> web.StreamResponse:
-    log_ignored(req.ignored)
+    log_ignored(request, req)
     req.keep_alive_s = client_keep_alive(request, req.model, req.keep_alive_s,
                                          unload_only=req.load_only)
-    exchange = Converse(req, request.app[LIFECYCLE], request.app[OLLAMA_THINKERS], chat=chat)
+    exchange = Converse(req, request.app[LIFECYCLE], chat=chat)
     conversation = conversations.of_chat(
         request.headers, {"model": req.model, "messages": req.messages, "tools": req.tools})
     return await serve(request, req.model, exchange, conversation)
@@ -309,9 +338,8 @@ def loaded(req: OllamaRequest, *, chat: bool) -> web.Response:
 class Embed(OllamaExchange):
     """/api/embed and /api/embeddings as an OpenAI embeddings request."""
 
-    def __init__(self, req: EmbedRequest, lifecycle: LifecycleManager, thinkers: set[str], *,
-                 legacy: bool) -> None:
-        super().__init__(req, lifecycle, thinkers)
+    def __init__(self, req: EmbedRequest, lifecycle: LifecycleManager, *, legacy: bool) -> None:
+        super().__init__(req, lifecycle)
         self.req, self.legacy = req, legacy
 
     async def call(self, fwd: Attempt) -> Call:
@@ -342,5 +370,5 @@ async def embeddings_of(request: web.Request, *, legacy: bool) -> web.StreamResp
     req = parse_embed(parse_json_object(await read_body(request)), legacy=legacy)
     req = dataclasses.replace(req, keep_alive_s=client_keep_alive(request, req.model,
                                                                   req.keep_alive_s))
-    exchange = Embed(req, request.app[LIFECYCLE], request.app[OLLAMA_THINKERS], legacy=legacy)
+    exchange = Embed(req, request.app[LIFECYCLE], legacy=legacy)
     return await serve(request, req.model, exchange)

@@ -14,7 +14,9 @@ What maps where:
     options                            see OPTIONS; the load-time ones (num_ctx, num_gpu...) are
                                        the slot command's to decide, and any other is unknown:
                                        both are ignored, and named in `ignored`
-    think true | "low".."max"          reasoning deltas become `thinking`; otherwise dropped
+    think true | "low".."max" | absent reasoning deltas become `thinking` (absent: as Ollama does
+                                       for a model that thinks); false drops them, unless the
+                                       model said nothing else (then they are the content)
     keep_alive 5m | 300 | -1 | 0       seconds, negative for ever (Duration in Ollama's API)
     stream (default true)              stream, with stream_options.include_usage
 
@@ -69,13 +71,13 @@ class OllamaRequest:
 
     model: str
     stream: bool
-    think: bool
+    think: bool | None  # None: the request did not say
     messages: list[dict[str, Any]]
     keep_alive_s: float | None = None
     options: dict[str, Any] = field(default_factory=dict)
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
-    ignored: tuple[str, ...] = ()  # the options hal0d does not pass on
+    ignored: tuple[tuple[str, Any], ...] = ()  # the options hal0d does not pass on, as sent
 
     @property
     def load_only(self) -> bool:
@@ -163,9 +165,9 @@ def _common(body: dict[str, Any], messages: list[dict[str, Any]]) -> OllamaReque
     )
 
 
-def parse_think(value: object) -> bool:
+def parse_think(value: object) -> bool | None:
     if value is None or isinstance(value, bool):
-        return bool(value)
+        return value
     if value in THINK_LEVELS:
         return True
     _invalid(f"invalid think value: {value!r} (must be \"high\", \"medium\", \"low\", \"max\", "
@@ -198,18 +200,18 @@ def parse_format(value: object) -> dict[str, Any] | None:
     _invalid(f"invalid format: {value!r} (\"json\" or a JSON schema object)", "format")
 
 
-def map_options(options: object) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """The options as chat completion fields, and the names of those not passed on."""
+def map_options(options: object) -> tuple[dict[str, Any], tuple[tuple[str, Any], ...]]:
+    """The options as chat completion fields, and those not passed on (name, value)."""
     if options is None:
         return {}, ()
     if not isinstance(options, dict):
         _invalid("options must be an object", "options")
     out: dict[str, Any] = {}
-    ignored: list[str] = []
+    ignored: list[tuple[str, Any]] = []
     for name, value in options.items():
         target = OPTIONS.get(name)
         if target is None:
-            ignored.append(name)
+            ignored.append((name, value))
             continue
         if value is None:
             continue

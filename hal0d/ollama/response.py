@@ -3,7 +3,8 @@
 and /api/ps show them.
 
 hal0d knows a model by its slot, not by a file: `size` and `size_vram` are the slot's
-`memory_mib` (0 unknown), `digest` is made from the slot and model names (stable across runs),
+`memory_mib` (0 unknown), `digest` is made from the slot and model names and the model's
+capabilities (capabilities.py: stable across runs, changed when they change),
 `details.slot` names the slot, and the format, family and quantization are left empty. A
 `[[routes]]` model is named as the route it is: `details.route` and `details.slots` (its slots in
 their order), in /api/ps also `details.slot`, the one that has it loaded; its digest is the
@@ -19,6 +20,7 @@ from typing import Any
 
 import orjson
 
+from hal0d.ollama.capabilities import UNKNOWN
 from hal0d.ollama.stream import DONE_REASONS, NS, Clocks, MalformedChunk, timestamp
 
 MIB = 1024 * 1024
@@ -27,8 +29,10 @@ FOR_EVER_S = (2**63 - 1) / NS
 
 
 def whole_answer(completion: object, model: str, clocks: Clocks, *, chat: bool,
-                 think: bool) -> dict[str, Any]:
-    """A non-streamed chat completion as Ollama's one `done` object."""
+                 think: bool | None) -> dict[str, Any]:
+    """A non-streamed chat completion as Ollama's one `done` object: the reasoning as
+    `thinking` unless the request said `think: false`, and then the content when the model said
+    nothing else (the stream's rule, stream.py)."""
     if not isinstance(completion, dict) or not isinstance(completion.get("choices"), list) \
             or not completion["choices"] or not isinstance(completion["choices"][0], dict):
         raise MalformedChunk("upstream answer has no choices")
@@ -42,6 +46,9 @@ def whole_answer(completion: object, model: str, clocks: Clocks, *, chat: bool,
         raise MalformedChunk("upstream answer: content is not a string")
     obj: dict[str, Any] = {"model": model, "created_at": timestamp(clocks.wall())}
     calls = tool_calls(message.get("tool_calls"))
+    think = think is not False
+    if not think and not content and not calls:
+        content = thinking  # reasoning alone: it is the answer
     if chat:
         out: dict[str, Any] = {"role": "assistant", "content": content}
         if think and thinking:
@@ -70,15 +77,6 @@ def whole_answer(completion: object, model: str, clocks: Clocks, *, chat: bool,
         obj["eval_count"] = usage["completion_tokens"]
     obj["eval_duration"] = metrics["eval_duration"]
     return obj
-
-
-def reasoned(completion: object) -> bool:
-    """The whole answer carries the model's reasoning."""
-    choices = completion.get("choices") if isinstance(completion, dict) else None
-    choice = choices[0] if isinstance(choices, list) and choices else None
-    message = choice.get("message") if isinstance(choice, dict) else None
-    return isinstance(message, dict) and bool(message.get("reasoning_content")
-                                              or message.get("reasoning"))
 
 
 def tool_calls(calls: object) -> list[dict[str, Any]]:
@@ -130,14 +128,16 @@ class Served:
     model: str
     slot: str | None  # the slot that serves it; a route's: the one that has it loaded, or None
     memory_mib: int | None
-    thinks: bool = False  # hal0d has seen it reason
+    capabilities: tuple[str, ...] = UNKNOWN
+    context_length: int = 0  # the context its server holds, 0 when not known
     route: str | None = None  # a [[routes]] model: the route's name
     slots: tuple[str, ...] = ()  # and its slots, in their order
 
 
 def digest(served: Served) -> str:
     owner = f"route:{served.route}" if served.route else f"{served.slot}:{served.model}"
-    return hashlib.sha256(f"hal0d:{owner}".encode()).hexdigest()
+    can = ",".join(served.capabilities)
+    return hashlib.sha256(f"hal0d:{owner}:{can}".encode()).hexdigest()
 
 
 def details(served: Served) -> dict[str, Any]:
@@ -161,11 +161,6 @@ def tags(models: Iterable[Served], modified_at: float) -> dict[str, Any]:
         for served in models]}
 
 
-def capabilities(served: Served) -> list[str]:
-    """What is known: every chat slot completes and takes tools; thinking once seen."""
-    return ["completion", "tools", *(["thinking"] if served.thinks else [])]
-
-
 def show(served: Served, modified_at: float) -> dict[str, Any]:
     info: dict[str, Any] = {"general.architecture": ""}
     if served.route is not None:
@@ -173,7 +168,7 @@ def show(served: Served, modified_at: float) -> dict[str, Any]:
     else:
         info["hal0d.slot"] = served.slot
     return {"modelfile": "", "parameters": "", "template": "", "details": details(served),
-            "model_info": info, "capabilities": capabilities(served),
+            "model_info": info, "capabilities": list(served.capabilities),
             "modified_at": timestamp(modified_at)}
 
 
@@ -186,7 +181,8 @@ def ps(loaded: Iterable[tuple[Served, float | None]], wall: float) -> dict[str, 
                                "size": size(served), "digest": digest(served),
                                "details": details(served),
                                "expires_at": timestamp(min(expires, MAX_WALL)),
-                               "size_vram": size(served), "context_length": 0}))
+                               "size_vram": size(served),
+                               "context_length": served.context_length}))
     rows.sort(key=lambda row: -row[0])
     return {"models": [row for _, row in rows]}
 

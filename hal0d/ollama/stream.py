@@ -9,9 +9,12 @@ protocol; the clocks are handed in, so a test can fix them. Pure (tests/test_pur
         └──finish() without a finish_reason: Incomplete
 
 Each chunk's content is one object `{"model", "created_at", "message": {"role": "assistant",
-"content"}, "done": false}`; reasoning is `message.thinking` when the request asked to think
-(and is left out otherwise); tool calls are gathered until the finish_reason and sent as one
-object whose `arguments` are objects, as Ollama's own parser sends them. The last object is
+"content"}, "done": false}`; reasoning is `message.thinking` unless the request said `think:
+false` (when a request does not say, Ollama thinks with a model that can: server/routes.go),
+and left out then, unless the model said nothing else: an answer of reasoning alone is sent as
+its content at the finish, so no client shows an empty message where the model spoke. Tool calls
+are gathered until the finish_reason and sent as one object whose `arguments` are objects, as
+Ollama's own parser sends them. The last object is
 `"done": true` with `done_reason` (stop, length), the counts from the upstream's usage (the
 generated chunks when it sent none) and the durations in nanoseconds from hal0d's clocks:
 
@@ -26,7 +29,9 @@ official client (ollama-python) parses it into a ChatResponse / GenerateResponse
 piece, and a client that prints or joins the content adds nothing.
 
 A stream that cannot end well ends with one `{"error": ...}` object (Ollama's own way), so a
-client raises rather than take a cut answer for a whole one; a stall-guard trip instead ends it
+client raises rather than take a cut answer for a whole one; before it, a piece of content says
+so in words (`notice`), since some clients (Open WebUI) drop that last line and would show the
+cut answer as a whole one; a stall-guard trip instead ends it
 with a last `done` object carrying the notice, done_reason length and `x_hal0_stall`.
 """
 
@@ -54,6 +59,7 @@ __all__ = [
     "Translator",
     "encode",
     "error_object",
+    "failure_notice",
     "timestamp",
 ]
 
@@ -117,26 +123,31 @@ class Translator:
         "_completion_tokens",
         "_done_reason",
         "_fragments",
+        "_held",
         "_model",
         "_prompt_tokens",
+        "_said",
         "_state",
         "_think",
-        "saw_thinking",
     )
 
-    def __init__(self, model: str, clocks: Clocks, *, chat: bool, think: bool) -> None:
+    def __init__(self, model: str, clocks: Clocks, *, chat: bool, think: bool | None) -> None:
         self._model = model
         self._clocks = clocks
         self._chat = chat
-        self._think = think
+        # None (not said) streams the reasoning as `thinking`, as Ollama does; False holds it.
+        self._think = think is not False
         self._state = State.STREAMING
         self._calls: dict[object, _Call] = {}
         self._done_reason: str | None = None
         self._fragments = 0
         self._prompt_tokens: int | None = None
         self._completion_tokens: int | None = None
-        # The model reasoned: /api/show may say it can think.
-        self.saw_thinking = False
+        # What the client has had of the answer (content, thinking or a tool call), and the
+        # reasoning left out of it (think: false), which is the content of an answer that
+        # would otherwise be empty.
+        self._said = False
+        self._held: list[str] = []
 
     @property
     def done(self) -> bool:
@@ -171,15 +182,20 @@ class Translator:
             self._gather(read.tool_calls)
         if content or reasoning:
             self._generated()
-            self.saw_thinking = self.saw_thinking or bool(reasoning)
+            if reasoning and not self._think:
+                self._held.append(reasoning)
             if content or (reasoning and self._think):
+                self._said = True
                 out.append(self._object(content or "", reasoning if self._think else None))
         finish = read.finish_reason
         if finish is not None and self._state is State.STREAMING:
             self._done_reason = DONE_REASONS.get(finish, "stop")
             self._state = State.FINISHING
             if self._calls:
+                self._said = True
                 out.append(self._tool_object())
+            elif self._held and not self._said:
+                out.append(self._object("".join(self._held), None))  # reasoning alone
 
     def _generated(self) -> None:
         self._fragments += 1
@@ -274,6 +290,11 @@ class Translator:
             raise Incomplete("upstream ended the stream without a finish_reason")
         return [self._last()]
 
+    def notice(self, message: str) -> dict[str, Any]:
+        """A piece of content that says the answer failed, `message` saying why: what a person
+        reads where the answer stopped, before the error line a client raises on."""
+        return self._object(failure_notice(message, cut=self._said), None)
+
     def stalled(self, trip: StallTrip) -> list[dict[str, Any]]:
         """The stall guard's last object: the notice as the answer's end, done, length."""
         if self._state is State.DONE:
@@ -281,6 +302,14 @@ class Translator:
         obj = self._last("\n\n" + trip.notice(), "length")
         obj[STALL_KEY] = trip.details()
         return [obj]
+
+
+def failure_notice(message: str, *, cut: bool) -> str:
+    """The words of a failure put into the answer: after a part of it (`cut`), or in place
+    of it."""
+    if cut:
+        return f"\n\n[hal0] the answer was cut off: {message}"
+    return f"[hal0] no answer: {message}"
 
 
 def error_object(message: str) -> dict[str, Any]:

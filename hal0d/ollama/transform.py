@@ -2,9 +2,9 @@
 
 The skeleton every translating surface shares (hal0d/protocol/translating.py) reads the stream;
 the Translator turns each chunk into Ollama objects, one JSON object a line. A malformed chunk,
-an upstream that breaks or ends without a finish_reason: one `{"error": ...}` line ends the
-stream; a stall trip, a last `done` object with the notice. A keepalive is an object with empty
-content, not done.
+an upstream that breaks or ends without a finish_reason: a piece of content saying so, then one
+`{"error": ...}` line, end the stream; a stall trip, a last `done` object with the notice. A
+keepalive is an object with empty content, not done.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class OllamaTransform(Translating[dict[str, Any]]):
             raise Unfinished(self.failure(str(exc), ErrorCode.UPSTREAM_INCOMPLETE)) from None
 
     def failure(self, message: str, error_code: str) -> list[dict[str, Any]]:
-        return [error_object(message)]
+        return [self.translator.notice(message), error_object(message)]
 
     def stall(self, trip: StallTrip) -> list[dict[str, Any]]:
         return self.translator.stalled(trip)

@@ -1,0 +1,87 @@
+"""What a model can do, as Ollama's /api/show says it (`capabilities`), and the model's
+`digest`, which changes when they do: a client that caches what it read by the digest
+(`llm-ollama` does) sees the change.
+
+Where each comes from, the first that knows:
+
+    the slot's `capabilities` for the model   as declared (config/capabilities.py); `completion`
+                                              goes with any but an embedding-only model
+    the slot's command                        llama-server's --embedding / --embeddings: an
+                                              embedding model
+    the upstream's GET /props (llama-server)  completion; tools when its chat template takes
+                                              them (chat_template_caps), vision and audio from
+                                              its modalities, thinking when its template reasons
+    nothing known                             completion and tools: what every chat model of an
+                                              OpenAI-compatible server is asked for
+
+None of it changes with use: a model is not said to think because it was once seen reasoning
+(that came too late for a client's cache, and never changed the digest). Pure (test_purity.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+# Ollama's names (types/model/capability.go), in the order /api/show lists them here.
+COMPLETION, TOOLS, VISION, EMBEDDING, THINKING, AUDIO = (
+    "completion", "tools", "vision", "embedding", "thinking", "audio")
+UNKNOWN: Final = (COMPLETION, TOOLS)
+EMBEDDING_FLAGS: Final = frozenset({"--embedding", "--embeddings"})
+# What a chat template that reasons names: Qwen3's and DeepSeek's tags, the switch llama-server
+# turns thinking off with, the field earlier reasoning is written back from.
+_THINKING_MARKS: Final = ("<think>", "enable_thinking", "reasoning_content")
+
+
+def of_declared(declared: Sequence[str]) -> tuple[str, ...]:
+    """The declared capabilities, with `completion` unless the model only embeds."""
+    if set(declared) == {EMBEDDING}:
+        return (EMBEDDING,)
+    return (COMPLETION, *(name for name in declared if name != COMPLETION))
+
+
+def of_command(command: Sequence[str] | None) -> tuple[str, ...] | None:
+    """What the slot's command makes of its model, where it says (an embedding server)."""
+    if command and EMBEDDING_FLAGS & set(command):
+        return (EMBEDDING,)
+    return None
+
+
+def of_props(props: Mapping[str, Any]) -> tuple[str, ...]:
+    """What llama-server's /props says its model can do."""
+    caps = props.get("chat_template_caps")
+    caps = caps if isinstance(caps, dict) else {}
+    modalities = props.get("modalities")
+    modalities = modalities if isinstance(modalities, dict) else {}
+    template = props.get("chat_template")
+    template = template if isinstance(template, str) else ""
+    found = [COMPLETION]
+    if caps.get("supports_tool_calls") or caps.get("supports_tools"):
+        found.append(TOOLS)
+    if modalities.get("vision"):
+        found.append(VISION)
+    if caps.get("supports_preserve_reasoning") or caps.get("supports_reasoning_effort") or any(
+            mark in template for mark in _THINKING_MARKS):
+        found.append(THINKING)
+    if modalities.get("audio"):
+        found.append(AUDIO)
+    return tuple(found)
+
+
+def capabilities(declared: Sequence[str] | None, command: Sequence[str] | None,
+                 props: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """The model's capabilities from the first source that knows (the module's docstring)."""
+    if declared is not None:
+        return of_declared(declared)
+    if (commanded := of_command(command)) is not None:
+        return commanded
+    if props is not None:
+        return of_props(props)
+    return UNKNOWN
+
+
+def context_length(props: Mapping[str, Any] | None) -> int:
+    """The context a slot of the server holds, from /props; 0 when not known (Ollama's 0)."""
+    settings = props.get("default_generation_settings") if props is not None else None
+    n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+    return n_ctx if type(n_ctx) is int and n_ctx > 0 else 0
