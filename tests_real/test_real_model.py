@@ -59,7 +59,7 @@ def hal0d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             {"name": "real", "upstream": upstream, "models": [MODEL], "max_concurrent": 1,
              "command": server_command(MODEL, upstream_port)},
             {"name": "real-bridge", "upstream": upstream, "models": [BRIDGED],
-             "responses": "translate"},
+             "responses": "translate", "capabilities": ["tools"]},
             {"name": "real-native", "upstream": upstream, "models": [NATIVE],
              "anthropic": "native"},
             {"name": "dead", "upstream": f"http://127.0.0.1:{free_port()}",
@@ -183,6 +183,26 @@ def test_an_ollama_client_chats_with_the_real_model(hal0d: str) -> None:
     whole = client.chat(model=MODEL, messages=[{"role": "user", "content": "Say hello."}],
                         options={"num_predict": 24})
     assert whole.done_reason in ("stop", "length") and (whole.eval_count or 0) > 0
+
+
+def test_ollamas_show_says_what_llama_servers_props_say_unless_the_config_declares(
+        hal0d: str) -> None:
+    """SmolLM2's chat template takes no tools and does not reason: llama-server's /props says
+    so, and /api/show does too; the slot that declares `tools` says that; /api/ps shows the
+    context llama-server holds."""
+    import ollama
+
+    upstream = slots(hal0d)["real"]["upstream"]
+    props = get_json(f"{upstream}/props")
+    assert not props["chat_template_caps"]["supports_tool_calls"]
+    assert not props["modalities"]["vision"]
+    client = ollama.Client(host=f"http://127.0.0.1:{OLLAMA_PORT}")
+    assert client.show(MODEL).capabilities == ["completion"]
+    assert client.show(ROUTED).capabilities == ["completion"]  # its loaded slot's model
+    assert client.show(BRIDGED).capabilities == ["completion", "tools"]
+    running = get_json(f"http://127.0.0.1:{OLLAMA_PORT}/api/ps")["models"]
+    context = {model["name"]: model["context_length"] for model in running}
+    assert context[MODEL] == props["default_generation_settings"]["n_ctx"] == 2048
 
 
 def test_a_route_whose_first_slot_is_dead_is_answered_by_the_real_one(hal0d: str) -> None:

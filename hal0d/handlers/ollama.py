@@ -87,8 +87,11 @@ async def served(request: web.Request, plan: Plan, name: str | None = None,
                  slot: Route | None = None) -> shapes.Served:
     """`plan`'s model as the lists show it, named `name` (the client's, else the served one):
     a slot's own with its slot; a route's as the route, with `slot` when one has it loaded
-    (what it can do is that slot's model's, else its first slot's)."""
-    can, context = await described(request, slot or plan.first)
+    (what it can do is that slot's model's, else the first up slot's, else its first slot's)."""
+    dispatch = request.app[DISPATCH]
+    source = slot or next((route for route in dispatch.order(plan)
+                           if dispatch.state_of(route) in UP), plan.first)
+    can, context = await described(request, source)
     if plan.route is None:
         return shapes.Served(name or plan.model, plan.first.slot.name,
                              plan.first.slot.memory_mib, can, context)
