@@ -20,6 +20,9 @@ below; on the Ollama API every one is Ollama's `{"error": message}` with the sam
 
 Foreign exceptions (aiohttp's client errors, asyncio timeouts) are translated into this tree only
 at the upstream boundary (upstream.py); handlers catch Hal0Error and render it for their surface.
+A message is read by every user of a client (a chat front end shows it on its page): it names the
+slot and the cause, never an upstream's address, which is for the log and the operator's views
+(the boundary words the cause without it; `without_address` takes it out of a slot's reason).
 
 How a request ended badly is recorded as one ErrorCode (the history's error_code column, the
 `outcome` label of hal0d_requests_total, the request.done line). A Hal0Error's `error_code` is the
@@ -31,8 +34,10 @@ prefix: `upstream_status_<status>` (upstream_status()) and `stream_stall_<reason
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Any
+from urllib.parse import urlsplit
 
 
 class ErrorCode(StrEnum):
@@ -294,3 +299,20 @@ def upstream_message(body: object) -> str | None:
         return error
     message = body.get("message")
     return message if isinstance(message, str) else None
+
+
+# What stands in a client's message for an upstream's address.
+ADDRESS_SHOWN = "[upstream]"
+
+
+def without_address(text: str, upstream: str) -> str:
+    """`text` (a slot's reason: a probe's words, its process's last lines) with the address of
+    `upstream` (its URL, its host:port) put as ADDRESS_SHOWN, for a client's message; the log
+    and the operator's views keep the text as it is. A host alone (a URL without a port) is
+    left: it may be a word of the text as well."""
+    parts = urlsplit(upstream)
+    forms = {upstream.rstrip("/")}
+    if parts.port is not None:
+        forms |= {parts.netloc.rpartition("@")[2], f"{parts.hostname}:{parts.port}"}
+    named = "|".join(re.escape(form) for form in sorted(forms, key=len, reverse=True))
+    return re.sub(f"(?:{named})(?![0-9])", ADDRESS_SHOWN, text)

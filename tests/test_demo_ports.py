@@ -123,7 +123,7 @@ def test_a_program_on_the_demo_stubs_port_never_makes_the_demo_slot_ready(
                     break
                 time.sleep(0.05)
             assert view.get("state") == "error", (states, demo.diagnostics())
-            assert f"port {port} of 127.0.0.1 is already in use" in str(view["reason"]), view
+            assert f"127.0.0.1:{port} is already in use" in str(view["reason"]), view
             status, answer = chat(demo.port)
             assert status == 503 and "squatter" not in answer, answer
             assert "ready" not in states, states

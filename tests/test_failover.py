@@ -493,34 +493,36 @@ async def test_an_ollama_client_is_handed_on_too_and_lists_the_routes_model(
 
 
 async def test_a_reload_that_moves_a_slots_upstream_asks_the_new_one_at_once(
-    tmp_path: Path, http: aiohttp.ClientSession
+    tmp_path: Path, http: aiohttp.ClientSession, upstream_app: Upstream
 ) -> None:
-    """The slot's state and reason were its old upstream's: after the reload they are the new
-    one's within a moment, not at the next probe round (10 s)."""
+    """The slot's state and reason were its old upstream's (refusing): after the reload they
+    are the new one's (answering) within a moment, not at the next probe round (10 s)."""
     from tests.test_lifecycle_reload import reload
     from tests.test_server import launch, stop
 
-    old, new = free_port(), free_port()
+    old, new = f"http://127.0.0.1:{free_port()}", await upstream_app({})
 
-    def slot(port: int) -> str:
-        return (f'[[slots]]\nname = "deadbox"\nupstream = "http://127.0.0.1:{port}"\n'
+    def slot(upstream: str) -> str:
+        return (f'[[slots]]\nname = "deadbox"\nupstream = "{upstream}"\n'
                 'models = ["assist"]\n')
 
     hal0d = await launch(tmp_path, "unused", slot=slot(old))
     try:
-        async def reason() -> str:
+        async def view() -> dict[str, Any]:
             async with http.get(f"{hal0d.url}/api/slots") as resp:
-                [view] = (await resp.json())["slots"]
-            return str(view["reason"])
+                [shown] = (await resp.json())["slots"]
+            return dict(shown)
 
-        assert str(old) in await reason()
+        refused = await view()
+        assert (refused["state"], refused["reason"]) == (
+            "error", "cannot connect (connection refused)"), refused
         await reload(hal0d, slot(new))
 
-        async def moved() -> str:
-            seen = await reason()
-            assert str(new) in seen, seen
+        async def moved() -> dict[str, Any]:
+            seen = await view()
+            assert (seen["upstream"], seen["state"], seen["reason"]) == (new, "ready", None), seen
             return seen
 
-        await eventually(moved, 3.0, "the reason naming the new upstream")
+        await eventually(moved, 3.0, "the state and reason of the new upstream")
     finally:
         await stop(hal0d.process)

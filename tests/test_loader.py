@@ -324,7 +324,12 @@ async def test_a_port_another_program_listens_on_fails_the_load_instead_of_its_a
     with capture_logs() as logs:
         status, answer = await chat(http, hal0d, "chat")
     assert status == 503 and answer["error"]["code"] == "slot.load_failed", answer
-    assert f"port {squatter.port} of 127.0.0.1 is already in use" in answer["error"]["message"]
+    # The client is told the cause without the address; the operator's view names it.
+    message = answer["error"]["message"]
+    assert "[upstream] is already in use by another process" in message, message
+    assert str(squatter.port) not in message, message
+    assert f"127.0.0.1:{squatter.port} is already in use" in (await views(http, hal0d))["a"][
+        "reason"]
     events = [entry["event"] for entry in logs]
     assert "slot.loaded" not in events and "slot.process_started" not in events
     assert (await views(http, hal0d))["a"]["state"] == "stopped"

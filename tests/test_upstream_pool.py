@@ -199,12 +199,15 @@ async def test_an_upstream_gone_after_taking_the_request_fails_it_as_it_failed_f
 
     url, seen = await raw_upstream(die_on_reuse)
     hal0d = await start_hal0d(url, models=("chat",))
-    status, body = await chat(http, hal0d)
-    if status == 200:  # it had a connection of its own: the next one is kept alive
+    with capture_logs() as logs:
         status, body = await chat(http, hal0d)
+        if status == 200:  # it had a connection of its own: the next one is kept alive
+            status, body = await chat(http, hal0d)
     assert status == 502
     error = orjson.loads(body)["error"]
     assert error["code"] == "dispatch.upstream_unavailable"
-    assert error["message"].startswith(
-        f"slot 'llm' at {url} is unavailable: ServerDisconnectedError"), error
+    assert error["message"] == ("slot 'llm' is unavailable: connection closed waiting for the "
+                                "upstream's response headers"), error
+    [logged] = [entry for entry in logs if entry["event"] == "upstream.unavailable"]
+    assert logged["upstream"] == url and logged["error"].startswith("ServerDisconnectedError")
     assert seen.requests[-1][0] == CHAT and len(set(seen.posts())) == 1

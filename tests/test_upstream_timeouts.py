@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
 import pytest
+from structlog.testing import capture_logs
 
 from tests.conftest import chat_body
 
@@ -83,13 +84,17 @@ async def test_an_upstream_that_takes_none_of_the_body_is_a_502_within_the_write
     hal0d = await start_hal0d(url, models=("chat",), dispatcher=DISPATCHER)
     for stream in (False, True):
         started = time.monotonic()
-        async with http.post(hal0d.make_url("/v1/chat/completions"),
-                             json=chat_body("chat", stream=stream, content=BODY_TEXT)) as resp:
-            body = await resp.json()
+        with capture_logs() as logs:
+            async with http.post(hal0d.make_url("/v1/chat/completions"),
+                                 json=chat_body("chat", stream=stream, content=BODY_TEXT)
+                                 ) as resp:
+                body = await resp.json()
         waited = time.monotonic() - started
         assert resp.status == 502, body
         assert body["error"]["message"] == (
-            f"slot 'llm' at {url} is unavailable: timed out sending the request")
+            "slot 'llm' is unavailable: timed out sending the request")
+        [logged] = [entry for entry in logs if entry["event"] == "upstream.unavailable"]
+        assert logged["upstream"] == url and logged["error"].startswith("WriteTimeout")
         # Not the open's whole bound (connect + write + headers: 6.25 s).
         assert waited < 3.0
 

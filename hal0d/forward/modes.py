@@ -92,8 +92,8 @@ class EndpointModes:
                 during=f"waiting for POST {self.path}", timeout_s=PROBE_TIMEOUT_S,
             )
         except UpstreamUnavailable as exc:
-            log.warning(f"{self.surface}.mode_probe_failed", slot=slot.name, error=str(exc),
-                        using=TRANSLATE)
+            log.warning(f"{self.surface}.mode_probe_failed", slot=slot.name,
+                        upstream=slot.upstream, error=str(exc), using=TRANSLATE)
             return None
         if status in NO_ENDPOINT:
             choice = TRANSLATE

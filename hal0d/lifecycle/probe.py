@@ -71,8 +71,8 @@ def port_taken(upstream: str) -> str | None:
             sock.bind((str(address), port))
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                return (f"port {port} of {host} is already in use by another process: the "
-                        "slot's command could not listen there")
+                return (f"{host}:{port} is already in use by another process: the slot's "
+                        "command could not listen there")
     return None
 
 

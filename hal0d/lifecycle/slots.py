@@ -60,7 +60,7 @@ from typing import Any, Final, Protocol
 
 import structlog
 
-from hal0d.errors import Hal0Error, QueueFull, SlotLoadFailed, SlotLoading
+from hal0d.errors import Hal0Error, QueueFull, SlotLoadFailed, SlotLoading, without_address
 from hal0d.lifecycle.machine import Event, Rule, SlotState, step
 from hal0d.lifecycle.turns import ANONYMOUS, ClientQueue
 
@@ -239,6 +239,9 @@ class Slot:
         return self.state is SlotState.ERROR and self.load_refused is not None
 
     def _load_failure(self, cause: str) -> str:
+        """A client's message: the cause without the upstream's address (its process's last
+        lines may name it)."""
+        cause = without_address(cause, self.config.upstream)
         return f"slot {self.name!r} could not load its model: {cause}"
 
     # -- a lease whose connect was refused ---------------------------------------------------
@@ -368,7 +371,8 @@ class Slot:
             )
         if self._held():
             return SlotLoading(
-                f"slot {self.name!r} waits for its process to start again ({self.reason}): "
+                f"slot {self.name!r} waits for its process to start again "
+                f"({without_address(str(self.reason), self.config.upstream)}): "
                 f"{what}", retry_after=LOADING_RETRY_AFTER_S)
         return QueueFull(f"slot {self.name!r}: {what}", retry_after=QUEUE_RETRY_AFTER_S)
 

@@ -8,7 +8,8 @@ token count, the Anthropic-mode probe).
 aiohttp's exceptions stop here, mapped in one place (`upstream_errors`, after httpcore's
 `map_exceptions`): a failure to get an answer at all (a refused connect, a timeout, a reset, a
 broken framing) becomes UpstreamUnavailable, a clean 502 before the client response has started,
-never a torn stream; a socket hal0d cannot open because it has no descriptor left (EMFILE,
+never a torn stream, its message naming the slot and the cause but no address (transport_reason;
+the log line has it); a socket hal0d cannot open because it has no descriptor left (EMFILE,
 ENFILE) becomes FdExhausted (503, see descriptors.py): hal0d's capacity failed, not the upstream.
 The one exception is the relay's loop (relay.py), where the client response has started and a
 break is an outcome written into the stream rather than an error status.
@@ -59,6 +60,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import functools
+import os
 import weakref
 from collections.abc import Mapping, MutableMapping
 from types import TracebackType
@@ -74,7 +76,7 @@ from yarl import URL
 
 from hal0d import USER_AGENT
 from hal0d.config import DispatcherConfig, SlotConfig
-from hal0d.errors import UpstreamUnavailable
+from hal0d.errors import UpstreamUnavailable, without_address
 from hal0d.logs import get_logger
 from hal0d.transport.descriptors import exhausted, exhaustion_errno
 
@@ -192,16 +194,41 @@ def response_headers(upstream: CIMultiDictProxy[str]) -> CIMultiDict[str]:
 
 
 def transport_reason(exc: BaseException, during: str) -> str:
-    """Why a call to an upstream got no answer, in words for a log line or a slot's reason.
-    `during`: what the call was waiting for, as in "timed out <during>"."""
+    """Why a call to an upstream got no answer, in words for a client's message and a slot's
+    reason (`during`: what it waited for, as in "timed out <during>"): from the exception's type
+    and errno, never its text, which names the address ("Cannot connect to host 127.0.0.1:8080",
+    "Connect call failed ('127.0.0.1', 8080)"): only the log line has that (upstream_errors)."""
     if isinstance(exc, WriteTimeout):
         return "timed out sending the request"
     if isinstance(exc, TimeoutError):
         return f"timed out {during}"
+    if isinstance(exc, aiohttp.ClientSSLError):  # its errno is OpenSSL's, not the OS's
+        return "cannot connect (TLS handshake failed)"
+    if isinstance(exc, aiohttp.ClientConnectorDNSError):
+        return "cannot connect (name not resolved)"
     if isinstance(exc, aiohttp.ClientConnectorError):
-        return f"cannot connect ({exc.os_error.strerror or exc.os_error})"
-    detail = str(exc)
-    return f"{type(exc).__name__} {during}" + (f": {detail}" if detail else "")
+        words = _errno_words(exc.os_error.errno)
+        return f"cannot connect ({words})" if words else "cannot connect"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return f"connection closed {during}"
+    if isinstance(exc, ConnectionResetError):
+        return f"connection reset {during}"
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return f"incomplete body {during}"
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return f"invalid answer {during}"
+    if isinstance(exc, aiohttp.InvalidURL):
+        return "invalid upstream URL"
+    words = _errno_words(exc.errno) if isinstance(exc, OSError) else None
+    return f"{words or type(exc).__name__} {during}"
+
+
+def _errno_words(code: int | None) -> str | None:
+    """The OS's words for an errno ("connection refused"), which name no address."""
+    if code is None or code <= 0:  # none, or a resolver's (negative) code
+        return None
+    words = os.strerror(code)
+    return words[:1].lower() + words[1:]
 
 
 def transport_kind(exc: BaseException) -> str:
@@ -227,9 +254,13 @@ class upstream_errors:  # lower case: read as a `with` statement, as contextlib'
     `slot_reason`: why the slot is in error, if it is (a lease is granted in error, as the probe
     may be stale); the message names it, since "cannot connect" alone hides the cause (a process
     that could not be started). Everything else (CancelledError above all) passes untouched.
+    The message is a client's and names no address (transport_reason); `logged`: a forwarded
+    request's failure, logged here as `upstream.unavailable` with the upstream and the
+    exception's own text (hal0d's own questions, a probe every few milliseconds while a model
+    loads, are told by their callers).
     """
 
-    __slots__ = ("during", "refused_at", "slot", "slot_reason")
+    __slots__ = ("during", "logged", "refused_at", "slot", "slot_reason")
 
     def __init__(
         self,
@@ -238,11 +269,13 @@ class upstream_errors:  # lower case: read as a `with` statement, as contextlib'
         *,
         refused_at: str | None = None,
         slot_reason: str | None = None,
+        logged: bool = False,
     ) -> None:
         self.slot = slot
         self.during = during
         self.refused_at = refused_at
         self.slot_reason = slot_reason
+        self.logged = logged
 
     def __enter__(self) -> None:
         return None
@@ -262,11 +295,13 @@ class upstream_errors:  # lower case: read as a `with` statement, as contextlib'
                 code, self.refused_at, f"reach slot {slot.name!r}"
             ) from None
         cause = transport_reason(exc, self.during)
+        if self.logged:  # the operator's words (info: a failing slot's warning is cooldown.py's)
+            log.info("upstream.unavailable", slot=slot.name, upstream=slot.upstream,
+                        reason=cause, error=f"{type(exc).__name__}: {exc}".removesuffix(": "))
         reason = cause
         if self.slot_reason:
-            reason += f"; the slot is in error: {self.slot_reason}"
-        error = UpstreamUnavailable(
-            f"slot {slot.name!r} at {slot.upstream} is unavailable: {reason}")
+            reason += f"; the slot is in error: {without_address(self.slot_reason, slot.upstream)}"
+        error = UpstreamUnavailable(f"slot {slot.name!r} is unavailable: {reason}")
         error.cause = cause
         error.kind = transport_kind(exc)
         raise error from None
@@ -461,7 +496,7 @@ async def read_whole(upstream: aiohttp.ClientResponse, slot: SlotConfig,
     answer that is read whole: an error status, a JSON body); None for an answer opened
     `whole`, which aiohttp's total bounds. A reset, a stall or a broken framing is
     UpstreamUnavailable, a clean 502: nothing was sent to the client yet."""
-    with upstream_errors(slot, "while sending its answer"):
+    with upstream_errors(slot, "while sending its answer", logged=True):
         if timeout_s is None:
             return await upstream.read()
         async with asyncio.timeout(timeout_s):
@@ -514,7 +549,8 @@ class UpstreamClient:
             timeout=client_timeout(timeouts, read_s, bound + read_s if whole else None),
         )
         with upstream_errors(slot, "waiting for the upstream's response headers",
-                             refused_at="upstream_connect", slot_reason=slot_reason):
+                             refused_at="upstream_connect", slot_reason=slot_reason,
+                             logged=True):
             if whole:
                 return await sent
             async with asyncio.timeout(bound):
