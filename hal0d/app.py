@@ -353,6 +353,7 @@ def add_ollama_routes(router: web.UrlDispatcher, port: int) -> None:
         ("/api/generate", (hdrs.METH_POST,), ollama_handlers.generate),
         ("/api/embed", (hdrs.METH_POST,), ollama_handlers.embed),
         ("/api/embeddings", (hdrs.METH_POST,), ollama_handlers.embeddings),
+        ("/api/pull", (hdrs.METH_POST,), ollama_handlers.pull),
         *((f"/api/{name}", (hdrs.METH_POST, hdrs.METH_DELETE), ollama_handlers.unmanaged)
           for name in ollama_handlers.UNMANAGED),
     ]

@@ -186,6 +186,21 @@ async def test_an_unknown_model_is_a_404_naming_it_and_pull_is_refused_at_once(
     assert time.monotonic() - started < 5.0  # at once: nothing is downloaded or waited for
 
 
+async def test_a_pull_of_a_served_model_succeeds_at_once_with_nothing_to_download(
+        stub: Stub, start_ollama: OllamaFactory) -> None:
+    """Home Assistant's setup pulls the model it was given when /api/tags lacks that name
+    (`chat:latest` against hal0d's `chat`); a refusal there would end its setup."""
+    _, base = await start_ollama(stub.url)
+    client = AsyncClient(host=base)
+    for name in ("chat", "chat:latest"):
+        assert (await client.pull(name)).status == "success"
+        statuses = [part.status async for part in await client.pull(name, stream=True)]
+        assert statuses[-1] == "success"
+    with pytest.raises(ResponseError) as unknown:
+        await client.pull("llama3.2:latest")
+    assert "does not manage model files" in unknown.value.error
+
+
 async def test_a_stall_ends_the_stream_within_its_bound_with_done_reason_length(
         stub: Stub, start_ollama: OllamaFactory) -> None:
     hal0d, base = await start_ollama(stub.url, slot={"stream_idle_timeout_s": 0.5})

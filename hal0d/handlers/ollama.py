@@ -1,6 +1,7 @@
 """The Ollama API, on its own listener ([ollama] listen): /, /api/version, /api/tags, /api/show,
-/api/ps, /api/chat, /api/generate, /api/embed, /api/embeddings; pull, push, create, copy and
-delete are refused (hal0d serves its slots' models, it does not manage model files).
+/api/ps, /api/chat, /api/generate, /api/embed, /api/embeddings; push, create, copy and delete
+are refused (hal0d serves its slots' models, it does not manage model files), and so is a pull,
+but of a model hal0d serves, which has nothing to download.
 
 Chat and generate are translated to chat completions (hal0d/ollama/request.py) and sent through
 the forward path like any other request; a stream comes back through the relay's Ollama
@@ -60,7 +61,7 @@ log = get_logger()
 OLLAMA_VERSION: Final = "0.32.15"
 # The models are hal0d's configuration's: known since it started.
 STARTED: Final = time.time()
-UNMANAGED: Final = ("pull", "push", "create", "copy", "delete")
+UNMANAGED: Final = ("push", "create", "copy", "delete")
 # (client, option) pairs named once in the log each (a client sends the same few with every
 # request); the client is its key's name, else its User-Agent, cut at _CLIENT_CHARS.
 _options_logged: set[tuple[str, str]] = set()
@@ -146,6 +147,28 @@ async def ps(request: web.Request) -> web.Response:
             expires = None if None in expiries else max(e for e in expiries if e is not None)
             loaded.append((await served(request, plan, slot=up[0]), expires))
     return web.json_response(shapes.ps(loaded, time.time()))
+
+
+async def pull(request: web.Request) -> web.Response:
+    """A pull of a model hal0d serves (as /api/show names it: `x:latest` is `x`) has nothing to
+    download: Ollama's answer for a model it has, at once. Apps pull before they use a model
+    their own list of names lacks (Home Assistant's setup does, for `x:latest`), and would stop
+    there. Any other name is refused as the other model-file calls are."""
+    body = parse_json_object(await read_body(request))
+    model = body.get("model") or body.get("name")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("model is required", field="model")
+    key = request.get(KEY)
+    try:
+        plan = request.app[RUNTIME].current.router.plan(model, key)
+    except NoRoute:
+        return await unmanaged(request)
+    if key is not None:
+        key.check_model(model, plan.model)
+    done = [{"status": "pulling manifest"}, {"status": "success"}]
+    if body.get("stream", True) is False:
+        return web.json_response(done[-1])
+    return web.Response(body=encode(done), headers=NDJSON_HEADERS)
 
 
 async def unmanaged(request: web.Request) -> web.Response:
