@@ -1112,13 +1112,15 @@ def run_stub(
     anthropic_native: bool = False,
     chat_only: bool = False,
     slot_options: SlotOptions | None = None,
+    props: dict[str, Any] | None = None,
 ) -> int:
     """Serve until stopped. `startup_delay`: seconds before listening, as a model server loads its
     weights first. `fail_start`: after the delay, print this line and exit 1 instead of serving,
     as a model server does when its model file is missing or does not fit. `anthropic_native`:
     also serve the Anthropic Messages API, as llama-server does; `chat_only`: serve no
     Responses API, as llama-cpp-python's server. `slot_options`: its server slots'; a
-    --slot-save-path that is not a directory is refused at once, as llama-server refuses it."""
+    --slot-save-path that is not a directory is refused at once, as llama-server refuses it.
+    `props`: what GET /props answers (--props)."""
     save_path = slot_options.save_path if slot_options else None
     if save_path is not None and not save_path.is_dir():
         print(f"stub: --slot-save-path: not a directory: {save_path}", file=sys.stderr,
@@ -1132,7 +1134,7 @@ def run_stub(
         return 1
     web.run_app(
         make_stub_app(log_path, delay, anthropic_native=anthropic_native, chat_only=chat_only,
-                      slot_options=slot_options),
+                      slot_options=slot_options, props=props),
         host=host,
         port=port,
         handler_cancellation=True,

@@ -16,9 +16,12 @@ import aiohttp
 from ollama import AsyncClient
 
 from hal0d import config as configuration
+from hal0d.appkeys import SLOTS
 from hal0d.config import Config
+from hal0d.lifecycle.slots import SlotState
 from hal0d.ollama import capabilities
-from tests.conftest import OllamaFactory, Stub, StubFactory
+from tests.conftest import OllamaFactory, Stub, StubFactory, eventually
+from tests.test_loader import STARTUP_S, lifecycle_config, on_demand
 from tests.test_ollama_api import HI
 
 PROPS = json.loads((Path(__file__).parent / "fixtures" / "llama-server" / "props.json")
@@ -107,6 +110,8 @@ async def test_undeclared_capabilities_are_what_llama_servers_props_say(
     async with aiohttp.ClientSession() as http, http.get(base + "/api/ps") as resp:
         raw = {m["name"]: m for m in (await resp.json())["models"]}
     assert running.keys() == raw.keys() and raw["chat"]["context_length"] == 2048
+    info = (await client.show("chat")).modelinfo or {}
+    assert info["hal0d.context_length"] == 2048  # a key litellm (aider) reads the window from
     for _ in range(3):
         await client.show("chat")
     asked = [line for line in described.lines() if line.endswith(" props")]
@@ -151,3 +156,21 @@ def test_a_llama_server_command_with_embedding_and_a_template_that_reasons_say_s
     # What the config declares wins over both.
     assert capabilities.capabilities(("tools",), ["llama-server", "--embedding"], qwen) == (
         "completion", "tools")
+
+
+async def test_an_unloaded_on_demand_slot_says_what_its_server_said_when_it_was_up(
+        tmp_path: Path, start_ollama: OllamaFactory) -> None:
+    """What /props said stands for the next process of the same command: a model list read
+    while the slot is unloaded does not flip its capabilities and digest with every load."""
+    props = Path(__file__).parent / "fixtures" / "llama-server" / "props.json"
+    slot = on_demand("a", tmp_path, "--props", str(props))
+    hal0d, base = await start_ollama("http://unused", config=lifecycle_config(tmp_path, slot))
+    client = AsyncClient(host=base, timeout=STARTUP_S + 10)
+    assert (await shown(client, "chat"))[0] == ["completion", "tools"]  # never up: not known
+    await client.chat("chat", HI, stream=False)
+    loaded = await shown(client, "chat")
+    assert loaded[0] == ["completion"]
+    await client.chat("chat", HI, stream=False, keep_alive=0)
+    await eventually(lambda: hal0d.app[SLOTS]["a"].state is SlotState.STOPPED, STARTUP_S,
+                     "the slot unloaded")
+    assert await shown(client, "chat") == loaded

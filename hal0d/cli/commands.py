@@ -4,6 +4,7 @@ requests, and --version. The operator's commands talk to a running daemon throug
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 from collections.abc import Callable
@@ -80,6 +81,9 @@ def add_stub_command(commands: Any) -> None:
     stub.add_argument("--chat-only", action="store_true",
                       help="serve no Responses API (/v1/responses answers 404), as "
                       "llama-cpp-python's server")
+    stub.add_argument("--props", type=Path, metavar="JSON_FILE",
+                      help="answer GET /props with this file, as llama-server describes "
+                      "itself (without it /props answers 404)")
     slots = stub.add_argument_group("server slots and their prompt cache, as llama-server's")
     slots.add_argument("-np", "--parallel", type=whole_number(1, 1024, "number of slots"),
                        default=1, help="number of server slots (default 1)")
@@ -218,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_stub(args.host, args.port, args.log, args.delay,
                         startup_delay=args.startup_delay, fail_start=args.fail_start,
                         anthropic_native=args.anthropic_native, chat_only=args.chat_only,
-                        slot_options=slot_options)
+                        slot_options=slot_options,
+                        props=json.loads(args.props.read_text()) if args.props else None)
     if args.command == "print-config":
         config = configuration.Config() if args.defaults else load_or_report(args.config)
         if config is None:

@@ -103,12 +103,14 @@ async def served(request: web.Request, plan: Plan, name: str | None = None,
 
 async def described(request: web.Request, route: Route) -> tuple[tuple[str, ...], int]:
     """What the route's model can do (ollama/capabilities.py) and the context its server holds:
-    what the slot declares, else what its server says of itself while it is up."""
-    config, props = route.slot, None
+    what the slot declares, else what its server says of itself (while it is not up, what its
+    last process of the same command said)."""
+    config, known = route.slot, request.app[UPSTREAM_PROPS]
     live = request.app[SLOTS].get(config.name)
     if live is not None and str(live.state) in UP:
-        props = await request.app[UPSTREAM_PROPS].of(request.app[DISPATCH].upstreams, config,
-                                                     live.generation)
+        props = await known.of(request.app[DISPATCH].upstreams, config, live.generation)
+    else:
+        props = known.last(config)
     can = capabilities.capabilities(config.declared_capabilities(route.served_model),
                                     config.command, props)
     return can, capabilities.context_length(props)

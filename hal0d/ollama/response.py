@@ -167,6 +167,10 @@ def show(served: Served, modified_at: float) -> dict[str, Any]:
         info.update({"hal0d.route": served.route, "hal0d.slots": list(served.slots)})
     else:
         info["hal0d.slot"] = served.slot
+    if served.context_length:
+        # Ollama's key is `<architecture>.context_length`; litellm (aider) takes any key that
+        # ends so as the model's window.
+        info["hal0d.context_length"] = served.context_length
     return {"modelfile": "", "parameters": "", "template": "", "details": details(served),
             "model_info": info, "capabilities": list(served.capabilities),
             "modified_at": timestamp(modified_at)}

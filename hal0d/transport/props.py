@@ -6,7 +6,9 @@ Asked of an upstream that is up, once per run of its process (the process, as fo
 keys its choices: the slot's upstream, its command, Slot.generation): a restart or a reload's
 new command may serve another model. A server without the endpoint (404: vLLM, a remote
 provider, another hal0d) is remembered as saying nothing, for that process; no answer at all
-(a timeout, a refused connect) is asked again next time. Nothing is generated.
+(a timeout, a refused connect) is asked again next time. Nothing is generated. While the slot is
+not up (an on-demand slot unloaded), its last process's answer stands for the next one of the same
+upstream and command (`last`): what a model list says of it does not flip with every load.
 """
 
 from __future__ import annotations
@@ -57,6 +59,14 @@ class UpstreamProps:
                 return None
             self._known[slot.name] = (process, props)
             return props
+
+    def last(self, slot: SlotConfig) -> dict[str, Any] | None:
+        """The answer of the slot's last process of the same upstream and command (any run),
+        for a slot that is not up; None when none answered."""
+        kept = self._known.get(slot.name)
+        if kept is None or kept[0][:2] != (slot.upstream, slot.command):
+            return None
+        return kept[1]
 
     @staticmethod
     async def _ask(client: UpstreamClient, slot: SlotConfig) -> dict[str, Any] | None:
