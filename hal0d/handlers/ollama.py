@@ -121,8 +121,10 @@ async def tags(request: web.Request) -> web.Response:
     return web.json_response(shapes.tags(shown, STARTED))
 
 
-async def show(request: web.Request) -> web.Response:
-    body = parse_json_object(await read_body(request))
+def requested(request: web.Request, body: dict[str, Any]) -> tuple[str, Plan]:
+    """The model a body names (`model`, or the API's older `name`) and its plan, which the
+    request's key may use (NoRoute, Ollama's 404 in its words, for a name hal0d does not
+    serve; Forbidden for the key)."""
     model = body.get("model") or body.get("name")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("model is required", field="model")
@@ -133,6 +135,11 @@ async def show(request: web.Request) -> web.Response:
         raise NoRoute(f"model {model!r} not found: {exc.message}", field="model") from None
     if key is not None:
         key.check_model(model, plan.model)
+    return model, plan
+
+
+async def show(request: web.Request) -> web.Response:
+    model, plan = requested(request, parse_json_object(await read_body(request)))
     return web.json_response(shapes.show(await served(request, plan, model), STARTED))
 
 
@@ -157,16 +164,10 @@ async def pull(request: web.Request) -> web.Response:
     their own list of names lacks (Home Assistant's setup does, for `x:latest`), and would stop
     there. Any other name is refused as the other model-file calls are."""
     body = parse_json_object(await read_body(request))
-    model = body.get("model") or body.get("name")
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest("model is required", field="model")
-    key = request.get(KEY)
     try:
-        plan = request.app[RUNTIME].current.router.plan(model, key)
+        requested(request, body)
     except NoRoute:
         return await unmanaged(request)
-    if key is not None:
-        key.check_model(model, plan.model)
     done = [{"status": "pulling manifest"}, {"status": "success"}]
     if body.get("stream", True) is False:
         return web.json_response(done[-1])
