@@ -313,6 +313,7 @@ def without_address(text: str, upstream: str) -> str:
     parts = urlsplit(upstream)
     forms = {upstream.rstrip("/")}
     if parts.port is not None:
-        forms |= {parts.netloc.rpartition("@")[2], f"{parts.hostname}:{parts.port}"}
+        forms |= {parts.netloc.rpartition("@")[2], f"{parts.hostname}:{parts.port}",
+                  f"hostname: {parts.hostname}, port: {parts.port}"}  # llama-server's words
     named = "|".join(re.escape(form) for form in sorted(forms, key=len, reverse=True))
     return re.sub(f"(?:{named})(?![0-9])", ADDRESS_SHOWN, text)

@@ -138,10 +138,12 @@ def test_a_transport_error_is_worded_from_its_type_and_errno_never_its_text(
 
 def test_a_slots_reason_reaches_the_client_without_the_upstreams_address() -> None:
     """A slot's reason may be its process's last lines, which name where it listens."""
-    said = "process exited with code 1: listening on http://127.0.0.1:9 | 127.0.0.1:9 taken"
+    said = ("process exited with code 1: listening on http://127.0.0.1:9 | 127.0.0.1:9 taken | "
+            "couldn't bind HTTP server socket, hostname: 127.0.0.1, port: 9")
     with pytest.raises(UpstreamUnavailable) as caught, upstream_errors(
             SLOT, "reading", slot_reason=said):
         raise TimeoutError
     assert caught.value.message == (
         "slot 'llm' is unavailable: timed out reading; the slot is in error: process exited "
-        "with code 1: listening on [upstream] | [upstream] taken")
+        "with code 1: listening on [upstream] | [upstream] taken | couldn't bind HTTP server "
+        "socket, [upstream]")
