@@ -287,10 +287,13 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
+# upstream_app's: routes ("METHOD /path" to handler) in, the upstream's URL out.
+Upstream = Callable[[dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]],
+                    Awaitable[str]]
+
+
 @pytest.fixture
-async def upstream_app(aiohttp_server: Callable[..., Awaitable[TestServer]]) -> Callable[
-    [dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]], Awaitable[str]
-]:
+async def upstream_app(aiohttp_server: Callable[..., Awaitable[TestServer]]) -> Upstream:
     """A purpose-built upstream: give it {"POST /v1/chat/completions": handler, ...}.
     GET /v1/models answers by default so the health probe sees a live slot."""
 

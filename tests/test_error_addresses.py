@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -24,11 +23,9 @@ from yarl import URL
 from hal0d.config import SlotConfig
 from hal0d.errors import UpstreamUnavailable
 from hal0d.transport.upstream import transport_reason, upstream_errors
-from tests.conftest import OllamaFactory, StubFactory, free_port
+from tests.conftest import OllamaFactory, StubFactory, Upstream, free_port
 
 HI = [{"role": "user", "content": "hi"}]
-Upstream = Callable[[dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]],
-                    Awaitable[str]]
 
 # (the Ollama listener's, path, body but model and stream, whether it streams, the slot's options)
 SURFACES: dict[str, tuple[bool, str, dict[str, Any], bool, dict[str, Any]]] = {

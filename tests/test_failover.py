@@ -22,11 +22,17 @@ from aiohttp.test_utils import TestServer
 from structlog.testing import capture_logs
 
 from hal0d.config import ConfigError, parse
-from tests.conftest import ServerFactory, Stub, StubFactory, chat_body, eventually, free_port
+from tests.conftest import (
+    ServerFactory,
+    Stub,
+    StubFactory,
+    Upstream,
+    chat_body,
+    eventually,
+    free_port,
+)
 from tests.test_loader import STARTUP_S, stub_command, stub_pids, views
 
-Upstream = Callable[[dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]],
-                    Awaitable[str]]
 CHAT = "/v1/chat/completions"
 
 

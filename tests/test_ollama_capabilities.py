@@ -6,6 +6,7 @@ and a model that only reasons never answers an empty message."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import textwrap
 import tomllib
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 from ollama import AsyncClient
 
 from hal0d import config as configuration
@@ -20,7 +22,7 @@ from hal0d.appkeys import SLOTS
 from hal0d.config import Config
 from hal0d.lifecycle.slots import SlotState
 from hal0d.ollama import capabilities
-from tests.conftest import OllamaFactory, Stub, StubFactory, eventually
+from tests.conftest import OllamaFactory, Stub, StubFactory, Upstream, eventually
 from tests.test_loader import STARTUP_S, lifecycle_config, on_demand
 from tests.test_ollama_api import HI
 
@@ -174,3 +176,24 @@ async def test_an_unloaded_on_demand_slot_says_what_its_server_said_when_it_was_
     await eventually(lambda: hal0d.app[SLOTS]["a"].state is SlotState.STOPPED, STARTUP_S,
                      "the slot unloaded")
     assert await shown(client, "chat") == loaded
+
+
+async def test_a_server_that_never_answers_props_is_not_asked_by_every_model_list(
+        upstream_app: Upstream, start_ollama: OllamaFactory) -> None:
+    """Open WebUI reads /api/tags and /api/ps every few seconds: a server that gives /props no
+    answer within its bound costs one wait, then is left alone until PROPS_RETRY_S."""
+    asked = 0
+
+    async def silent(_: web.Request) -> web.StreamResponse:
+        nonlocal asked
+        asked += 1
+        await asyncio.Event().wait()  # no answer, the connection open
+        raise AssertionError("unreachable")
+
+    upstream = await upstream_app({"GET /props": silent})
+    _, base = await start_ollama(upstream, models=("chat",))
+    client = AsyncClient(host=base)
+    for _ in range(3):
+        assert (await client.show("chat")).capabilities == ["completion", "tools"]
+        assert "chat" in await tags(base)
+    assert asked == 1
