@@ -358,13 +358,8 @@ class Groups:
                     await self._wait_turn(group, me, victim.slot.name, wake)
                     continue
                 group.pending = None
-            why = short
-            if limits.batch and not urgent:
-                why += (f"; the oldest request for {me.name} waited max_wait_s" if busy(victim.slot)
-                        else f"; {victim.slot.name} has nothing queued or in flight")
-                if busy(victim.slot) and turn_ends(limits, victim) is not None:
-                    why += (f" and {victim.slot.name}'s turn paid for its load "
-                            f"({limits.min_turn_loads:g} x {victim.load_s:g} s)")
+            why = short + (self._batch_why(limits, me, victim) if limits.batch and not urgent
+                           else "")
             if not planned:
                 self._tell(group, SwapPhase.PLANNED, me, victim, why)
             self._tell(group, SwapPhase.STARTED, me, victim, why)
@@ -373,6 +368,22 @@ class Groups:
                      queued=victim.slot.queued, why=why)
             swapped = victim
             await self._evict(victim.slot.name)
+
+    @staticmethod
+    def _batch_why(limits: GroupConfig, me: Slot, victim: Member) -> str:
+        """Why batch lets `victim` go for `me` now: its turn is over, or it has no work. A victim
+        whose turn is over may be between two requests at this instant: its turn ended it, not
+        that gap."""
+        since = me.oldest_waiting_since()
+        over = busy(victim.slot) or (since is not None
+                                     and time.monotonic() >= turn_over(limits, since, victim))
+        if not over:
+            return f"; {victim.slot.name} has nothing queued or in flight"
+        why = f"; the oldest request for {me.name} waited max_wait_s"
+        if turn_ends(limits, victim) is not None:
+            why += (f" and {victim.slot.name}'s turn paid for its load "
+                    f"({limits.min_turn_loads:g} x {victim.load_s:g} s)")
+        return why
 
     @staticmethod
     async def _short(limits: GroupConfig, loaded: list[Member], need: int) -> str | None:
