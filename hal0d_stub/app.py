@@ -1084,11 +1084,9 @@ def make_stub_app(
         app.router.add_post("/v1/messages", native_messages)
         app.router.add_post("/v1/messages/count_tokens", native_count_tokens)
     if props is not None:
-        described = props
-
         async def self_description(request: web.Request) -> web.Response:
             app[LOG_KEY].write("props")
-            return web.json_response(described)
+            return web.json_response(props)
 
         app.router.add_get("/props", self_description)
     app.router.add_post("/tokenize", tokenize)

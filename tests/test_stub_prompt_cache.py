@@ -10,18 +10,15 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
-from aiohttp.test_utils import TestServer
 
-from hal0d_stub.app import make_stub_app
 from hal0d_stub.slots import SlotOptions
-from tests.conftest import Stub, eventually, free_port
+from tests.conftest import Stub, StubFactory, eventually, free_port
 from tests.fixtures_util import fixture_path
 from tests.llama_server_capture import PREFILL_PINGS, read_capture
 from tests.test_cli import ROOT
@@ -34,8 +31,6 @@ START_WITHIN_S = 15.0
 # under one never takes the slot of a conversation under the other.
 SYSTEM_A = " ".join(["Alpha speaks about apples, aqueducts and the alphabet."] * 4)
 SYSTEM_B = " ".join(["Bravo speaks about boats, bridges and the baroque."] * 4)
-
-StubStarter = Callable[..., Awaitable[Stub]]
 
 
 def captured(name: str) -> tuple[int | None, Any]:
@@ -53,15 +48,12 @@ def keys(value: dict[str, Any]) -> set[str]:
 
 
 @pytest.fixture
-async def start_slots_stub(
-    aiohttp_server: Callable[..., Awaitable[TestServer]], tmp_path: Path
-) -> StubStarter:
-    """The stub in this process on a real port, with these SlotOptions."""
+def start_slots_stub(start_stub: StubFactory) -> StubFactory:
+    """The stub in this process on a real port (conftest's start_stub), with these
+    SlotOptions."""
 
     async def start(delay: float = 0.001, **options: Any) -> Stub:
-        log = tmp_path / f"stub-{free_port()}.log"
-        app = make_stub_app(log, delay, slot_options=SlotOptions(**options))
-        return Stub(await aiohttp_server(app), log)
+        return await start_stub(delay, slot_options=SlotOptions(**options))
 
     return start
 

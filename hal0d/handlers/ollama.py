@@ -89,9 +89,7 @@ async def served(request: web.Request, plan: Plan, name: str | None = None,
     """`plan`'s model as the lists show it, named `name` (the client's, else the served one):
     a slot's own with its slot; a route's as the route, with `slot` when one has it loaded
     (what it can do is that slot's model's, else the first up slot's, else its first slot's)."""
-    dispatch = request.app[DISPATCH]
-    source = slot or next((route for route in dispatch.order(plan)
-                           if dispatch.state_of(route) in UP), plan.first)
+    source = slot or next(iter(up_routes(request, plan)), plan.first)
     can, context = await described(request, source)
     if plan.route is None:
         return shapes.Served(name or plan.model, plan.first.slot.name,
@@ -99,6 +97,12 @@ async def served(request: web.Request, plan: Plan, name: str | None = None,
     return shapes.Served(name or plan.model, slot.slot.name if slot else None,
                          slot.slot.memory_mib if slot else None, can, context,
                          route=plan.model, slots=plan.route.slots)
+
+
+def up_routes(request: web.Request, plan: Plan) -> list[Route]:
+    """The plan's slots that have its model loaded, in the order they would answer."""
+    dispatch = request.app[DISPATCH]
+    return [route for route in dispatch.order(plan) if dispatch.state_of(route) in UP]
 
 
 async def described(request: web.Request, route: Route) -> tuple[tuple[str, ...], int]:
@@ -147,10 +151,10 @@ async def ps(request: web.Request) -> web.Response:
     """The models that are loaded, with when each unloads (never, for a slot hal0d does not
     unload): a slot's own while its slot is up, a route's while any of its slots has it up
     (shown by the one that would answer first, unloading when the last of them does)."""
-    dispatch, lifecycle = request.app[DISPATCH], request.app[LIFECYCLE]
+    lifecycle = request.app[LIFECYCLE]
     loaded: list[tuple[shapes.Served, float | None]] = []
     for plan in listed(request):
-        up = [route for route in dispatch.order(plan) if dispatch.state_of(route) in UP]
+        up = up_routes(request, plan)
         if up:
             expiries = [lifecycle.unloads_in(route.slot.name) for route in up]
             expires = None if None in expiries else max(e for e in expiries if e is not None)
