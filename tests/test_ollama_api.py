@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import time
+import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestServer
 from ollama import AsyncClient, ResponseError
+from structlog.testing import capture_logs
 
 from hal0d.appkeys import SLOTS
 from hal0d.config import KeyConfig
@@ -352,3 +354,26 @@ async def test_the_ollama_npm_package_streams_a_chat(
     result = orjson.loads(out)
     assert result == {"text": "Hello! I am the hal0d stub upstream. How can I help you today?",
                       "done": True, "done_reason": "stop"}
+
+
+async def test_an_ignored_option_is_one_log_line_per_client_saying_what_to_do_for_num_ctx(
+        stub: Stub, start_ollama: OllamaFactory) -> None:
+    """aider sends num_ctx with every request: one line for it, and one for another client,
+    each with the value asked for; for num_ctx, that the context is the slot's (-c)."""
+    _, base = await start_ollama(stub.url)
+    clients = [f"litellm/test-{uuid.uuid4().hex}", f"open-webui/test-{uuid.uuid4().hex}"]
+    body = {"model": "chat", "messages": HI, "stream": False,
+            "options": {"num_ctx": 9019, "made_up": 1}}
+    with capture_logs() as logs:
+        async with aiohttp.ClientSession() as http:
+            for client in clients * 2:
+                async with http.post(base + "/api/chat", json=body,
+                                     headers={"User-Agent": client}) as resp:
+                    assert resp.status == 200
+    lines = [(e["client"], e["option"], e["value"]) for e in logs
+             if e["event"] == "ollama.option_ignored"]
+    assert sorted(lines) == sorted((client, option, value) for client in clients
+                                   for option, value in (("num_ctx", 9019), ("made_up", 1)))
+    [num_ctx] = [e for e in logs if e["event"] == "ollama.option_ignored"
+                 and e["option"] == "num_ctx" and e["client"] == clients[0]]
+    assert "-c in the slot's command" in num_ctx["reason"], num_ctx
