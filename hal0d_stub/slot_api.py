@@ -130,8 +130,9 @@ class SlotApi:
         except asyncio.CancelledError:
             self._log(f"{where} cancelled (client went away)")
             raise
-        counts = " ".join(f"{key}={value}" for key, value in answer.items()
-                          if key not in ("id_slot", "timings"))
+        counts = (" ".join(f"{key}={value}" for key, value in answer.items()
+                           if key not in ("id_slot", "timings"))
+                  if isinstance(answer, dict) else f"odd answer={answer!r}")
         self._log(f"{where} {counts} status=200")
         return llama_json(answer)
 
@@ -143,7 +144,7 @@ class SlotApi:
             return "-"
         return name if isinstance(name, str) else "-"
 
-    async def _run(self, request: web.Request, action: str) -> dict[str, Any]:
+    async def _run(self, request: web.Request, action: str) -> Any:
         if self._slots.options.save_path is None:
             raise SlotActionError(NO_SAVE_PATH, "not_supported_error")
         id_slot = stoi(request.match_info["id_slot"])
@@ -151,7 +152,7 @@ class SlotApi:
             raise SlotActionError("Invalid slot ID")
         if action == "erase":
             return await self._slots.erase(id_slot)
-        file_actions: dict[str, Callable[[int, str], Awaitable[dict[str, Any]]]] = {
+        file_actions: dict[str, Callable[[int, str], Awaitable[Any]]] = {
             "save": self._slots.save, "restore": self._slots.restore}
         if action not in file_actions:
             raise SlotActionError("Invalid action")

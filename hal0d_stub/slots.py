@@ -72,6 +72,25 @@ class SlotOptions:
     save_fail: bool = False  # every save fails as a failed write does (500)
     save_delay: float = 0.0  # every save hangs this long before it is done
     restore_fail: bool = False  # every restore fails as an unreadable file does (400)
+    restore_delay: float = 0.0  # every restore hangs this long before it is done
+    # Every save (restore) answers 200 with this in place of its object (ODD_ANSWERS): what a
+    # server that says something else about itself answers.
+    odd_save: str | None = None
+    odd_restore: str | None = None
+
+
+# The odd answers a save or restore can be taught (--slot-odd-answer): valid JSON, not the object
+# llama-server answers.
+ODD_ANSWERS = ("list", "string", "non_numeric")
+
+
+def odd_answer(kind: str, count: str) -> Any:
+    """What a save or restore answers in place of its object when taught `kind`."""
+    if kind == "list":
+        return []
+    if kind == "string":
+        return "saved"
+    return {count: "n/a", "n_written": "n/a", "n_read": None}
 
 
 class SlotActionError(Exception):
@@ -350,7 +369,7 @@ class ServerSlots:
         assert self.options.save_path is not None, "slot actions need --slot-save-path"
         return self.options.save_path / filename
 
-    async def save(self, id_slot: int, filename: str) -> dict[str, Any]:
+    async def save(self, id_slot: int, filename: str) -> Any:
         slot = await self._idle(id_slot)
         started, tokens = time.monotonic(), slot.tokens
         if self.options.save_delay > 0:
@@ -359,6 +378,8 @@ class ServerSlots:
             await asyncio.sleep(self.options.save_delay)
         if self.options.save_fail:
             raise SlotActionError("Unable to save slot", "server_error")
+        if self.options.odd_save is not None:
+            return odd_answer(self.options.odd_save, "n_saved")
         try:
             written = write_slot_file(self._file(filename), tokens)
         except OSError:
@@ -366,9 +387,15 @@ class ServerSlots:
         return {"id_slot": id_slot, "filename": filename, "n_saved": len(tokens),
                 "n_written": written, "timings": {"save_ms": elapsed_ms(started)}}
 
-    async def restore(self, id_slot: int, filename: str) -> dict[str, Any]:
+    async def restore(self, id_slot: int, filename: str) -> Any:
         slot = await self._idle(id_slot)
         started = time.monotonic()
+        if self.options.restore_delay > 0:
+            self._log(f"slot-restore id_slot={id_slot} filename={filename} "
+                      f"hanging {self.options.restore_delay:g} s (--slot-restore-delay)")
+            await asyncio.sleep(self.options.restore_delay)
+        if self.options.odd_restore is not None:
+            return odd_answer(self.options.odd_restore, "n_restored")
         try:
             if self.options.restore_fail:
                 raise ValueError(INVALID_FILE)

@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_stub_command(commands: Any) -> None:
     """`hal0d stub`: the stub upstream, with llama-server's server-slot options."""
+    from hal0d_stub.slots import ODD_ANSWERS  # the stub's own words, loaded only for its parser
+
     stub: argparse.ArgumentParser = commands.add_parser(
         "stub", help="run the stub OpenAI-compatible upstream")
     stub.add_argument("--host", default="127.0.0.1")
@@ -103,6 +105,12 @@ def add_stub_command(commands: Any) -> None:
                        help="every save hangs this long before it is done (default 0)")
     slots.add_argument("--slot-restore-fail", action="store_true",
                        help="every restore fails (400), as an unreadable file does")
+    slots.add_argument("--slot-restore-delay", type=float, default=0.0, metavar="SECONDS",
+                       help="every restore hangs this long before it is done (default 0)")
+    for action in ("save", "restore"):
+        slots.add_argument(f"--slot-odd-{action}", choices=ODD_ANSWERS, default=None,
+                           help=f"every {action} answers 200 with this instead of its object: "
+                           "a JSON list, a JSON string, or counts that are no numbers")
 
 
 def add_client_commands(commands: Any) -> None:
@@ -218,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
             parallel=args.parallel, ctx_size=args.ctx_size,
             similarity=args.slot_prompt_similarity, save_path=args.slot_save_path,
             prefill_ms_per_token=args.prefill_ms_per_token, save_fail=args.slot_save_fail,
-            save_delay=args.slot_save_delay, restore_fail=args.slot_restore_fail)
+            save_delay=args.slot_save_delay, restore_fail=args.slot_restore_fail,
+            restore_delay=args.slot_restore_delay, odd_save=args.slot_odd_save,
+            odd_restore=args.slot_odd_restore)
         return run_stub(args.host, args.port, args.log, args.delay,
                         startup_delay=args.startup_delay, fail_start=args.fail_start,
                         anthropic_native=args.anthropic_native, chat_only=args.chat_only,

@@ -166,6 +166,16 @@ class Member:
     last_used: float
     loaded_at: float | None = None  # monotonic: when its current load answered
     load_s: float | None = None  # its measured load time; None before its first load
+    # A job of its process is under way (its start, restore included, or its stop): the room
+    # it holds is to be waited for, not counted as held for good.
+    settling: bool = False
+    # hal0d runs its process and none is running (a start that waits for its turn): it holds
+    # no room, whatever its state says.
+    without_process: bool = False
+
+    def occupies(self) -> bool:
+        """Whether it holds room on the device now."""
+        return self.slot.state in LOADED and not self.without_process
 
 
 def turn_ends(limits: GroupConfig, member: Member) -> float | None:
@@ -323,15 +333,17 @@ class Groups:
         planned = False
         while True:
             loaded = [m for m in self._members(limits.name) if m.slot.name != config.name
-                      and m.slot.state in LOADED]
+                      and m.occupies()]
             short = await self._short(limits, loaded, need)
             if short is None:
                 if swapped is not None:
                     self._tell(group, SwapPhase.DONE, me, swapped, "room made")
                 return
-            stopping = [m for m in loaded if m.slot.state is SlotState.STOPPING]
-            if stopping:
-                await self._settled(stopping[0].slot.name)
+            # A member that is stopping, or starting (a replace's old process draining, say),
+            # frees room or settles into a victim: waited for, never a "no room".
+            settling = [m for m in loaded if m.settling and m.slot.state not in EVICTABLE]
+            if settling:
+                await self._settled(settling[0].slot.name)
                 continue
             victim = self._victim(loaded, limits)
             if victim is None:

@@ -34,6 +34,9 @@ The events and who tells them:
                   retried after backoff
     load_failed   ... an on-demand slot's load failed: its waiters fail, loads are refused for
                   the backoff
+    no_room       ... its group can never make room for it (nothing it could unload): its
+                  waiters fail with the reason, and nothing is refused after them (no backoff:
+                  the model did not fail, and room may come with the next request)
     probe_ok      the periodic probe (and a slot without a command's first probe)
     probe_failed  the same, failed
     exited        the manager's watch: a process that was up exited on its own (while it is
@@ -72,6 +75,7 @@ class Event(enum.StrEnum):
     ANSWERED = "answered"
     START_FAILED = "start_failed"
     LOAD_FAILED = "load_failed"
+    NO_ROOM = "no_room"
     PROBE_OK = "probe_ok"
     PROBE_FAILED = "probe_failed"
     EXITED = "exited"
@@ -91,6 +95,7 @@ class Action(enum.StrEnum):
     LOADED = "loaded"  # the start succeeded: its backoff reset, loads no longer refused
     RETRY_LATER = "retry_later"  # start again once the backoff has passed
     REFUSE_LOADS = "refuse_loads"  # fail every waiter with the cause; refuse loads for the backoff
+    FAIL_WAITERS = "fail_waiters"  # fail every waiter with the cause; the next request may load
     RECOVER = "recover"  # the process exited: start again when wanted, else rest
     STOP_PROCESS = "stop_process"  # a task: cancel a start, drain, stop the process, then `gone`
     UNLOADED = "unloaded"  # an unload ended: told to observers; loaded again if still wanted
@@ -146,6 +151,10 @@ def _rules() -> dict[tuple[SlotState, Event], Rule]:
                                            "no room in the group: nothing was launched"),
         (_S.ERROR, _E.LOAD_FAILED): Rule(_S.STOPPED, (_A.REFUSE_LOADS,),
                                          "no room for the restart: nothing was launched"),
+        (_S.STOPPED, _E.NO_ROOM): Rule(_S.STOPPED, (_A.FAIL_WAITERS,),
+                                       "no room in the group: nothing was launched"),
+        (_S.ERROR, _E.NO_ROOM): Rule(_S.STOPPED, (_A.FAIL_WAITERS,),
+                                     "no room for the restart: nothing was launched"),
         (_S.ERROR, _E.START_FAILED): Rule(_S.ERROR, (_A.RETRY_LATER,),
                                           "no room for the restart that leases in flight wait "
                                           "for: retried after the backoff"),

@@ -114,6 +114,19 @@ class LifecycleManager:
         for action in self._step(runner.slot, event, reason):
             self._ACTIONS[action](self, runner)
 
+    def report(self, runner: Runner, generation: int, event: Event,
+               reason: str | None = None) -> bool:
+        """What a job (a start or a stop) reports, told only while that job is the runner's
+        current one: a job a later one superseded (its start cancelled by an unload, a stop
+        followed by a new load) reports about a process that is not the slot's any more, and
+        is dropped. True when it was told."""
+        if generation != runner.job_generation or self.runners.get(runner.name) is not runner:
+            log.info("lifecycle.stale_event", slot=runner.name, told=str(event),
+                     generation=generation, current=runner.job_generation)
+            return False
+        self.tell(runner, event, reason)
+        return True
+
     def _step(self, slot: Slot, event: Event, reason: str | None = None) -> tuple[Action, ...]:
         """The one place the manager changes a slot's state (admission tells its two lease
         events itself); the step's actions are the caller's to carry out. Once hal0d is
@@ -166,7 +179,10 @@ class LifecycleManager:
                              evictable=runner is not None and config.on_demand,
                              last_used=runner.last_used if runner else 0.0,
                              loaded_at=runner.loaded_at if runner else None,
-                             load_s=runner.load_s if runner else None)
+                             load_s=runner.load_s if runner else None,
+                             settling=runner is not None and runner.busy
+                             and runner.child is not None,
+                             without_process=runner is not None and runner.child is None)
 
     def _on_change(self, slot: Slot, old: SlotState, new: SlotState, reason: str | None) -> None:
         """The idle timer of an on-demand slot: armed while it is ready, cancelled otherwise;
@@ -241,23 +257,41 @@ class LifecycleManager:
             runner.retry.cancel()
             runner.retry = None
         runner.keep_alive_s = None  # a new load (after a crash too): keep_alive was the last one's
-        runner.job = self._spawn(self._start(runner))
+        runner.job_generation += 1
+        runner.job = self._spawn(self._start(runner, runner.job_generation))
 
-    async def _start(self, runner: Runner) -> None:
-        """The start's own task (Runner.start): `launch` told once the group's turn is had,
-        the outcome told as `answered`, `start_failed` or `load_failed`."""
-        started = await runner.start(self.client, self.groups, self.tell_phase,
-                                     lambda what: self._launching(runner, what))
+    async def _start(self, runner: Runner, generation: int) -> None:
+        """A load's one job (Runner.start, its restore included): `launch` told once the
+        group's turn is had, the outcome told as `answered`, `no_room`, `start_failed` or
+        `load_failed`. It is over (`job` None) in the same step as its outcome is told: what the
+        outcome's actions start is a job of its own. A stop cancels it: it then tells nothing."""
+        try:
+            started = await runner.start(self.client, self.groups, self.tell_phase,
+                                         lambda what: self._launching(runner, generation, what))
+        except Exception as exc:  # a bug of hal0d's: the load fails rather than wedge the slot
+            log.error("lifecycle.task_failed", task="start", slot=runner.name,
+                      error=repr(exc), exc_info=exc)
+            await runner.stop_child()
+            runner.failed(f"hal0d failed to load it ({exc!r})", 0.0, None)
+            started = Started.FAILED
+        if generation != runner.job_generation:
+            return  # superseded while it ended: its outcome is not the slot's any more
+        runner.job = None
         if started is Started.WITHDRAWN:
             if runner.wanted():
                 self._start_if_resting(runner)  # a request came back in the same instant
         elif started is Started.ANSWERED:
             assert runner.child is not None
             runner.watch = self._spawn(self._watch(runner, runner.child))
-            self.tell(runner, Event.ANSWERED)
-        elif runner.config.on_demand and not runner.slot.in_flight:
-            self.tell(runner, Event.LOAD_FAILED, f"load failed: {runner.cause}")
+            self.report(runner, generation, Event.ANSWERED)
+        elif started is Started.NO_ROOM and not runner.slot.in_flight:
+            self.report(runner, generation, Event.NO_ROOM, runner.cause)
+        elif (runner.config.on_demand and not runner.slot.in_flight
+              and started is Started.FAILED):
+            self.report(runner, generation, Event.LOAD_FAILED, f"load failed: {runner.cause}")
         else:
+            if started is Started.NO_ROOM:  # restarting under leases in flight: retried later
+                runner.retry_in_s = runner.backoff.take()
             # An `always` slot's start, or the restart that requests in flight waited for (their
             # connect was refused as the process died): retried after the backoff while wanted.
             # Before the state is ERROR (where leases are granted): nothing of ours listens.
@@ -265,10 +299,10 @@ class LifecycleManager:
             self.tell(runner, Event.START_FAILED,
                       f"{runner.cause}; retrying in {runner.retry_in_s:g} s")
 
-    def _launching(self, runner: Runner, what: str) -> None:
+    def _launching(self, runner: Runner, generation: int, what: str) -> None:
         """The start's turn is had and its process launches: a new run of the slot's process."""
         runner.slot.generation += 1
-        self.tell(runner, Event.LAUNCH, what)
+        self.report(runner, generation, Event.LAUNCH, what)
 
     def _loaded(self, runner: Runner) -> None:
         runner.cause = None
@@ -290,6 +324,9 @@ class LifecycleManager:
     def _refuse_loads(self, runner: Runner) -> None:
         runner.slot.refuse_loads(runner.cause or "unknown", runner.retry_in_s)
 
+    def _fail_waiters(self, runner: Runner) -> None:
+        runner.slot.refuse_loads(runner.cause or "unknown", FORCED_RETRY_AFTER_S, backoff=False)
+
     async def _watch(self, runner: Runner, child: Child) -> None:
         """A process that exits on its own (not stopped by hal0d) is told as `exited`."""
         code = await child.wait()
@@ -309,14 +346,24 @@ class LifecycleManager:
 
     def _stop_process(self, runner: Runner) -> None:
         cancelled, runner.job = runner.job, None
-        runner.job = self._spawn(self._stop(runner, cancelled))
+        runner.job_generation += 1
+        runner.job = self._spawn(self._stop(runner, cancelled, runner.job_generation))
 
-    async def _stop(self, runner: Runner, start: asyncio.Task[None] | None) -> None:
-        """An unload's (or a replace's) own task (Runner.wind_down), told as `gone`."""
+    async def _stop(self, runner: Runner, start: asyncio.Task[None] | None,
+                    generation: int) -> None:
+        """An unload's (or a replace's) own task (Runner.wind_down): the start it interrupts
+        cancelled and awaited, its restore too, before the process stops; told as `gone`."""
         reason = runner.unloading
-        await runner.wind_down(start, self.observers, self.client)
+        try:
+            await runner.wind_down(start, self.observers, self.client)
+        except Exception as exc:  # a bug of hal0d's: the process still goes, the slot with it
+            log.error("lifecycle.task_failed", task="stop", slot=runner.name,
+                      error=repr(exc), exc_info=exc)
+            await runner.stop_child()
+        if generation != runner.job_generation:
+            return
         runner.job = None  # done: a start that `gone` leads to is a job of its own
-        self.tell(runner, Event.GONE, f"unloaded ({reason})")
+        self.report(runner, generation, Event.GONE, f"unloaded ({reason})")
 
     def _unloaded(self, runner: Runner) -> None:
         """The process is gone: a reload's new config is taken on; started again if wanted."""
@@ -331,6 +378,7 @@ class LifecycleManager:
         Action.LOADED: _loaded,
         Action.RETRY_LATER: _retry_later,
         Action.REFUSE_LOADS: _refuse_loads,
+        Action.FAIL_WAITERS: _fail_waiters,
         Action.RECOVER: _recover,
         Action.STOP_PROCESS: _stop_process,
         Action.UNLOADED: _unloaded,

@@ -139,11 +139,11 @@ class PromptCache:
                     files.append(before[entry["id"]])
                 continue  # else it never held a prompt: nothing to keep
             name = f"slot{entry['id']}.bin"
-            saved = await self._ask(client, config, hdrs.METH_POST,
-                                    f"/slots/{entry['id']}?action=save", {"filename": name})
+            path = f"/slots/{entry['id']}?action=save"
+            saved = await self._ask(client, config, hdrs.METH_POST, path, {"filename": name})
             files.append({"id": entry["id"], "file": name,
-                          "tokens": int(saved.get("n_saved") or 0),
-                          "bytes": int(saved.get("n_written") or 0)})
+                          "tokens": count_in(saved, "n_saved", path),
+                          "bytes": count_in(saved, "n_written", path)})
         return files
 
     # -- restore -----------------------------------------------------------------------------
@@ -161,10 +161,10 @@ class PromptCache:
             async with asyncio.timeout(config.save_timeout_s):
                 restored = 0
                 for entry in files:
-                    answer = await self._ask(client, config, hdrs.METH_POST,
-                                             f"/slots/{entry['id']}?action=restore",
+                    path = f"/slots/{entry['id']}?action=restore"
+                    answer = await self._ask(client, config, hdrs.METH_POST, path,
                                              {"filename": entry["file"]})
-                    restored += int(answer.get("n_restored") or 0)
+                    restored += count_in(answer, "n_restored", path)
         except TimeoutError:
             cause = f"not restored within save_timeout_s = {config.save_timeout_s:g} s"
         except (UpstreamUnavailable, CacheFailed) as exc:
@@ -207,7 +207,13 @@ class PromptCache:
             manifest = orjson.loads((self.folder / MANIFEST).read_bytes())
         except (OSError, orjson.JSONDecodeError):
             return {}
-        return manifest if isinstance(manifest, dict) else {}
+        if not isinstance(manifest, dict):
+            return {}
+        # Read back as data too: an entry that is no object is none of ours.
+        files = manifest.get("files")
+        manifest["files"] = [e for e in files if isinstance(e, dict)] if isinstance(
+            files, list) else []
+        return manifest
 
     def _write_manifest(self, manifest: dict[str, Any]) -> None:
         path = self.folder / MANIFEST
@@ -247,6 +253,20 @@ class PromptCache:
             log.info("slot.cache_pruned", slot=self.slot, deleted=deleted,
                      prompt_cache_max_mib=max_mib)
         return deleted
+
+
+def count_in(answer: Any, key: str, path: str) -> int:
+    """The count `key` of a save or restore answer: what a model server says about itself is
+    data to check, so an answer that is no object, or a count that is no whole number, is a
+    failed save or restore (CacheFailed), never a crash of the load or unload that asked."""
+    if not isinstance(answer, dict):
+        raise CacheFailed(f"POST {path} answered {type(answer).__name__}, not an object")
+    count = answer.get(key, 0)
+    if count is None:
+        return 0
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise CacheFailed(f"POST {path} answered {key} = {count!r}, not a count")
+    return count
 
 
 def make_folder(folder: str) -> None:

@@ -54,6 +54,7 @@ class Started(enum.StrEnum):
 
     ANSWERED = "answered"  # its process answers: it is up
     FAILED = "failed"  # its cause and backoff recorded (Runner.failed)
+    NO_ROOM = "no_room"  # its group cannot make room for it: nothing launched, no backoff
     WITHDRAWN = "withdrawn"  # no request waited for it any more: nothing was launched
 
 
@@ -122,6 +123,9 @@ class Runner:
     config: SlotConfig
     child: Child | None = None
     job: asyncio.Task[None] | None = None
+    # Which job is current: one more at each start and stop, so what a superseded job reports
+    # is dropped (LifecycleManager.report).
+    job_generation: int = 0
     watch: asyncio.Task[None] | None = None
     retry: asyncio.TimerHandle | None = None
     idle_timer: asyncio.TimerHandle | None = None
@@ -246,10 +250,11 @@ class Runner:
 
     async def start(self, client: UpstreamClient, groups: Groups, tell_phase: PhaseTeller,
                     launching: Callable[[str], None]) -> Started:
-        """A start, up to its outcome: the group's turn with room made, the launch, the probe
-        until it answers; `launching` is told, with what is launched, once the turn is had.
-        The job is over (`job` None) before the outcome is returned, and before a failed
-        start's process is stopped."""
+        """A load as one job, up to its outcome: the group's turn with room made, the launch,
+        the probe until it answers, and the restore of its saved caches, all inside the turn
+        (nothing else of the group loads, and no room is counted, while it restores);
+        `launching` is told, with what is launched, once the turn is had. A stop cancels this
+        job whole, the restore too. A failed start's process is stopped before it returns."""
         slot = self.slot
         progress = Progress(tell_phase, self.name)
         log.info("slot.load_started", slot=self.name, queued=slot.queued)
@@ -258,15 +263,19 @@ class Runner:
         except Withdrawn as exc:
             progress.stop()
             slot.turn_wait(False)
-            self.job = None
             log.info("slot.load_withdrawn", slot=self.name, reason=str(exc))
             tell_phase(self.name, LoadPhase.WITHDRAWN, progress.elapsed(), str(exc))
             return Started.WITHDRAWN
+        except NoRoom as exc:
+            # Not the model's failure: no backoff, and the next request may find room.
+            self.cause = str(exc)
+            log.info("slot.no_room", slot=self.name, reason=self.cause)
+            progress.enter(LoadPhase.FAILED, self.cause)
+            return Started.NO_ROOM
         finally:
             progress.stop()
             slot.turn_wait(False)
         elapsed = progress.elapsed()
-        self.job = None  # done: what the outcome's actions start is a job of its own
         if cause is not None:
             exit_code = self.child.returncode if self.child is not None else None
             await self.stop_child()
@@ -274,9 +283,6 @@ class Runner:
             self.failed(cause, elapsed, exit_code)
             return Started.FAILED
         assert self.child is not None
-        self.child.answering()
-        await self.warm_up(client)
-        elapsed = progress.elapsed()
         self.loaded_at = time.monotonic()
         log.info("slot.loaded", slot=self.name, elapsed_s=elapsed, pid=self.child.pid,
                  measured_s=round(self.load_times[-1], 3), load_s=self.load_s)
@@ -285,8 +291,9 @@ class Runner:
 
     async def _bring_up(self, client: UpstreamClient, groups: Groups, progress: Progress,
                         launching: Callable[[str], None]) -> str | None:
-        """None once the new process answers, else why not (a process that was launched is
-        left for the caller to stop); Withdrawn when no request waits for the load any more."""
+        """None once the new process answers and has its saved caches back, else why not (a
+        process that was launched is left for the caller to stop); Withdrawn when no request
+        waits for the load any more; NoRoom when the group cannot make room for it."""
         slot, config = self.slot, self.config
         urgent, self.urgent = self.urgent, False
         try:
@@ -315,12 +322,13 @@ class Runner:
                 failure = await until_answering(client, self.config, child,
                                                 config.load_timeout_s - progress.elapsed())
                 self.load_error = failure
-                if failure is None:
-                    self.load_times.append(time.monotonic() - launched)
-                    groups.refresh(config.group)  # its group's wait bounds learn this load
-                return failure
-        except NoRoom as exc:
-            return str(exc)
+                if failure is not None:
+                    return failure
+                self.load_times.append(time.monotonic() - launched)
+                groups.refresh(config.group)  # its group's wait bounds learn this load
+                child.answering()
+                await self.warm_up(client)
+                return None
         except LaunchFailed as exc:
             self.load_error = str(exc)
             return str(exc)

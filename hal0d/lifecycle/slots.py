@@ -223,10 +223,12 @@ class Slot:
 
     # -- what the lifecycle manager asks of admission ---------------------------------------
 
-    def refuse_loads(self, cause: str, retry_after_s: float) -> None:
+    def refuse_loads(self, cause: str, retry_after_s: float, *, backoff: bool = True) -> None:
         """A load failed: every waiter gets SlotLoadFailed with `cause` at once, and so do new
-        requests until the backoff has passed."""
-        self.load_refused = (time.monotonic() + retry_after_s, cause)
+        requests until the backoff has passed (none with `backoff` False: the group had no
+        room, which is no failure of the model's)."""
+        if backoff:
+            self.load_refused = (time.monotonic() + retry_after_s, cause)
         self.fail_waiters(SlotLoadFailed(self._load_failure(cause), retry_after=retry_after_s))
 
     def hold(self, cause: str) -> None:
