@@ -19,7 +19,7 @@ below; on the Ollama API every one is Ollama's `{"error": message}` with the sam
      └── UpstreamStatus            (the upstream's status, its message kept)        by status
 
 Foreign exceptions (aiohttp's client errors, asyncio timeouts) are translated into this tree only
-at the upstream boundary (upstream.py); handlers catch Hal0Error and render it for their surface.
+at the upstream boundary (failures.py); handlers catch Hal0Error and render it for their surface.
 A message is read by every user of a client (a chat front end shows it on its page): it names the
 slot and the cause, never an upstream's address, which is for the log and the operator's views
 (the boundary words the cause without it; `without_address` takes it out of a slot's reason).
@@ -244,7 +244,7 @@ class UpstreamUnavailable(Hal0Error):
     error_code = ErrorCode.UPSTREAM_UNAVAILABLE
     anthropic_type = "api_error"
     # Why, in a few words for a log line or a slot's reason ("cannot connect (...)"); set by
-    # the transport's mapping (upstream.upstream_errors), None where there is none.
+    # the transport's mapping (failures.upstream_errors), None where there is none.
     cause: str | None = None
     # The same as one stable word (connect_refused, connect_failed, timeout, disconnected,
     # unavailable): a route's hand-on reason.

@@ -22,7 +22,7 @@ from yarl import URL
 
 from hal0d.config import SlotConfig
 from hal0d.errors import UpstreamUnavailable
-from hal0d.transport.upstream import transport_reason, upstream_errors
+from hal0d.transport.failures import transport_reason, upstream_errors
 from tests.conftest import OllamaFactory, StubFactory, Upstream, free_port
 
 HI = [{"role": "user", "content": "hi"}]

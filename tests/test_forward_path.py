@@ -17,7 +17,8 @@ from hal0d.config import SlotConfig
 from hal0d.errors import FdExhausted, UpstreamInvalid, UpstreamUnavailable
 from hal0d.lifecycle.probe import probe
 from hal0d.transport import descriptors
-from hal0d.transport.upstream import UpstreamClient, upstream_errors
+from hal0d.transport.failures import upstream_errors
+from hal0d.transport.upstream import UpstreamClient
 from tests.conftest import chat_body, eventually, free_port
 
 MESSAGES = {"model": "chat", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}

@@ -74,10 +74,10 @@ def test_only_the_upstream_client_holds_a_client_session() -> None:
     assert holders.keys() == {"hal0d/transport/upstream.py"}, holders
 
 
-def test_only_the_upstream_module_names_aiohttps_client_exceptions() -> None:
+def test_only_the_failures_module_names_aiohttps_client_exceptions() -> None:
     naming = {name: lines for name, tree in modules().items()
               if (lines := aiohttp_errors_named(tree))}
-    assert set(naming) == {"hal0d/transport/upstream.py"}, naming
+    assert set(naming) == {"hal0d/transport/failures.py"}, naming
 
 
 def test_the_scans_find_what_they_look_for() -> None:

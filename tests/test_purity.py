@@ -28,6 +28,7 @@ PURE_MODULES = (
     "hal0d.openai.responses",
     "hal0d.response_owners",
     "hal0d.openai.responses_request",
+    "hal0d.openai.responses_answer",
     "hal0d.openai.responses_bridge",
     "hal0d.anthropic.native",
     "hal0d.ollama.request",

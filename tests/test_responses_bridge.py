@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from hal0d.errors import ErrorCode, InvalidRequest
+from hal0d.openai.responses_answer import to_response
 from hal0d.openai.responses_bridge import Bridge, BridgeTransform, Event, MalformedChunk, State
-from hal0d.openai.responses_request import ChatRequest, chat_request, to_response
+from hal0d.openai.responses_request import ChatRequest, chat_request
 from hal0d.protocol.sse import Decoder
 from hal0d.protocol.transform import StallTrip, TransformFailed
 from hal0d_stub.app import CONTENT_TEXT, make_stub_app

@@ -9,7 +9,8 @@ DELETE of an answer reach the slot that holds it; an id hal0d never saw is a 404
 
 A slot with `responses = "translate"` (or "auto", when its upstream has no /v1/responses: see
 hal0d/forward/modes.py) serves only chat completions: the request is translated into one
-(hal0d/openai/responses_request.py) and the answer back into Responses events
+(hal0d/openai/responses_request.py) and the answer back into a Responses answer
+(hal0d/openai/responses_answer.py) or, for a stream, Responses events
 (hal0d/openai/responses_bridge.py). Such an answer is kept nowhere, so its id is not remembered.
 """
 
@@ -32,8 +33,9 @@ from hal0d.handlers.openai import model_and_stream, with_model
 from hal0d.logs import get_logger
 from hal0d.observability.requestinfo import INFO, client_of
 from hal0d.openai.responses import ResponsesTransform, response_id_of
+from hal0d.openai.responses_answer import to_response
 from hal0d.openai.responses_bridge import Bridge, BridgeTransform
-from hal0d.openai.responses_request import ChatRequest, chat_request, to_response
+from hal0d.openai.responses_request import ChatRequest, chat_request
 from hal0d.protocol.limits import MAX_TOKENS_LIMIT
 from hal0d.protocol.transform import Transform
 from hal0d.response_owners import ResponseOwners

@@ -1,6 +1,6 @@
 """The Responses bridge: a chat completion stream in, the Responses API's events out (pure), for a
 slot whose upstream has no /v1/responses (`responses = "translate"`; the request's side is
-responses_request.py).
+responses_request.py, a whole answer's responses_answer.py).
 
 Sans-I/O like the Anthropic translator (hal0d/anthropic/stream.py): `Bridge` takes parsed
 chat.completion.chunk dicts and returns events, `BridgeTransform` is the relay's Transform
@@ -49,10 +49,8 @@ import orjson
 
 from hal0d.errors import ErrorCode
 from hal0d.openai.responses import failure_events
-from hal0d.openai.responses_request import (
-    FUNCTION,
+from hal0d.openai.responses_answer import (
     INCOMPLETE_REASONS,
-    ChatRequest,
     call_item,
     message_item,
     new_item_id,
@@ -61,6 +59,7 @@ from hal0d.openai.responses_request import (
     response_object,
     usage_of,
 )
+from hal0d.openai.responses_request import FUNCTION, ChatRequest
 from hal0d.protocol.chat_chunk import ChatChunk, MalformedChunk, ToolCallFragment, read_chunk
 from hal0d.protocol.sse import comment, encode
 from hal0d.protocol.transform import STALL_KEY, StallTrip

@@ -21,9 +21,9 @@ from aiohttp import web
 from hal0d.errors import ErrorCode, stream_stall
 from hal0d.logs import get_logger
 from hal0d.protocol.transform import StallTrip, Transform, TransformFailed
+from hal0d.transport.failures import BODY_BROKEN, BODY_READ_TIMEOUT
 from hal0d.transport.stallguard import StallGuard, StallTripped
 from hal0d.transport.tap import StreamTap
-from hal0d.transport.upstream import BODY_BROKEN, BODY_READ_TIMEOUT
 
 log = get_logger()
 

@@ -41,7 +41,8 @@ from aiohttp import hdrs
 from hal0d.config import SlotConfig
 from hal0d.errors import UpstreamUnavailable
 from hal0d.logs import get_logger
-from hal0d.transport.upstream import UpstreamClient, upstream_errors
+from hal0d.transport.failures import upstream_errors
+from hal0d.transport.upstream import UpstreamClient
 
 log = get_logger()
 TOKENIZE_TIMEOUT_S = 2.0
