@@ -56,7 +56,7 @@ from hal0d import logs, preflight, systemd
 from hal0d.app import make_app
 from hal0d.appkeys import DISPATCH, HEADS, LIFECYCLE, RUNTIME, SLOTS
 from hal0d.config import Config
-from hal0d.lifecycle.runner import ConfigDiff
+from hal0d.lifecycle.reload import ConfigDiff
 from hal0d.observability.history import HistoryInUse
 from hal0d.preflight import Finding
 from hal0d.routing import Runtime

@@ -25,7 +25,7 @@ from structlog.testing import capture_logs
 from hal0d.appkeys import LIFECYCLE, RUNTIME
 from hal0d.config import DispatcherConfig, SlotConfig
 from hal0d.forward.modes import AnthropicModes
-from hal0d.lifecycle.runner import ConfigDiff
+from hal0d.lifecycle.reload import ConfigDiff
 from hal0d.routing import Runtime
 from hal0d.transport.upstream import UpstreamClient
 from hal0d_stub.app import CONTENT_TEXT, REASONING_TEXT, make_stub_app, prompt_tokens, words

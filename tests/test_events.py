@@ -24,7 +24,7 @@ from aiohttp_sse_client import client as sse_client
 from hal0d.appkeys import EVENTS, LIFECYCLE
 from hal0d.config import ServerConfig
 from hal0d.handlers import admin
-from hal0d.lifecycle.runner import ConfigDiff
+from hal0d.lifecycle.reload import ConfigDiff
 from hal0d.observability import events
 from hal0d.observability.events import EventHub
 from hal0d.observability.history import RequestRecord

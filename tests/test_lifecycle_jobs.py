@@ -138,7 +138,7 @@ async def test_a_reload_that_replaces_the_command_during_a_restore_ends_with_the
 
 
 def config_diff(hal0d: TestServer, config: Config) -> Any:
-    from hal0d.lifecycle.runner import ConfigDiff
+    from hal0d.lifecycle.reload import ConfigDiff
 
     manager = hal0d.app[LIFECYCLE]
     return ConfigDiff.between(manager.configs, config.slots, config.groups)
@@ -266,3 +266,4 @@ async def test_an_event_from_a_superseded_job_changes_no_slots_state(
     [stale] = named(logs, "lifecycle.stale_event")
     assert stale["told"] == "answered" and stale["generation"] == loaded_by
     no_task_failed(logs)
+

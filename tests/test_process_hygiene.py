@@ -31,6 +31,7 @@ from hal0d.config import SlotConfig
 from hal0d.lifecycle.manager import LifecycleManager
 from hal0d.lifecycle.process import PARENT_DEATH_SIGNAL, PRCTL
 from hal0d.lifecycle.slots import SlotTable
+from hal0d.transport.upstream import UpstreamClient
 from tests.conftest import free_port, kill_with_its_group, process_state, running
 
 pytestmark = pytest.mark.skipif(PRCTL is None, reason="parent-death signals are Linux's prctl")
@@ -68,7 +69,7 @@ def test_a_slot_process_gets_the_parent_death_signal_and_a_session_of_its_own(
         config = SlotConfig(name="llm", upstream=f"http://127.0.0.1:{free_port()}",
                             models=("chat",), command=(sys.executable, "-c", REPORT_ITSELF))
         async with aiohttp.ClientSession() as session:
-            lifecycle = LifecycleManager(SlotTable([config]), [config], session)
+            lifecycle = LifecycleManager(SlotTable([config]), [config], UpstreamClient(session))
             with capture_logs() as logs:
                 await lifecycle.start()
                 try:

@@ -14,9 +14,9 @@ import orjson
 import pytest
 
 from hal0d.config import GroupConfig
-from hal0d.lifecycle.groups import Swap, SwapPhase
-from hal0d.lifecycle.runner import LoadPhase, UnloadReason
+from hal0d.lifecycle.room import Swap
 from hal0d.lifecycle.slots import SlotState
+from hal0d.lifecycle.vocabulary import LoadPhase, SwapPhase, UnloadReason
 from hal0d.observability.history import HistoryWriter, RequestRecord, percentile
 from hal0d.observability.timeline import LifecycleLog
 from tests.conftest import eventually, free_port, kill_with_its_group

@@ -19,8 +19,8 @@ from hal0d.errors import Conflict, ErrorCode, InvalidRequest, NoRoute
 from hal0d.forward import Dispatch
 from hal0d.front import access
 from hal0d.lifecycle.manager import LifecycleManager
-from hal0d.lifecycle.runner import UnloadReason
 from hal0d.lifecycle.slots import Slot, SlotState
+from hal0d.lifecycle.vocabulary import UnloadReason
 from hal0d.logs import get_logger
 from hal0d.observability import events as feed
 from hal0d.observability.requestinfo import INFO

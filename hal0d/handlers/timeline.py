@@ -12,8 +12,8 @@ from aiohttp import web
 
 from hal0d.appkeys import RECORDER, RUNTIME, SLOTS, TIMELINE
 from hal0d.handlers.admin import json, unix_time
-from hal0d.lifecycle.groups import LOADED
 from hal0d.lifecycle.slots import SlotState
+from hal0d.lifecycle.vocabulary import LOADED
 
 BUCKET_S: Final = 60
 WINDOW_S: Final = 3600.0

@@ -57,15 +57,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
-
-class SlotState(enum.StrEnum):
-    OFFLINE = "offline"
-    STOPPED = "stopped"
-    STARTING = "starting"
-    READY = "ready"
-    SERVING = "serving"
-    ERROR = "error"
-    STOPPING = "stopping"
+from hal0d.lifecycle.vocabulary import EVICTABLE, SlotState
 
 
 class Event(enum.StrEnum):
@@ -128,10 +120,9 @@ class IllegalEvent(RuntimeError):
 
 
 _S, _E, _A = SlotState, Event, Action
-_LIVE: Final = (_S.READY, _S.SERVING, _S.ERROR)
 
 
-def _rules() -> dict[tuple[SlotState, Event], Rule]:
+def _rules() -> dict[tuple[SlotState, Event], Rule]:  # long: one table, read whole
     rules: dict[tuple[SlotState, Event], Rule] = {
         (_S.OFFLINE, _E.REST): Rule(_S.STOPPED, (), "on-demand slot at start"),
         (_S.OFFLINE, _E.START): Rule(_S.OFFLINE, (_A.BRING_UP,), "always slot at start"),
@@ -183,7 +174,7 @@ def _rules() -> dict[tuple[SlotState, Event], Rule]:
         (_S.ERROR, _E.LEASED): Rule(_S.ERROR, (), "tried in error: the probe may be stale"),
         (_S.SERVING, _E.RELEASED): Rule(_S.READY, (), "last lease released"),
     }
-    for state in _LIVE:
+    for state in EVICTABLE:
         rules[(state, _E.EXITED)] = Rule(_S.ERROR, (_A.RECOVER,), "process exited")
         rules[(state, _E.UNLOAD)] = Rule(_S.STOPPING, (_A.STOP_PROCESS,), "unload")
         rules[(state, _E.REPLACE)] = Rule(_S.STARTING, (_A.STOP_PROCESS,),

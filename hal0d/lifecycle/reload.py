@@ -1,4 +1,4 @@
-"""A reload, slot by slot: what a config diff (runner.ConfigDiff) asks of each slot's lifecycle.
+"""A reload, slot by slot: what a config diff (ConfigDiff) asks of each slot's lifecycle.
 
 The lifecycle manager applies the diff (`LifecycleManager.apply`) and stays the one writer of
 slot transitions: it carries each slot's step out. This module keeps the diff's books in the
@@ -22,10 +22,40 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
 
-from hal0d.config import SlotConfig
+from hal0d.config import GroupConfig, SlotConfig
+from hal0d.lifecycle.machine import Event, allows
 from hal0d.lifecycle.runner import Runner, drain, log_state_change
-from hal0d.lifecycle.slots import Slot, SlotState, SlotTable
+from hal0d.lifecycle.slots import Slot, SlotTable
+from hal0d.lifecycle.teller import Teller
+from hal0d.lifecycle.vocabulary import SlotState, UnloadReason
+
+
+@dataclass(frozen=True)
+class ConfigDiff:
+    """What a reload changes in [[slots]] and [groups]."""
+
+    added: tuple[SlotConfig, ...]
+    removed: tuple[str, ...]
+    changed: tuple[SlotConfig, ...]
+    groups: dict[str, GroupConfig]
+
+    @classmethod
+    def between(cls, before: dict[str, SlotConfig], after: Iterable[SlotConfig],
+                groups: dict[str, GroupConfig]) -> ConfigDiff:
+        new = {c.name: c for c in after}
+        return cls(
+            added=tuple(c for name, c in new.items() if name not in before),
+            removed=tuple(name for name in before if name not in new),
+            changed=tuple(c for name, c in new.items() if name in before and c != before[name]),
+            groups=groups,
+        )
+
+    def names(self) -> dict[str, list[str]]:
+        return {"added": [c.name for c in self.added], "removed": list(self.removed),
+                "changed": [c.name for c in self.changed]}
 
 
 class Step(enum.StrEnum):
@@ -97,3 +127,114 @@ async def retire(runner: Runner, drain_s: float) -> None:
         await drain(runner.slot, drain_s)
     finally:
         await runner.stop_child()
+
+
+class Reloads(Teller):
+    """A reload carried out by the manager: each slot's step, its successor taken on."""
+
+    async def apply(self, diff: ConfigDiff, *, drain_s: float = 900.0) -> None:
+        """A reload (reload.py: what it asks of each slot). New slots join the table and are
+        probed (or started) before this returns; everything after that await runs in one step,
+        and the caller swaps the Runtime right after, so no request is ever routed to a slot
+        missing from the table. What drains (a removed slot's leases, the streams of a process
+        that changed) drains for at most `drain_s`."""
+        self.groups.replace(diff.groups)
+        plain: list[str] = []
+        for config in diff.added:
+            slot = added_slot(self.table, config)
+            adopted = self._adopt(config)
+            for tell in self.slot_added:
+                tell(slot)
+            if adopted is None:
+                plain.append(config.name)
+            else:
+                self._begin(adopted)
+        await asyncio.gather(*(self.probe_once(name) for name in plain))
+        for name in diff.removed:
+            self._remove(name, drain_s)
+        for config in diff.changed:
+            self._change(config, drain_s)
+            for tell in self.slot_reconfigured:
+                tell(self.table[config.name])
+        for runner in self.runners.values():  # the groups' members as the reload left them
+            runner.slot.turn_wait_s = self.turn_wait_s(runner.config)
+        self.sweep_caches()
+
+    def _remove(self, name: str, drain_s: float) -> None:
+        slot = self.table.remove(name)
+        del self.configs[name]
+        self._step(slot, Event.SHUTDOWN)
+        runner = self.runners.pop(name, None)
+        if runner is not None:
+            runner.cancel_timers()
+            runner.cold()
+            self._spawn(retire(runner, drain_s))
+
+    def _change(self, after: SlotConfig, drain_s: float) -> None:
+        name, runner = after.name, self.runners.get(after.name)
+        idle_before = runner.idle_unload_s() if runner is not None else None
+        step = change(self.table, self.configs, runner, after, drain_s)
+        if step is Step.ADOPT and (adopted := self._adopt(after)) is not None:
+            self._begin(adopted)
+        if runner is None:  # its state and reason were its old upstream's: asked anew now
+            self._spawn(self.probe_once(name))
+            return
+        if step is Step.RECONFIGURE:
+            if runner.idle_unload_s() != idle_before and runner.slot.state is SlotState.READY:
+                runner.arm_idle(self._idle, from_last_use=True)
+        elif step is Step.TAKE_ON:
+            self._take_on(runner, after)
+            if self.runners.get(name) is runner and runner.wanted():
+                self._start_if_resting(runner)
+        elif step is Step.WITHDRAW:
+            self._unload_now(runner, UnloadReason.RELOAD)  # cancels the load that waits
+            self._spawn(self._after_withdrawn(runner))
+        elif step is Step.RESTART:
+            runner.cancel_timers()
+            self._take_on(runner, after)
+            if self.runners.get(name) is runner:
+                if runner.wanted():
+                    self.tell(runner, Event.START)
+                elif not runner.slot.in_flight:
+                    self.tell(runner, Event.REST, "reloaded: loads on the next request")
+        elif step is Step.REPLACE:
+            if allows(runner.slot.state, Event.REPLACE):
+                # `starting` at once (new requests wait for the new process) while the old one
+                # drains and stops; a slot already stopping takes its successor on when its
+                # process is gone.
+                runner.unloading = UnloadReason.RELOAD
+                self.tell(runner, Event.REPLACE, "replacing its process (reload)")
+        else:
+            self._unload_now(runner, UnloadReason.RELOAD)
+
+    async def _after_withdrawn(self, runner: Runner) -> None:
+        """A load a reload cancelled while it waited for room: once ended, as after an unload."""
+        if runner.job is not None:
+            await asyncio.wait({runner.job})
+        if runner.slot.state is SlotState.STOPPED:
+            self._unloaded(runner)
+
+    def _take_on(self, runner: Runner, after: SlotConfig) -> None:
+        """A reload's config for a runner whose process is gone."""
+        runner.successor = None
+        if not after.command:  # now an upstream hal0d only probes
+            del self.runners[runner.name]
+            runner.slot.demand = None
+            runner.slot.exit_seen = None
+            runner.slot.watchers.remove(self._on_change)
+            runner.slot.count_watchers.remove(self._on_counts)
+            runner.slot.turn_wait_s = 0.0
+            self._spawn(self.probe_once(runner.name))
+            return
+        runner.config, runner.load_error = after, None  # a new config may well load
+        runner.slot.demand = self._demand if after.on_demand else None
+        runner.slot.turn_wait_s = self.turn_wait_s(after)
+        self.sweep_caches()  # the old command's caches, now that its process is gone
+
+    def _unloaded(self, runner: Runner) -> None:
+        """The process is gone: a reload's new config is taken on; started again if wanted."""
+        runner.drain_s = None
+        if runner.successor is not None:
+            self._take_on(runner, runner.successor)
+        if self.runners.get(runner.name) is runner and runner.wanted():
+            self._start_if_resting(runner)

@@ -1,7 +1,6 @@
-"""What the lifecycle manager keeps for each slot with a command (Runner: its process, its task,
-its timers, its backoff, how long its loads took), the steps of that process it runs (a start
-up to the first answer, a drain, a stop), and the words it tells its observers (load phases,
-unload reasons).
+"""What the lifecycle manager keeps for each slot with a command (Runner: its process, its job,
+its timers, its backoff, how long its loads took), and the steps of that process its jobs run
+(load_jobs.py): a launch up to the first answer and the restore, a drain, a save, a stop.
 
 A Runner never changes its slot's state: what its steps lead to, the manager tells the table.
 """
@@ -11,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextvars
-import enum
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -19,12 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Protocol
 
-from hal0d.config import GroupConfig, SlotConfig
-from hal0d.lifecycle.groups import Groups, NoRoom, Swap, Withdrawn
+from hal0d.config import SlotConfig
 from hal0d.lifecycle.probe import port_taken, until_answering
-from hal0d.lifecycle.process import Child, LaunchFailed, launch_problem, resolve_program
+from hal0d.lifecycle.process import Child, LaunchFailed, resolve_program
 from hal0d.lifecycle.prompt_cache import PromptCache, Warmth, make_folder
-from hal0d.lifecycle.slots import Slot, SlotState
+from hal0d.lifecycle.room import Swap
+from hal0d.lifecycle.slots import Slot
+from hal0d.lifecycle.vocabulary import LoadPhase, SlotState, Started, UnloadReason
 from hal0d.logs import get_logger
 from hal0d.transport.upstream import UpstreamClient
 
@@ -38,33 +37,6 @@ HEALTHY_RUN_S: Final = 60.0
 # How many of a slot's last loads its measured load time is the median of: a few, so a cache
 # that was cold once does not stand for every load, and a changed model shows within as many.
 LOAD_HISTORY: Final = 5
-
-
-class UnloadReason(enum.StrEnum):
-    IDLE = "idle"
-    KEEP_ALIVE = "keep_alive"  # the idle wait a client's keep_alive set (0: at once)
-    EVICTED = "evicted"
-    API = "api"
-    RELOAD = "reload"
-    SHUTDOWN = "shutdown"
-
-
-class Started(enum.StrEnum):
-    """How a start ended."""
-
-    ANSWERED = "answered"  # its process answers: it is up
-    FAILED = "failed"  # its cause and backoff recorded (Runner.failed)
-    NO_ROOM = "no_room"  # its group cannot make room for it: nothing launched, no backoff
-    WITHDRAWN = "withdrawn"  # no request waited for it any more: nothing was launched
-
-
-class LoadPhase(enum.StrEnum):
-    WAITING_FOR_ROOM = "waiting_for_room"
-    STARTING = "starting"
-    PROBING = "probing"
-    READY = "ready"
-    FAILED = "failed"
-    WITHDRAWN = "withdrawn"  # no request waited for it any more: nothing was loaded
 
 
 class LifecycleObserver(Protocol):
@@ -248,33 +220,44 @@ class Runner:
 
     # -- its process -------------------------------------------------------------------------
 
-    async def start(self, client: UpstreamClient, groups: Groups, tell_phase: PhaseTeller,
-                    launching: Callable[[str], None]) -> Started:
-        """A load as one job, up to its outcome: the group's turn with room made, the launch,
-        the probe until it answers, and the restore of its saved caches, all inside the turn
-        (nothing else of the group loads, and no room is counted, while it restores);
-        `launching` is told, with what is launched, once the turn is had. A stop cancels this
-        job whole, the restore too. A failed start's process is stopped before it returns."""
-        slot = self.slot
-        progress = Progress(tell_phase, self.name)
-        log.info("slot.load_started", slot=self.name, queued=slot.queued)
+    def launch_words(self) -> str:
+        """What a launch says it launches, with the last attempt's failure."""
+        argv = " ".join(resolve_program(self.config.command or ()))
+        what = f"launching {argv}" if not self.config.on_demand else f"loading: {argv}"
+        if self.cause is not None:
+            what += f" (the last attempt failed: {self.cause})"
+        return what
+
+    async def bring_up(self, client: UpstreamClient, progress: Progress) -> str | None:
+        """The launch, the probe until it answers, and the restore of its saved caches, in
+        its group's turn (load_jobs.py holds it): None once the new process answers and has
+        its caches back, else why not (a process that was launched is left for `ended` to
+        stop). A stop cancels this whole, the restore too."""
+        config = self.config
         try:
-            cause = await self._bring_up(client, groups, progress, launching)
-        except Withdrawn as exc:
-            progress.stop()
-            slot.turn_wait(False)
-            log.info("slot.load_withdrawn", slot=self.name, reason=str(exc))
-            tell_phase(self.name, LoadPhase.WITHDRAWN, progress.elapsed(), str(exc))
-            return Started.WITHDRAWN
-        except NoRoom as exc:
-            # Not the model's failure: no backoff, and the next request may find room.
-            self.cause = str(exc)
-            log.info("slot.no_room", slot=self.name, reason=self.cause)
-            progress.enter(LoadPhase.FAILED, self.cause)
-            return Started.NO_ROOM
-        finally:
-            progress.stop()
-            slot.turn_wait(False)
+            progress.enter(LoadPhase.STARTING)
+            if (taken := port_taken(config.upstream)) is not None:
+                raise LaunchFailed(taken)
+            if config.prompt_cache_dir is not None:
+                make_folder(config.prompt_cache_dir)
+            launched = time.monotonic()
+            child = await self.launch()
+            progress.enter(LoadPhase.PROBING)
+            failure = await until_answering(client, config, child,
+                                            config.load_timeout_s - progress.elapsed())
+        except LaunchFailed as exc:
+            failure = str(exc)
+        self.load_error = failure
+        if failure is not None:
+            return failure
+        self.load_times.append(time.monotonic() - launched)
+        child.answering()
+        await self.warm_up(client)
+        return None
+
+    async def ended(self, cause: str | None, progress: Progress) -> Started:
+        """A start's outcome from its cause: a failed one's process stopped and its backoff
+        taken (FAILED); else it is loaded (ANSWERED)."""
         elapsed = progress.elapsed()
         if cause is not None:
             exit_code = self.child.returncode if self.child is not None else None
@@ -288,50 +271,6 @@ class Runner:
                  measured_s=round(self.load_times[-1], 3), load_s=self.load_s)
         progress.enter(LoadPhase.READY)
         return Started.ANSWERED
-
-    async def _bring_up(self, client: UpstreamClient, groups: Groups, progress: Progress,
-                        launching: Callable[[str], None]) -> str | None:
-        """None once the new process answers and has its saved caches back, else why not (a
-        process that was launched is left for the caller to stop); Withdrawn when no request
-        waits for the load any more; NoRoom when the group cannot make room for it."""
-        slot, config = self.slot, self.config
-        urgent, self.urgent = self.urgent, False
-        try:
-            if groups.get(config.group) is not None:
-                if (problem := launch_problem(config.command or ())) is not None:
-                    raise LaunchFailed(problem)  # before any model is unloaded for it
-                progress.enter(LoadPhase.WAITING_FOR_ROOM)
-                slot.turn_wait(True)
-            evicts = urgent or self.load_error is None
-            async with groups.turn(slot, config, pinned=not config.on_demand, urgent=urgent,
-                                   evicts_for=None if evicts else self.load_error):
-                slot.turn_wait(False)
-                argv = " ".join(resolve_program(config.command or ()))
-                what = f"launching {argv}" if not config.on_demand else f"loading: {argv}"
-                if self.cause is not None:
-                    what += f" (the last attempt failed: {self.cause})"
-                launching(what)
-                progress.enter(LoadPhase.STARTING)
-                if (taken := port_taken(config.upstream)) is not None:
-                    raise LaunchFailed(taken)
-                if config.prompt_cache_dir is not None:
-                    make_folder(config.prompt_cache_dir)
-                launched = time.monotonic()
-                child = await self.launch()
-                progress.enter(LoadPhase.PROBING)
-                failure = await until_answering(client, self.config, child,
-                                                config.load_timeout_s - progress.elapsed())
-                self.load_error = failure
-                if failure is not None:
-                    return failure
-                self.load_times.append(time.monotonic() - launched)
-                groups.refresh(config.group)  # its group's wait bounds learn this load
-                child.answering()
-                await self.warm_up(client)
-                return None
-        except LaunchFailed as exc:
-            self.load_error = str(exc)
-            return str(exc)
 
     async def launch(self) -> Child:
         """Child.start, never left half done: cancelled while the process is being created, the
@@ -474,28 +413,3 @@ class Progress:
         if self._ticker is not None:
             self._ticker.cancel()
             self._ticker = None
-
-
-@dataclass(frozen=True)
-class ConfigDiff:
-    """What a reload changes in [[slots]] and [groups]."""
-
-    added: tuple[SlotConfig, ...]
-    removed: tuple[str, ...]
-    changed: tuple[SlotConfig, ...]
-    groups: dict[str, GroupConfig]
-
-    @classmethod
-    def between(cls, before: dict[str, SlotConfig], after: Iterable[SlotConfig],
-                groups: dict[str, GroupConfig]) -> ConfigDiff:
-        new = {c.name: c for c in after}
-        return cls(
-            added=tuple(c for name, c in new.items() if name not in before),
-            removed=tuple(name for name in before if name not in new),
-            changed=tuple(c for name, c in new.items() if name in before and c != before[name]),
-            groups=groups,
-        )
-
-    def names(self) -> dict[str, list[str]]:
-        return {"added": [c.name for c in self.added], "removed": list(self.removed),
-                "changed": [c.name for c in self.changed]}

@@ -61,8 +61,9 @@ from typing import Any, Final, Protocol
 import structlog
 
 from hal0d.errors import Hal0Error, QueueFull, SlotLoadFailed, SlotLoading, without_address
-from hal0d.lifecycle.machine import Event, Rule, SlotState, step
+from hal0d.lifecycle.machine import Event, Rule, step
 from hal0d.lifecycle.turns import ANONYMOUS, ClientQueue
+from hal0d.lifecycle.vocabulary import DOWN, GRANTABLE, LOADING, REFUSING, UP, SlotState
 
 # Retry-After hints: a queue usually moves within a couple of seconds, a model load takes longer.
 QUEUE_RETRY_AFTER_S: Final = 2.0
@@ -71,14 +72,6 @@ LOADING_RETRY_AFTER_S: Final = 5.0
 log = structlog.get_logger(__name__)
 
 
-_GRANTABLE: Final = frozenset({SlotState.READY, SlotState.SERVING, SlotState.ERROR})
-_UP: Final = frozenset({SlotState.READY, SlotState.SERVING})
-# The states a lease waiting for its process's fate learns that it will not be up again from.
-_DOWN: Final = frozenset({SlotState.STOPPED, SlotState.STOPPING, SlotState.OFFLINE})
-# The states in which a request waits for a model to be (re)loaded rather than for capacity.
-LOADING: Final = frozenset({SlotState.STOPPED, SlotState.STARTING, SlotState.STOPPING})
-# The states in which a failed start or load refuses requests until its backoff has passed.
-_REFUSING: Final = frozenset({SlotState.STOPPED, SlotState.ERROR})
 
 
 class SlotLimits(Protocol):
@@ -208,7 +201,7 @@ class Slot:
         self._notify(old, new, reason)
         if new is SlotState.OFFLINE:
             self._fail_waiters()
-        elif new in _GRANTABLE and old not in _GRANTABLE:
+        elif new in GRANTABLE and old not in GRANTABLE:
             self._pump()
         return rule
 
@@ -286,9 +279,9 @@ class Slot:
         step into the same state too): up again once a start answers; not when the start failed
         (error from starting), or the slot goes down, is unloaded or replaced (that drain waits
         for these leases)."""
-        if new in _UP and old not in _UP:
+        if new in UP and old not in UP:
             up = True
-        elif (new in _DOWN or event in (Event.REPLACE, Event.UNLOAD)
+        elif (new in DOWN or event in (Event.REPLACE, Event.UNLOAD)
               or (new is SlotState.ERROR and old is SlotState.STARTING)):
             up = False
         else:
@@ -323,7 +316,7 @@ class Slot:
         return _LeaseContext(self, client)
 
     def _can_grant(self) -> bool:
-        return (self.state in _GRANTABLE and self.in_flight < self.config.max_concurrent
+        return (self.state in GRANTABLE and self.in_flight < self.config.max_concurrent
                 and not self._held())
 
     def _counts(self) -> None:
@@ -397,7 +390,7 @@ class Slot:
         if not self._waiters and self._can_grant():
             self._take()
             return
-        if self.state in _REFUSING and self.load_refused is not None:
+        if self.state in REFUSING and self.load_refused is not None:
             not_before, cause = self.load_refused
             if time.monotonic() < not_before:
                 raise SlotLoadFailed(

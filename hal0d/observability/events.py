@@ -30,8 +30,8 @@ from hal0d.lifecycle.slots import Slot, SlotState
 from hal0d.protocol import sse
 
 if TYPE_CHECKING:
-    from hal0d.lifecycle.groups import Swap
-    from hal0d.lifecycle.runner import LoadPhase, UnloadReason
+    from hal0d.lifecycle.room import Swap
+    from hal0d.lifecycle.vocabulary import LoadPhase, UnloadReason
     from hal0d.observability.history import RequestRecord
 
 QUEUE_SIZE: Final = 1000

@@ -23,9 +23,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from hal0d.lifecycle.groups import LOADED, Swap, SwapPhase
-from hal0d.lifecycle.runner import LoadPhase, UnloadReason
+from hal0d.lifecycle.room import Swap
 from hal0d.lifecycle.slots import SlotState, SlotTable
+from hal0d.lifecycle.vocabulary import LOADED, LoadPhase, SwapPhase, UnloadReason
 from hal0d.observability.live import SlotMetrics
 from hal0d.transport import descriptors
 

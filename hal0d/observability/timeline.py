@@ -36,8 +36,8 @@ from hal0d.lifecycle.slots import Slot, SlotState
 from hal0d.observability.history import LifecycleRow
 
 if TYPE_CHECKING:
-    from hal0d.lifecycle.groups import Swap
-    from hal0d.lifecycle.runner import LoadPhase, UnloadReason
+    from hal0d.lifecycle.room import Swap
+    from hal0d.lifecycle.vocabulary import LoadPhase, UnloadReason
 
 KEEP_S: Final = 3600.0
 SIZE: Final = 2000

@@ -1,0 +1,276 @@
+"""The lifecycle manager's jobs: a load, one task from the group's turn to the process admitted
+(room made, launch, probe, the saved caches restored), and a stop (the start it interrupts
+cancelled and awaited, the drain, the save, the process stopped). Each reports its outcome with
+the generation it was started for (Teller.report).
+
+Room is made in the load's turn by carrying out what room.py decides from a snapshot of the
+group: settle (wait for a member's job), evict (unload a victim; with batch, once its turn is
+over), or refuse (NoRoom). Nothing in room.py or groups.py calls back into the manager.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from hal0d.errors import SlotLoading
+from hal0d.lifecycle import room
+from hal0d.lifecycle.groups import Group, free_memory_mib
+from hal0d.lifecycle.machine import Event, allows
+from hal0d.lifecycle.process import Child, launch_problem
+from hal0d.lifecycle.room import Evict, Member, NoRoom, Room, Settle, Swap, Withdrawn
+from hal0d.lifecycle.runner import Progress, Runner
+from hal0d.lifecycle.slots import Slot
+from hal0d.lifecycle.teller import Teller, log
+from hal0d.lifecycle.vocabulary import (
+    EVICTABLE,
+    LoadPhase,
+    SlotState,
+    Started,
+    SwapPhase,
+    UnloadReason,
+)
+
+FORCED_RETRY_AFTER_S = 5.0
+
+
+class LoadJobs(Teller):
+    """The manager's load and stop jobs, and the room a load makes."""
+
+    def _bring_up(self, runner: Runner) -> None:
+        if runner.retry is not None:
+            runner.retry.cancel()
+            runner.retry = None
+        runner.keep_alive_s = None  # a new load (after a crash too): keep_alive was the last one's
+        runner.job_generation += 1
+        runner.job = self._spawn(self._start(runner, runner.job_generation))
+
+    async def _start(self, runner: Runner, generation: int) -> None:
+        """A load's one job, up to its outcome: the group's turn with room made, then in that
+        turn the launch, the probe and the restore (Runner.bring_up), so nothing else of the
+        group loads, and no room is counted, while it restores. `launch` is told once the turn
+        is had; the outcome as `answered`, `no_room`, `start_failed` or `load_failed`, in the
+        same step as the job is over (`job` None): what the outcome's actions start is a job of
+        its own. A stop cancels it whole: it then tells nothing."""
+        slot = runner.slot
+        progress = Progress(self.tell_phase, runner.name)
+        log.info("slot.load_started", slot=runner.name, queued=slot.queued)
+        try:
+            started = await runner.ended(await self._load(runner, generation, progress),
+                                         progress)
+        except Withdrawn as exc:
+            log.info("slot.load_withdrawn", slot=runner.name, reason=str(exc))
+            self.tell_phase(runner.name, LoadPhase.WITHDRAWN, progress.elapsed(), str(exc))
+            started = Started.WITHDRAWN
+        except NoRoom as exc:
+            # Not the model's failure: no backoff, and the next request may find room.
+            runner.cause = str(exc)
+            log.info("slot.no_room", slot=runner.name, reason=runner.cause)
+            progress.enter(LoadPhase.FAILED, runner.cause)
+            started = Started.NO_ROOM
+        except Exception as exc:  # a bug of hal0d's: the load fails rather than wedge the slot
+            log.error("lifecycle.task_failed", task="start", slot=runner.name,
+                      error=repr(exc), exc_info=exc)
+            await runner.stop_child()
+            runner.failed(f"hal0d failed to load it ({exc!r})", 0.0, None)
+            started = Started.FAILED
+        finally:
+            progress.stop()
+            slot.turn_wait(False)
+        if generation != runner.job_generation:
+            return  # superseded while it ended: its outcome is not the slot's any more
+        runner.job = None
+        if started is Started.WITHDRAWN:
+            if runner.wanted():
+                self._start_if_resting(runner)  # a request came back in the same instant
+        elif started is Started.ANSWERED:
+            assert runner.child is not None
+            self.refresh_bounds(runner.config.group)  # its group's wait bounds learn this load
+            runner.watch = self._spawn(self._watch(runner, runner.child))
+            self.report(runner, generation, Event.ANSWERED)
+        elif started is Started.NO_ROOM and not slot.in_flight:
+            self.report(runner, generation, Event.NO_ROOM, runner.cause)
+        elif runner.config.on_demand and not slot.in_flight and started is Started.FAILED:
+            self.report(runner, generation, Event.LOAD_FAILED, f"load failed: {runner.cause}")
+        else:
+            if started is Started.NO_ROOM:  # restarting under leases in flight: retried later
+                runner.retry_in_s = runner.backoff.take()
+            # An `always` slot's start, or the restart that requests in flight waited for (their
+            # connect was refused as the process died): retried after the backoff while wanted.
+            # Before the state is ERROR (where leases are granted): nothing of ours listens.
+            slot.refuse_loads(runner.cause or "unknown", runner.retry_in_s)
+            self.report(runner, generation, Event.START_FAILED,
+                        f"{runner.cause}; retrying in {runner.retry_in_s:g} s")
+
+    async def _load(self, runner: Runner, generation: int, progress: Progress) -> str | None:
+        """The group's turn, room made in it, then the process brought up in it: None once it
+        answers with its caches back, else why not. Withdrawn, NoRoom: as room.py says."""
+        slot, config = runner.slot, runner.config
+        urgent, runner.urgent = runner.urgent, False
+        if self.groups.get(config.group) is not None:
+            if (problem := launch_problem(config.command or ())) is not None:
+                runner.load_error = problem  # said before any model is unloaded for it
+                return problem
+            progress.enter(LoadPhase.WAITING_FOR_ROOM)
+            slot.turn_wait(True)
+        async with self.groups.turn(slot, config.group) as group:
+            if group is not None:
+                # An `always` slot starts even when no room can be made: the config check made
+                # sure the group's `always` slots fit together. An urgent load (pinned, or asked
+                # for by the API) waits for no batch; a model whose last load failed unloads no
+                # other for a load likely to fail again, unless an operator asks.
+                pinned = not config.on_demand
+                failed = None if pinned or urgent else runner.load_error
+                try:
+                    await self._make_room(group, runner, urgent=urgent or pinned, failed=failed)
+                except NoRoom:
+                    if not pinned:
+                        raise
+            slot.turn_wait(False)
+            self.report(runner, generation, Event.LAUNCH, runner.launch_words())
+            return await runner.bring_up(self.client, progress)
+
+    # -- room in the load's turn (room.py decides, this carries it out) -----------------------
+
+    async def _make_room(self, group: Group, runner: Runner, *, urgent: bool,
+                         failed: str | None) -> None:
+        """Room for `runner`'s load in `group`, made in its turn: room.decide asked again after
+        each step it asks for. NoRoom when none can be made; Withdrawn (batch) when nobody
+        waits for the load any more."""
+        limits, me, config = group.config, runner.slot, runner.config
+        need = config.memory_mib or 0
+        swapped: Member | None = None
+        planned = False
+        while True:
+            occupying = [m for m in self._members(limits.name)
+                         if m.slot.name != config.name and m.occupies()]
+            short = room.shortfall(limits, occupying, need)
+            if short is None and limits.free_memory_command is not None:
+                free = await free_memory_mib(limits)
+                if free is not None and free < need:
+                    short = f"{free} MiB free by free_memory_command, {need} MiB needed"
+            try:
+                decision = room.decide(limits, config.name, occupying, short, failed=failed)
+            except NoRoom:
+                if failed is not None and (victim := room.choose_victim(occupying, limits)):
+                    log.info("slot.not_evicting", slot=victim.slot.name, group=limits.name,
+                             **{"for": config.name}, reason=failed)
+                raise
+            if isinstance(decision, Room):
+                if swapped is not None:
+                    self._tell_swap(group, SwapPhase.DONE, me, swapped, "room made")
+                return
+            if isinstance(decision, Settle):
+                await self._settled(decision.slot)
+                continue
+            victim = decision.victim
+            if limits.batch and not urgent:
+                wake = room.not_yet(limits, me, victim, time.monotonic())
+                if wake is not None:
+                    pending = group.pending = room.pending(limits, me, victim, time.monotonic())
+                    if not planned:
+                        planned = True
+                        self._tell_swap(group, SwapPhase.PLANNED, me, victim,
+                                        room.planned_why(limits, me, victim, pending.turn_at_s))
+                    await self._wait_turn(group, me, victim.slot.name, wake)
+                    continue
+                group.pending = None
+            await self._evict(group, me, decision, planned=planned, urgent=urgent)
+            swapped = victim
+
+    async def _evict(self, group: Group, me: Slot, decision: Evict, *, planned: bool,
+                     urgent: bool) -> None:
+        limits, victim = group.config, decision.victim
+        why = decision.short + (room.batch_why(limits, me, victim, time.monotonic())
+                                if limits.batch and not urgent else "")
+        if not planned:
+            self._tell_swap(group, SwapPhase.PLANNED, me, victim, why)
+        self._tell_swap(group, SwapPhase.STARTED, me, victim, why)
+        log.info("slot.evicting", slot=victim.slot.name, group=limits.name,
+                 **{"for": me.name}, in_flight=victim.slot.in_flight,
+                 queued=victim.slot.queued, why=why)
+        await self.unload(victim.slot.name, UnloadReason.EVICTED)
+
+    async def _wait_turn(self, group: Group, me: Slot, victim: str, wake: float) -> None:
+        """Until `victim` is to go for `me` (or is no longer evictable): the batch's end. Only
+        the batch rule is looked at again on each wake (a busy victim's counts change with every
+        request); the room, free_memory_command's included, once the wait is over."""
+        limits = group.config
+        next_wake: float | None = wake
+        while next_wake is not None:
+            await group.until(next_wake)
+            member = next((m for m in self._members(limits.name) if m.slot.name == victim), None)
+            if member is None or member.slot.state not in EVICTABLE:
+                return
+            now = time.monotonic()
+            next_wake = room.not_yet(limits, me, member, now)
+            if next_wake is not None:
+                group.pending = room.pending(limits, me, member, now)
+
+    def _tell_swap(self, group: Group, phase: SwapPhase, me: Slot, victim: Member,
+                   why: str) -> None:
+        """A step of a swap in a group, told to the log and the observers; the waiting slot's
+        turn has come once it starts."""
+        since = me.oldest_waiting_since()
+        waited = 0.0 if since is None else round(time.monotonic() - since, 3)
+        limits = group.config
+        swap = Swap(limits.name, phase, me.name, victim.slot.name, waited, why, limits.policy,
+                    limits.max_wait_s)
+        if phase is SwapPhase.STARTED:
+            me.turn_wait(False)
+        log.info(f"swap.{swap.phase}", group=swap.group, slot=swap.slot, victim=swap.victim,
+                 waited_s=swap.waited_s, why=swap.why)
+        for observer in self.observers:
+            observer.swap(swap)
+
+    async def _settled(self, name: str) -> None:
+        runner = self.runners.get(name)
+        if runner is not None and runner.job is not None:
+            await asyncio.wait({runner.job})
+
+    async def _watch(self, runner: Runner, child: Child) -> None:
+        """A process that exits on its own (not stopped by hal0d) is told as `exited`."""
+        code = await child.wait()
+        if runner.child is not child or self._stopping:
+            return  # a stop ended it
+        cause = runner.exited(child, code)
+        if allows(runner.slot.state, Event.EXITED):
+            self.tell(runner, Event.EXITED, cause)
+
+    # -- stops ---------------------------------------------------------------------------------
+
+    async def unload(self, name: str, reason: UnloadReason, *, force: bool = False) -> None:
+        """Drains the slot (nothing new admitted, in-flight requests run to their end; with
+        `force`, they are ended with their surface's terminal frame and the queued get a 503),
+        then stops its process; returns once the process is gone."""
+        runner = self.runners[name]
+        if force:
+            ended = self.end_streams(name, "unloaded")
+            runner.slot.fail_waiters(SlotLoading(f"slot {name!r} was unloaded",
+                                                 retry_after=FORCED_RETRY_AFTER_S))
+            log.info("slot.unload_forced", slot=name, streams_ended=ended)
+        self._unload_now(runner, reason)
+        job = runner.job
+        if runner.slot.state is SlotState.STOPPING and job is not None:
+            await asyncio.wait({job})
+
+    def _stop_process(self, runner: Runner) -> None:
+        cancelled, runner.job = runner.job, None
+        runner.job_generation += 1
+        runner.job = self._spawn(self._stop(runner, cancelled, runner.job_generation))
+
+    async def _stop(self, runner: Runner, start: asyncio.Task[None] | None,
+                    generation: int) -> None:
+        """An unload's (or a replace's) own task (Runner.wind_down): the start it interrupts
+        cancelled and awaited, its restore too, before the process stops; told as `gone`."""
+        reason = runner.unloading
+        try:
+            await runner.wind_down(start, self.observers, self.client)
+        except Exception as exc:  # a bug of hal0d's: the process still goes, the slot with it
+            log.error("lifecycle.task_failed", task="stop", slot=runner.name,
+                      error=repr(exc), exc_info=exc)
+            await runner.stop_child()
+        if generation != runner.job_generation:
+            return
+        runner.job = None  # done: a start that `gone` leads to is a job of its own
+        self.report(runner, generation, Event.GONE, f"unloaded ({reason})")

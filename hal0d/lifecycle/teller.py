@@ -1,0 +1,281 @@
+"""The lifecycle manager's ground floor: what it keeps (every slot's config and runner, the
+groups, its tasks), its one teller of lifecycle events, the wiring of each slot to it, and its
+probes. The manager (manager.py) is built on it with its load and stop jobs (load_jobs.py) and a
+reload's steps (reload.py); together they are the one writer of every slot's lifecycle.
+
+The teller (`tell`) steps a slot by the table (machine.py) and carries out the step's actions,
+each by the manager's method of the action's name. A job reports through `report`, with the
+generation it was started for: what a superseded job reports is dropped. Once hal0d shuts down,
+the teller refuses every event but `shutdown` (a probe's late answer too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, Final
+
+from hal0d.config import GroupConfig, SlotConfig
+from hal0d.lifecycle import prompt_cache
+from hal0d.lifecycle.groups import Groups
+from hal0d.lifecycle.machine import Action, Event, allows
+from hal0d.lifecycle.probe import probe
+from hal0d.lifecycle.prompt_cache import Warmth
+from hal0d.lifecycle.room import Member, wait_bound_s
+from hal0d.lifecycle.runner import LifecycleObserver, Runner
+from hal0d.lifecycle.slots import Slot, SlotTable
+from hal0d.lifecycle.vocabulary import UP, LoadPhase, SlotState, UnloadReason
+from hal0d.logs import get_logger
+from hal0d.transport.upstream import UpstreamClient
+
+log = get_logger()
+
+PROBE_INTERVAL_S: Final = 10.0
+# How long a refused connect waits for its process's exit to be seen: the kernel closes a dying
+# process's sockets a moment before its parent learns of the exit. A process still running after
+# this refused on its own.
+EXIT_SEEN_S: Final = 2.0
+
+
+class Teller:
+    """What the lifecycle manager keeps, and its one teller."""
+
+    def __init__(
+        self,
+        table: SlotTable,
+        configs: Iterable[SlotConfig],
+        client: UpstreamClient,
+        *,
+        groups: dict[str, GroupConfig] | None = None,
+        end_streams: Callable[[str, str], int] = lambda slot, reason: 0,
+        warmth: Warmth | None = None,
+        cache_root: Path | None = None,
+    ) -> None:
+        self.table = table
+        self.client = client
+        # Every slot's config, the ones without a command too (probed; counted in groups).
+        self.configs: dict[str, SlotConfig] = {}
+        self.runners: dict[str, Runner] = {}
+        self.groups = Groups(groups or {})
+        # Ends the in-flight streams of a slot with their surface's terminal frame (a forced
+        # unload); returns how many it ended.
+        self.end_streams = end_streams
+        self.observers: list[LifecycleObserver] = []
+        # The conversations slots hold warm, and where their saved caches live (prompt_cache.py).
+        self.warmth = warmth
+        self.cache_root = cache_root
+        # Told of each slot a reload adds, once the manager has it (the event feed watches it).
+        self.slot_added: list[Callable[[Slot], None]] = []
+        # Told of each slot a reload changed, once its view has the new config (the event feed).
+        self.slot_reconfigured: list[Callable[[Slot], None]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stopping = False
+        for config in configs:
+            self._adopt(config)
+
+    # -- the one teller ----------------------------------------------------------------------
+
+    def tell(self, runner: Runner, event: Event, reason: str | None = None) -> None:
+        """Step the runner's slot by `event` and carry out what the table says."""
+        for action in self._step(runner.slot, event, reason):
+            # Each action is carried out by the manager's method of its name (`_bring_up`, ...).
+            getattr(self, f"_{action}")(runner)
+
+    def report(self, runner: Runner, generation: int, event: Event,
+               reason: str | None = None) -> bool:
+        """What a job (a start or a stop) reports, told only while that job is the runner's
+        current one: a job a later one superseded (its start cancelled by an unload, a stop
+        followed by a new load) reports about a process that is not the slot's any more, and
+        is dropped. True when it was told."""
+        if generation != runner.job_generation or self.runners.get(runner.name) is not runner:
+            log.info("lifecycle.stale_event", slot=runner.name, told=str(event),
+                     generation=generation, current=runner.job_generation)
+            return False
+        self.tell(runner, event, reason)
+        return True
+
+    def _step(self, slot: Slot, event: Event, reason: str | None = None) -> tuple[Action, ...]:
+        """The one place the manager changes a slot's state (admission tells its two lease
+        events itself); the step's actions are the caller's to carry out. Once hal0d is
+        shutting down, only `shutdown` is told: what a start, a stop or a probe still reports
+        then is about a slot that is offline for good."""
+        if self._stopping and event is not Event.SHUTDOWN:
+            return ()
+        return slot.handle(event, reason).actions
+
+    def tell_phase(self, slot: str, phase: LoadPhase, elapsed_s: float,
+                   reason: str | None) -> None:
+        for observer in self.observers:
+            observer.load_phase(slot, phase, elapsed_s, reason)
+
+    def _spawn(self, coro: Any) -> asyncio.Task[None]:
+        """A task of the manager's own (stop() cancels what is left of them)."""
+        name = getattr(coro, "__qualname__", None)
+        task: asyncio.Task[None] = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            # A bug of hal0d's: said once, loudly, instead of a waiter left hanging unawares.
+            log.error("lifecycle.task_failed", task=task.get_name(),
+                      error=repr(exc), exc_info=exc)
+
+    # -- wiring ------------------------------------------------------------------------------
+
+    def _adopt(self, config: SlotConfig) -> Runner | None:
+        """`config` kept; with a command, its slot gets a runner wired to it."""
+        self.configs[config.name] = config
+        if not config.command:
+            return None
+        slot = self.table[config.name]
+        runner = self.runners[config.name] = Runner(slot, config, warmth=self.warmth)
+        slot.watchers.append(self._on_change)
+        slot.count_watchers.append(self._on_counts)
+        slot.demand = self._demand if config.on_demand else None
+        slot.exit_seen = self._exit_seen
+        self.refresh_bounds(config.group)  # its wait bound, and its group's others' with it
+        return runner
+
+    def _begin(self, runner: Runner) -> None:
+        """A runner's first event: an on-demand slot rests, an `always` one starts."""
+        self.tell(runner, Event.REST if runner.config.on_demand else Event.START)
+
+    def _members(self, group: str) -> Iterator[Member]:
+        for name, config in self.configs.items():
+            runner = self.runners.get(name)
+            if config.group == group and name in self.table:
+                yield Member(self.table[name], config.memory_mib or 0,
+                             evictable=runner is not None and config.on_demand,
+                             last_used=runner.last_used if runner else 0.0,
+                             loaded_at=runner.loaded_at if runner else None,
+                             load_s=runner.load_s if runner else None,
+                             settling=runner is not None and runner.busy
+                             and runner.child is not None,
+                             without_process=runner is not None and runner.child is None)
+
+    def turn_wait_s(self, config: SlotConfig) -> float:
+        """The longest a request for `config`'s slot may wait for its model's turn when its
+        group batches (room.wait_bound_s), on top of the load's own bound."""
+        group = self.groups.get(config.group)
+        if group is None or not group.config.batch or not config.on_demand:
+            return 0.0
+        return wait_bound_s(group.config, self._members(group.config.name))
+
+    def refresh_bounds(self, name: str | None) -> None:
+        """Every slot of the group given its wait bound anew: a member came, or a load of one
+        was measured."""
+        group = self.groups.get(name)
+        if group is None:
+            return
+        members = list(self._members(group.config.name))
+        bound = wait_bound_s(group.config, members) if group.config.batch else 0.0
+        for member in members:
+            member.slot.turn_wait_s = bound if member.evictable else 0.0
+
+    def _on_change(self, slot: Slot, old: SlotState, new: SlotState, reason: str | None) -> None:
+        """The idle timer of an on-demand slot: armed while it is ready, cancelled otherwise;
+        and its group told (a swap may wait for this slot's work to end)."""
+        runner = self.runners.get(slot.name)
+        if runner is None or runner.slot is not slot:
+            return
+        self.groups.poke(runner.config.group)
+        if new in UP:
+            runner.last_used = time.monotonic()
+        if new is SlotState.READY:
+            runner.arm_idle(self._idle)
+        else:
+            runner.disarm_idle()
+
+    def _on_counts(self, slot: Slot) -> None:
+        runner = self.runners.get(slot.name)
+        if runner is not None and runner.slot is slot:
+            self.groups.poke(runner.config.group)
+
+    def _idle(self, runner: Runner) -> None:
+        runner.idle_timer = None
+        slot = runner.slot
+        if slot.state is SlotState.READY and not slot.queued and not self._stopping:
+            self._unload_now(runner, UnloadReason.IDLE if runner.keep_alive_s is None
+                             else UnloadReason.KEEP_ALIVE)
+
+    def _demand(self, slot: Slot) -> None:
+        """A request found the on-demand slot stopped: it loads."""
+        runner = self.runners.get(slot.name)
+        if runner is not None and runner.slot is slot:
+            self._start_if_resting(runner)
+
+    def _start_if_resting(self, runner: Runner) -> None:
+        if self._stopping or runner.busy or runner.slot.state is not SlotState.STOPPED:
+            return
+        self.tell(runner, Event.START)
+
+    async def _exit_seen(self, slot: Slot) -> bool:
+        """A lease's connect to the slot was refused: True once its process is seen gone (at
+        once when it is gone or being started again), False when it still runs after
+        EXIT_SEEN_S."""
+        runner = self.runners.get(slot.name)
+        if runner is None or runner.slot is not slot or self._stopping:
+            return False
+        child = runner.child
+        if child is None or slot.state is SlotState.STARTING:
+            return True
+        return await child.exited_within(EXIT_SEEN_S)
+
+    def _unload_now(self, runner: Runner, reason: UnloadReason) -> None:
+        slot = runner.slot
+        if slot.state is SlotState.STOPPED and runner.busy:
+            assert runner.job is not None
+            runner.job.cancel()  # a load still waiting for its group's room
+            return
+        if not allows(slot.state, Event.UNLOAD) or slot.state is SlotState.STOPPING:
+            return
+        runner.unloading = reason
+        self.tell(runner, Event.UNLOAD, f"unloading ({reason})")
+
+    def sweep_caches(self) -> None:
+        """The saved caches no slot's command reads any more, deleted (prompt_cache.sweep)."""
+        if self.cache_root is not None:
+            prompt_cache.sweep(self.cache_root, [*self.configs.values(),
+                                                 *(r.config for r in self.runners.values())])
+
+    # -- probing -----------------------------------------------------------------------------
+
+    async def probe_once(self, name: str) -> None:
+        """Asks the slot's upstream once and tells the answer, `probe_ok` or `probe_failed`,
+        like every other task: after a shutdown the teller refuses it."""
+        slot = self.table.get(name)
+        config = self.configs.get(name)
+        if slot is None or config is None:
+            return  # removed by a reload while this probe round was starting
+        runner = self.runners.get(name)
+        if runner is not None and (runner.child is None or runner.busy):
+            return  # no process to ask, or its own start or stop owns the slot now
+        if slot.in_flight:
+            # Requests in flight already show the upstream alive (the stall guard watches them),
+            # and llama-cpp-python's server interrupts a running completion for any request.
+            return
+        if slot.state not in (SlotState.OFFLINE, SlotState.READY, SlotState.ERROR):
+            return
+        child = runner.child if runner else None
+        reason = await probe(self.client, config)
+        if self.table.get(name) is not slot or self.configs.get(name) is not config:
+            return  # a reload replaced the slot meanwhile: this answer is about the old one
+        if runner is not None and (runner.child is not child or runner.busy):
+            return  # its process changed meanwhile
+        event = Event.PROBE_OK if reason is None else Event.PROBE_FAILED
+        if not allows(slot.state, event):
+            return
+        if runner is not None:
+            self.tell(runner, event, reason)
+        else:
+            self._step(slot, event, reason)  # a slot without a command: no actions to carry out
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            await asyncio.gather(*(self.probe_once(name) for name in list(self.configs)))
