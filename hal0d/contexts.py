@@ -24,7 +24,6 @@ from hal0d.forward.modes import AnthropicModes, ResponsesModes
 from hal0d.forward.placement import Placement
 from hal0d.lifecycle.manager import LifecycleManager
 from hal0d.lifecycle.remote import RemoteModels
-from hal0d.lifecycle.runner import log_state_change
 from hal0d.lifecycle.slots import SlotTable
 from hal0d.observability.events import SlotFeed, SlotViews
 from hal0d.observability.history import HistoryWriter
@@ -65,7 +64,7 @@ async def dispatch_context(app: web.Application) -> AsyncIterator[None]:
     closes (the probes use it to the end)."""
     config = app[RUNTIME].current.config
     upstreams = UpstreamClient.create(config.dispatcher)
-    table = SlotTable(config.slots, on_change=log_state_change)
+    table = SlotTable(config.slots)
     app[SLOTS] = table
     recorder = app[RECORDER]  # recorder_context runs first (make_app's order)
     remote = RemoteModels(upstreams)
@@ -80,27 +79,15 @@ async def dispatch_context(app: web.Application) -> AsyncIterator[None]:
     lifecycle = LifecycleManager(table, config.slots, upstreams, groups=config.groups,
                                  end_streams=dispatch.end_streams, warmth=affinity,
                                  cache_root=cache_root(config.database_path()))
-    lifecycle.observers.append(recorder.prom.lifecycle)
     app[LIFECYCLE] = lifecycle
     views = SlotViews(lifecycle.slot_view)
-    lifecycle.observers.append(views)  # before the feed: its `load` events find views current
     app[VIEWS] = views
     feed = SlotFeed(app[EVENTS], views)
-    for slot in table:
-        feed.watch(slot)
-        placement.cooldowns.watch(slot)
-    lifecycle.slot_added.append(feed.watch)
-    lifecycle.slot_reconfigured.append(feed.reconfigured)
-    lifecycle.slot_added.append(placement.cooldowns.watch)
-    lifecycle.slot_reconfigured.append(placement.cooldowns.reconfigured)
-    lifecycle.observers.append(feed)
     recorder.listeners.append(feed.request_finished)
     past = LifecycleLog(keep=recorder.history.submit)
     past.restore(await recorder.history.lifecycle_since(time.time() - past.keep_s))
-    lifecycle.observers.append(past)
-    for slot in table:
-        past.watch(slot)
-    lifecycle.slot_added.append(past.watch)
+    for observer in (recorder.prom.lifecycle, views, feed, placement.cooldowns, past):
+        lifecycle.subscribe(observer)
     app[appkeys.TIMELINE] = Timeline(past, FreeMemory())
     try:
         await lifecycle.start()

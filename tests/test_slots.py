@@ -31,13 +31,26 @@ class Cfg:
 Change = tuple[str, SlotState, SlotState, "str | None"]
 
 
+class Seen:
+    """A slot's observer that keeps each state change; a given `fail` raises on each."""
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.changes: list[Change] = []
+        self.fail = fail
+
+    def state_changed(self, slot: Slot, old: SlotState, new: SlotState,
+                      reason: str | None) -> None:
+        if self.fail is not None:
+            raise self.fail
+        self.changes.append((slot.name, old, new, reason))
+
+    def counts_changed(self, slot: Slot) -> None:
+        pass
+
+
 def make_slot(state: SlotState = S.READY, **kw: object) -> tuple[Slot, list[Change]]:
-    changes: list[Change] = []
-
-    def listen(slot: Slot, old: SlotState, new: SlotState, reason: str | None) -> None:
-        changes.append((slot.name, old, new, reason))
-
-    return Slot(Cfg(**kw), on_change=listen, state=state), changes  # type: ignore[arg-type]
+    seen = Seen()
+    return Slot(Cfg(**kw), observer=seen, state=state), seen.changes  # type: ignore[arg-type]
 
 
 async def settle() -> None:
@@ -182,10 +195,8 @@ def test_answering_again_lands_in_serving_when_leases_are_in_flight() -> None:
 
 
 def test_a_failing_listener_does_not_wedge_admission() -> None:
-    def boom(slot: Slot, old: SlotState, new: SlotState, reason: str | None) -> None:
-        raise RuntimeError("metrics broke")
-
-    slot = Slot(Cfg(), on_change=boom, state=S.STARTING)
+    slot = Slot(Cfg(), observer=Seen(fail=RuntimeError("metrics broke")),  # type: ignore[arg-type]
+                state=S.STARTING)
     slot.handle(E.ANSWERED)
     assert slot.state is S.READY
 
@@ -513,18 +524,17 @@ async def test_two_hundred_leases_with_a_random_half_cancelled_leave_nothing_beh
 
 
 def test_slot_table_looks_up_iterates_and_snapshots() -> None:
-    seen: list[Change] = []
-    table = SlotTable(
-        [Cfg(name="a", max_concurrent=2), Cfg(name="b")],
-        on_change=lambda s, o, n, r: seen.append((s.name, o, n, r)),
-    )
+    table = SlotTable([Cfg(name="a", max_concurrent=2), Cfg(name="b")])  # type: ignore[list-item]
+    seen = Seen()
+    for slot in table:
+        slot.observer = seen  # as the lifecycle manager gives each slot its observers
     assert table.names() == ["a", "b"]
     assert [s.name for s in table] == ["a", "b"]
     assert len(table) == 2 and "a" in table and "z" not in table
     assert table.get("z") is None
     assert table["a"] is table.get("a")
     table["a"].handle(E.PROBE_FAILED, "probe: refused")
-    assert seen == [("a", S.OFFLINE, S.ERROR, "probe: refused")]
+    assert seen.changes == [("a", S.OFFLINE, S.ERROR, "probe: refused")]
     assert table.snapshot() == [
         {
             "name": "a",

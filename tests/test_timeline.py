@@ -129,12 +129,12 @@ def test_a_slot_in_error_has_error_spans_until_it_answers_and_the_hour_infers_on
     now = [10_000.0]
     log = LifecycleLog(keep_s=3600, clock=lambda: now[0])
     gone: Any = SimpleNamespace(name="gone")  # a slot without a command: probes only
-    log.slot_changed(gone, SlotState.OFFLINE, SlotState.ERROR, "cannot connect")
+    log.state_changed(gone, SlotState.OFFLINE, SlotState.ERROR, "cannot connect")
     now[0] += 10
-    log.slot_changed(gone, SlotState.ERROR, SlotState.READY, None)
+    log.state_changed(gone, SlotState.ERROR, SlotState.READY, None)
     now[0] += 10
-    log.slot_changed(gone, SlotState.READY, SlotState.ERROR, "probe failed")
-    log.slot_changed(gone, SlotState.ERROR, SlotState.ERROR, "still failing")  # no news
+    log.state_changed(gone, SlotState.READY, SlotState.ERROR, "probe failed")
+    log.state_changed(gone, SlotState.ERROR, SlotState.ERROR, "still failing")  # no news
     assert [(e["kind"], e.get("old")) for e in log.events(0)] == [
         ("error", "offline"), ("recovered", None), ("error", "ready")]
     spans = [(s.state, s.start - 10_000, None if s.end is None else s.end - 10_000)

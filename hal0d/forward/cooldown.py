@@ -16,8 +16,9 @@ import time
 from dataclasses import dataclass
 from typing import Final
 
-from hal0d.lifecycle.machine import SlotState
+from hal0d.lifecycle.observers import LifecycleObserver
 from hal0d.lifecycle.slots import Slot
+from hal0d.lifecycle.vocabulary import UP, SlotState
 from hal0d.logs import get_logger
 
 log = get_logger()
@@ -27,7 +28,6 @@ COOLDOWN_MAX_S: Final = 300.0
 # The hand-on reasons that say the slot does not answer at all (not a busy or a loading one).
 NOT_ANSWERING: Final = frozenset({"first_byte_timeout", "connect_refused", "connect_failed",
                                   "timeout", "disconnected", "unavailable"})
-_UP: Final = frozenset({SlotState.READY, SlotState.SERVING})
 
 
 @dataclass
@@ -39,7 +39,7 @@ class _Failing:
     reason: str
 
 
-class Cooldowns:
+class Cooldowns(LifecycleObserver):
     """The route members that did not answer, and until when each goes last."""
 
     def __init__(self) -> None:
@@ -73,15 +73,12 @@ class Cooldowns:
             log.warning("route.slot_recovered", slot=slot, how=how, failures=failing.failures,
                         failing_s=round(time.monotonic() - failing.since, 1))
 
-    def watch(self, slot: Slot) -> None:
-        slot.watchers.append(self.state_changed)
-
-    def reconfigured(self, slot: Slot) -> None:
+    def slot_reconfigured(self, slot: Slot) -> None:
         """A reload changed the slot: what its old upstream did says nothing of the new one."""
         self._failing.pop(slot.name, None)
 
     def state_changed(self, slot: Slot, old: SlotState, new: SlotState,
                       reason: str | None) -> None:
-        """A slot watcher: the probe found a failing slot answering again."""
-        if new in _UP and old is SlotState.ERROR and slot.name in self._failing:
+        """The probe found a failing slot answering again."""
+        if new in UP and old is SlotState.ERROR and slot.name in self._failing:
             self.answered(slot.name, "its probe answered")

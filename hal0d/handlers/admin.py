@@ -20,7 +20,7 @@ from hal0d.forward import Dispatch
 from hal0d.front import access
 from hal0d.lifecycle.manager import LifecycleManager
 from hal0d.lifecycle.slots import Slot, SlotState
-from hal0d.lifecycle.vocabulary import UnloadReason
+from hal0d.lifecycle.vocabulary import UP, UnloadReason
 from hal0d.logs import get_logger
 from hal0d.observability import events as feed
 from hal0d.observability.requestinfo import INFO
@@ -33,7 +33,6 @@ MAX_HISTORY_ROWS = 1000
 # A comment this often keeps a quiet feed's connection from looking dead to proxies and readers.
 HEARTBEAT_S = 15.0
 # The states in which a slot takes a request without waiting for a start or a recovery.
-READY_STATES = frozenset({SlotState.READY, SlotState.SERVING})
 
 log = get_logger()
 
@@ -52,7 +51,7 @@ async def readyz(request: web.Request) -> web.Response:
     """Readiness: 200 when at least one slot can take a request now, else 503, so a load
     balancer or `curl --fail` sends traffic only where it can be served."""
     table = request.app[SLOTS]
-    ready = any(slot.state in READY_STATES or loadable(slot) for slot in table)
+    ready = any(slot.state in UP or loadable(slot) for slot in table)
     detailed = access.may_see_details(request, request.app[RUNTIME].current.keys)
     slots = [
         {"name": slot.name, "state": str(slot.state), "reason": slot.reason}

@@ -220,8 +220,7 @@ class LoadJobs(Teller):
             me.turn_wait(False)
         log.info(f"swap.{swap.phase}", group=swap.group, slot=swap.slot, victim=swap.victim,
                  waited_s=swap.waited_s, why=swap.why)
-        for observer in self.observers:
-            observer.swap(swap)
+        self.observers.swap(swap)
 
     async def _settled(self, name: str) -> None:
         runner = self.runners.get(name)

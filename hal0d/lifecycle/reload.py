@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 from hal0d.config import GroupConfig, SlotConfig
 from hal0d.lifecycle.machine import Event, allows
-from hal0d.lifecycle.runner import Runner, drain, log_state_change
-from hal0d.lifecycle.slots import Slot, SlotTable
+from hal0d.lifecycle.runner import Runner, drain
+from hal0d.lifecycle.slots import Slot, SlotObserver, SlotTable
 from hal0d.lifecycle.teller import Teller
 from hal0d.lifecycle.vocabulary import SlotState, UnloadReason
 
@@ -107,11 +107,10 @@ def step(before: SlotConfig, after: SlotConfig, runner: Runner | None) -> Step:
     return Step.UNLOAD
 
 
-def added_slot(table: SlotTable, config: SlotConfig) -> Slot:
-    """A slot the reload adds, in the table: told of its changes by whatever listener the
-    first slots were given (contexts.dispatch_context wires one)."""
-    listener = next((slot.on_change for slot in table), log_state_change)
-    slot = Slot(config, on_change=listener)
+def added_slot(table: SlotTable, config: SlotConfig, observer: SlotObserver) -> Slot:
+    """A slot the reload adds, in the table, telling its changes to `observer` as the first
+    slots do (the manager's observers)."""
+    slot = Slot(config, observer=observer)
     table.add(slot)
     return slot
 
@@ -141,10 +140,9 @@ class Reloads(Teller):
         self.groups.replace(diff.groups)
         plain: list[str] = []
         for config in diff.added:
-            slot = added_slot(self.table, config)
+            slot = added_slot(self.table, config, self.observers)
             adopted = self._adopt(config)
-            for tell in self.slot_added:
-                tell(slot)
+            self.observers.slot_added(slot)
             if adopted is None:
                 plain.append(config.name)
             else:
@@ -154,8 +152,7 @@ class Reloads(Teller):
             self._remove(name, drain_s)
         for config in diff.changed:
             self._change(config, drain_s)
-            for tell in self.slot_reconfigured:
-                tell(self.table[config.name])
+            self.observers.slot_reconfigured(self.table[config.name])
         for runner in self.runners.values():  # the groups' members as the reload left them
             runner.slot.turn_wait_s = self.turn_wait_s(runner.config)
         self.sweep_caches()
@@ -221,8 +218,6 @@ class Reloads(Teller):
             del self.runners[runner.name]
             runner.slot.demand = None
             runner.slot.exit_seen = None
-            runner.slot.watchers.remove(self._on_change)
-            runner.slot.count_watchers.remove(self._on_counts)
             runner.slot.turn_wait_s = 0.0
             self._spawn(self.probe_once(runner.name))
             return

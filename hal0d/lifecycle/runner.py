@@ -12,16 +12,16 @@ import collections
 import contextvars
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, Protocol
+from typing import Final
 
 from hal0d.config import SlotConfig
+from hal0d.lifecycle.observers import LifecycleObserver
 from hal0d.lifecycle.probe import port_taken, until_answering
 from hal0d.lifecycle.process import Child, LaunchFailed, resolve_program
 from hal0d.lifecycle.prompt_cache import PromptCache, Warmth, make_folder
-from hal0d.lifecycle.room import Swap
 from hal0d.lifecycle.slots import Slot
 from hal0d.lifecycle.vocabulary import LoadPhase, SlotState, Started, UnloadReason
 from hal0d.logs import get_logger
@@ -39,28 +39,7 @@ HEALTHY_RUN_S: Final = 60.0
 LOAD_HISTORY: Final = 5
 
 
-class LifecycleObserver(Protocol):
-    """Told what the manager does, for the event feed and the metrics (never the slot's own
-    state changes: those reach Slot.watchers)."""
-
-    def load_phase(self, slot: str, phase: LoadPhase, elapsed_s: float,
-                   reason: str | None) -> None:
-        """A start's phase; repeated every LOAD_TICK_S while it lasts."""
-
-    def unloaded(self, slot: str, reason: UnloadReason, loaded_s: float | None) -> None: ...
-
-    def swap(self, swap: Swap) -> None:
-        """A step of a swap in a group: planned, started (the victim drains), done."""
-
-
 PhaseTeller = Callable[[str, "LoadPhase", float, "str | None"], None]
-
-
-def log_state_change(slot: Slot, old: SlotState, new: SlotState, reason: str | None) -> None:
-    if new == SlotState.SERVING or (old == SlotState.SERVING and new == SlotState.READY):
-        return  # every lease would log twice; in_flight is in /api/slots and /metrics instead
-    level = log.warning if new == SlotState.ERROR else log.info
-    level("slot.state_changed", slot=slot.name, old=str(old), new=str(new), reason=reason)
 
 
 def no_request() -> contextvars.Context:
@@ -287,7 +266,7 @@ class Runner:
         return self.child
 
     async def wind_down(self, start: asyncio.Task[None] | None,
-                        observers: Iterable[LifecycleObserver], client: UpstreamClient) -> None:
+                        observers: LifecycleObserver, client: UpstreamClient) -> None:
         """An unload's (or a replace's) steps: the start it interrupts cancelled, the requests
         in flight drained, the prompt caches saved, the process stopped, the observers told."""
         slot, reason = self.slot, self.unloading
@@ -307,11 +286,9 @@ class Runner:
         if self.cause is None:
             self.backoff.reset()  # a clean stop: the next start owes nothing to earlier ones
         log.info("slot.unloaded", slot=self.name, reason=str(reason), loaded_s=loaded_s)
-        for observer in observers:
-            observer.unloaded(self.name, reason, loaded_s)
+        observers.unloaded(self.name, reason, loaded_s)
 
-    async def shut_down(self, observers: Iterable[LifecycleObserver],
-                        client: UpstreamClient) -> None:
+    async def shut_down(self, observers: LifecycleObserver, client: UpstreamClient) -> None:
         """hal0d stops: the prompt caches saved, the process stopped, the observers told of a
         load it ends."""
         loaded = self.child is not None
@@ -320,8 +297,7 @@ class Runner:
         await self.stop_child()
         if loaded and self.config.on_demand:
             log.info("slot.unloaded", slot=self.name, reason=str(UnloadReason.SHUTDOWN))
-            for observer in observers:
-                observer.unloaded(self.name, UnloadReason.SHUTDOWN, None)
+            observers.unloaded(self.name, UnloadReason.SHUTDOWN, None)
 
     async def stop_child(self) -> None:
         self.loaded_at = None

@@ -94,7 +94,14 @@ class SlotLimits(Protocol):
     def models(self) -> tuple[str, ...]: ...
 
 
-StateListener = Callable[["Slot", SlotState, SlotState, "str | None"], None]
+class SlotObserver(Protocol):
+    """Who a slot tells its changes (lifecycle/observers.py: the manager's, then every
+    subscriber's)."""
+
+    def state_changed(self, slot: Slot, old: SlotState, new: SlotState,
+                      reason: str | None) -> None: ...
+
+    def counts_changed(self, slot: Slot) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +117,7 @@ class Slot:
         self,
         config: SlotLimits,
         *,
-        on_change: StateListener | None = None,
+        observer: SlotObserver | None = None,
         state: SlotState = SlotState.OFFLINE,
     ) -> None:
         self.config = config
@@ -118,9 +125,8 @@ class Slot:
         self.state = state
         self.reason: str | None = None
         self.in_flight = 0
-        self.on_change = on_change
-        # Further listeners (the lifecycle manager, the event feed), told after on_change.
-        self.watchers: list[StateListener] = []
+        # Told each change of state and of counts; set by the lifecycle manager, once.
+        self.observer = observer
         # Set by the lifecycle manager on an on-demand slot: told when a request finds it
         # stopped, so that it loads the slot.
         self.demand: Callable[[Slot], None] | None = None
@@ -135,10 +141,6 @@ class Slot:
         # Which run of the slot's process it serves: one more each time the lifecycle launches
         # one, so that what was learnt of an earlier process (modes.py) is asked anew.
         self.generation = 0
-        # Told when in_flight or queued changed (the event feed coalesces these).
-        self.on_counts: Callable[[Slot], None] | None = None
-        # Further listeners of the counts (the lifecycle manager: a swap waits on them).
-        self.count_watchers: list[Callable[[Slot], None]] = []
         # Set by the lifecycle manager in a group whose loads wait for their turn: the longest
         # that wait may be, added to a waiter's bound while the slot is not up.
         self.turn_wait_s = 0.0
@@ -206,11 +208,10 @@ class Slot:
         return rule
 
     def _notify(self, old: SlotState, new: SlotState, reason: str | None) -> None:
-        listeners = [self.on_change, *self.watchers] if self.on_change else self.watchers
-        for listener in listeners:
+        if self.observer is not None:
             # A broken hook must not wedge admission halfway through a grant or a release.
             try:
-                listener(self, old, new, reason)
+                self.observer.state_changed(self, old, new, reason)
             except Exception:
                 log.exception("slot.listener_failed", slot=self.name, old=old, new=new)
 
@@ -320,10 +321,8 @@ class Slot:
                 and not self._held())
 
     def _counts(self) -> None:
-        if self.on_counts is not None:
-            self.on_counts(self)
-        for watcher in self.count_watchers:
-            watcher(self)
+        if self.observer is not None:
+            self.observer.counts_changed(self)
 
     def _take(self) -> None:
         self.in_flight += 1
@@ -488,14 +487,12 @@ class _LeaseContext:
 class SlotTable:
     """Every configured slot by name, in config order."""
 
-    def __init__(
-        self, configs: Iterable[SlotLimits], *, on_change: StateListener | None = None
-    ) -> None:
+    def __init__(self, configs: Iterable[SlotLimits]) -> None:
         self._slots: dict[str, Slot] = {}
         for config in configs:
             if config.name in self._slots:
                 raise ValueError(f"duplicate slot name {config.name!r}")
-            self._slots[config.name] = Slot(config, on_change=on_change)
+            self._slots[config.name] = Slot(config)
 
     def get(self, name: str) -> Slot | None:
         return self._slots.get(name)

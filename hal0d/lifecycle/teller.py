@@ -21,10 +21,11 @@ from hal0d.config import GroupConfig, SlotConfig
 from hal0d.lifecycle import prompt_cache
 from hal0d.lifecycle.groups import Groups
 from hal0d.lifecycle.machine import Action, Event, allows
+from hal0d.lifecycle.observers import LifecycleObserver, Observers
 from hal0d.lifecycle.probe import probe
 from hal0d.lifecycle.prompt_cache import Warmth
 from hal0d.lifecycle.room import Member, wait_bound_s
-from hal0d.lifecycle.runner import LifecycleObserver, Runner
+from hal0d.lifecycle.runner import Runner
 from hal0d.lifecycle.slots import Slot, SlotTable
 from hal0d.lifecycle.vocabulary import UP, LoadPhase, SlotState, UnloadReason
 from hal0d.logs import get_logger
@@ -62,18 +63,21 @@ class Teller:
         # Ends the in-flight streams of a slot with their surface's terminal frame (a forced
         # unload); returns how many it ended.
         self.end_streams = end_streams
-        self.observers: list[LifecycleObserver] = []
+        # Everyone told what the lifecycle does (subscribe), the manager's own reactions first.
+        self.observers = Observers(own=self)
         # The conversations slots hold warm, and where their saved caches live (prompt_cache.py).
         self.warmth = warmth
         self.cache_root = cache_root
-        # Told of each slot a reload adds, once the manager has it (the event feed watches it).
-        self.slot_added: list[Callable[[Slot], None]] = []
-        # Told of each slot a reload changed, once its view has the new config (the event feed).
-        self.slot_reconfigured: list[Callable[[Slot], None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
+        for slot in table:
+            slot.observer = self.observers
         for config in configs:
             self._adopt(config)
+
+    def subscribe(self, observer: LifecycleObserver) -> None:
+        """`observer` is told what the lifecycle does from now on, every slot there is first."""
+        self.observers.subscribe(observer, self.table)
 
     # -- the one teller ----------------------------------------------------------------------
 
@@ -107,8 +111,7 @@ class Teller:
 
     def tell_phase(self, slot: str, phase: LoadPhase, elapsed_s: float,
                    reason: str | None) -> None:
-        for observer in self.observers:
-            observer.load_phase(slot, phase, elapsed_s, reason)
+        self.observers.load_phase(slot, phase, elapsed_s, reason)
 
     def _spawn(self, coro: Any) -> asyncio.Task[None]:
         """A task of the manager's own (stop() cancels what is left of them)."""
@@ -134,8 +137,6 @@ class Teller:
             return None
         slot = self.table[config.name]
         runner = self.runners[config.name] = Runner(slot, config, warmth=self.warmth)
-        slot.watchers.append(self._on_change)
-        slot.count_watchers.append(self._on_counts)
         slot.demand = self._demand if config.on_demand else None
         slot.exit_seen = self._exit_seen
         self.refresh_bounds(config.group)  # its wait bound, and its group's others' with it
@@ -177,7 +178,8 @@ class Teller:
         for member in members:
             member.slot.turn_wait_s = bound if member.evictable else 0.0
 
-    def _on_change(self, slot: Slot, old: SlotState, new: SlotState, reason: str | None) -> None:
+    def state_changed(self, slot: Slot, old: SlotState, new: SlotState,
+                      reason: str | None) -> None:
         """The idle timer of an on-demand slot: armed while it is ready, cancelled otherwise;
         and its group told (a swap may wait for this slot's work to end)."""
         runner = self.runners.get(slot.name)
@@ -191,7 +193,7 @@ class Teller:
         else:
             runner.disarm_idle()
 
-    def _on_counts(self, slot: Slot) -> None:
+    def counts_changed(self, slot: Slot) -> None:
         runner = self.runners.get(slot.name)
         if runner is not None and runner.slot is slot:
             self.groups.poke(runner.config.group)

@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 
-from hal0d.lifecycle.slots import Slot, SlotState
+from hal0d.lifecycle.observers import LifecycleObserver
+from hal0d.lifecycle.slots import Slot
+from hal0d.lifecycle.vocabulary import SlotState
 from hal0d.protocol import sse
 
 if TYPE_CHECKING:
@@ -135,7 +137,7 @@ class EventHub:
 SlotView = Callable[[Slot], dict[str, Any]]
 
 
-class SlotViews:
+class SlotViews(LifecycleObserver):
     """A slot's view as every reader gets it (/api/slots, the feed's `hello` and `slot` events):
     the lifecycle manager's view plus, while the slot loads, its load's phase (`load`: phase,
     elapsed_s, ts), which the manager tells only as events. So `hal0d status` and a page opened
@@ -166,7 +168,7 @@ class SlotViews:
         """A swap shows in the views through pending_swap and its slots' states."""
 
 
-class SlotFeed:
+class SlotFeed(LifecycleObserver):
     """Publishes `slot`, `load`, `unload`, `swap` and `request` events on a hub.
 
     Each `slot` event carries the slot's whole /api/slots view (`view`), so a reader can keep a
@@ -176,13 +178,6 @@ class SlotFeed:
         self.hub = hub
         self.view = view
         self._counting: dict[str, Slot] = {}  # slots whose counts changed since the last tell
-
-    def watch(self, slot: Slot) -> None:
-        """Publish the slot's state changes (told after the lifecycle manager's own listener, so the
-        view already holds what it makes of the change) and, coalesced, its counts."""
-        if self.slot_changed not in slot.watchers:
-            slot.watchers.append(self.slot_changed)
-        slot.on_counts = self.counts_changed
 
     def counts_changed(self, slot: Slot) -> None:
         """in_flight or queued changed: told at most every COUNTS_EVERY_S per slot, so a busy
@@ -198,8 +193,10 @@ class SlotFeed:
             self.hub.publish("counts", {"ts": time.time(), "slot": name,
                                         "in_flight": slot.in_flight, "queued": slot.queued})
 
-    def slot_changed(self, slot: Slot, old: SlotState, new: SlotState, reason: str | None
-                     ) -> None:
+    def state_changed(self, slot: Slot, old: SlotState, new: SlotState, reason: str | None
+                      ) -> None:
+        """Published with the slot's view (the lifecycle manager's own reactions come first,
+        so the view already holds what it makes of the change)."""
         if not self.hub.listened:
             return  # a busy slot changes state twice a request: the view is built for readers only
         self.hub.publish("slot", {
@@ -208,10 +205,10 @@ class SlotFeed:
             "view": self.view(slot),
         })
 
-    def reconfigured(self, slot: Slot) -> None:
+    def slot_reconfigured(self, slot: Slot) -> None:
         """A reload changed the slot's config: its view, in a `slot` event with its state as
         it is (old = new)."""
-        self.slot_changed(slot, slot.state, slot.state, "reloaded")
+        self.state_changed(slot, slot.state, slot.state, "reloaded")
 
     # LifecycleObserver (lifecycle/manager.py)
     def load_phase(self, slot: str, phase: LoadPhase, elapsed_s: float,

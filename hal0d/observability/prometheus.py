@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from hal0d.lifecycle.observers import LifecycleObserver
 from hal0d.lifecycle.room import Swap
 from hal0d.lifecycle.slots import SlotState, SlotTable
 from hal0d.lifecycle.vocabulary import LOADED, LoadPhase, SwapPhase, UnloadReason
@@ -117,7 +118,7 @@ class LifecycleCollector(Collector):
         yield from (loaded, memory)
 
 
-class LifecycleMetrics:
+class LifecycleMetrics(LifecycleObserver):
     """The lifecycle manager's observer (LifecycleObserver): loads by outcome, their duration,
     unloads by reason, and each group's swaps with the wait for a turn they ended."""
 

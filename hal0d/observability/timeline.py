@@ -32,7 +32,9 @@ import orjson
 
 from hal0d.config import GroupConfig
 from hal0d.lifecycle.groups import free_memory_mib
-from hal0d.lifecycle.slots import Slot, SlotState
+from hal0d.lifecycle.observers import LifecycleObserver
+from hal0d.lifecycle.slots import Slot
+from hal0d.lifecycle.vocabulary import UP, SlotState
 from hal0d.observability.history import LifecycleRow
 
 if TYPE_CHECKING:
@@ -44,7 +46,6 @@ SIZE: Final = 2000
 FREE_MEMORY_EVERY_S: Final = 30.0
 LOADING_PHASES: Final = frozenset({"waiting_for_room", "starting", "probing"})
 AT_REST: Final = frozenset({SlotState.STOPPED, SlotState.OFFLINE})
-UP: Final = frozenset({SlotState.READY, SlotState.SERVING})
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +57,7 @@ class Span:
     outcome: str | None = None  # how a loading span ended: loaded, failed, withdrawn
 
 
-class LifecycleLog:
+class LifecycleLog(LifecycleObserver):
     def __init__(self, keep_s: float = KEEP_S, size: int = SIZE,
                  clock: Callable[[], float] = time.time,
                  keep: Callable[[LifecycleRow], None] | None = None) -> None:
@@ -121,13 +122,9 @@ class LifecycleLog:
         self._add(swap.slot, "swap", phase=str(swap.phase), group=swap.group,
                   victim=swap.victim, reason=swap.why, waited_s=swap.waited_s)
 
-    # A slot's watcher: a process that exited and was not started again
-    def watch(self, slot: Slot) -> None:
-        if self.slot_changed not in slot.watchers:
-            slot.watchers.append(self.slot_changed)
-
-    def slot_changed(self, slot: Slot, old: SlotState, new: SlotState, reason: str | None
-                     ) -> None:
+    # A process that exited and was not started again
+    def state_changed(self, slot: Slot, old: SlotState, new: SlotState, reason: str | None
+                      ) -> None:
         if new in AT_REST and (slot.name in self._up or old is SlotState.ERROR):
             self._up.discard(slot.name)
             self._add(slot.name, "stopped", reason=reason, old=str(old))
