@@ -12,7 +12,7 @@ from aiohttp import web
 
 from hal0d.front.heads import HeadWatch
 from hal0d.keys import KeyLimits
-from hal0d.lifecycle.slots import SlotTable
+from hal0d.lifecycle.table import SlotTable
 from hal0d.response_owners import ResponseOwners
 from hal0d.routing import RuntimeRef
 from hal0d.transport.props import UpstreamProps

@@ -24,7 +24,7 @@ from hal0d.forward.modes import AnthropicModes, ResponsesModes
 from hal0d.forward.placement import Placement
 from hal0d.lifecycle.manager import LifecycleManager
 from hal0d.lifecycle.remote import RemoteModels
-from hal0d.lifecycle.slots import SlotTable
+from hal0d.lifecycle.table import SlotTable
 from hal0d.observability.events import SlotFeed, SlotViews
 from hal0d.observability.history import HistoryWriter
 from hal0d.observability.recorder import Recorder

@@ -30,7 +30,7 @@ from structlog.testing import capture_logs
 from hal0d.config import SlotConfig
 from hal0d.lifecycle.manager import LifecycleManager
 from hal0d.lifecycle.process import PARENT_DEATH_SIGNAL, PRCTL
-from hal0d.lifecycle.slots import SlotTable
+from hal0d.lifecycle.table import SlotTable
 from hal0d.transport.upstream import UpstreamClient
 from tests.conftest import free_port, kill_with_its_group, process_state, running
 

@@ -11,7 +11,8 @@ import pytest
 from hal0d.errors import QueueFull, SlotLoading
 from hal0d.lifecycle.machine import RULES, UP, Action, Event, IllegalEvent, allows
 from hal0d.lifecycle.manager import LifecycleManager
-from hal0d.lifecycle.slots import Lease, Slot, SlotState, SlotTable
+from hal0d.lifecycle.slots import Lease, Slot, SlotState
+from hal0d.lifecycle.table import SlotTable
 
 S = SlotState
 E = Event

@@ -67,7 +67,8 @@ from hal0d.forward.keepalive import Waiting
 from hal0d.forward.modes import AnthropicModes, ResponsesModes
 from hal0d.forward.placement import Placement
 from hal0d.keys import KEY
-from hal0d.lifecycle.slots import LOADING, Lease, SlotTable
+from hal0d.lifecycle.slots import LOADING, Lease
+from hal0d.lifecycle.table import SlotTable
 from hal0d.logs import get_logger
 from hal0d.observability.requestinfo import INFO, RequestInfo, client_of
 from hal0d.protocol.transform import Transform

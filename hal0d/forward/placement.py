@@ -22,7 +22,7 @@ from hal0d.conversations import Affinity
 from hal0d.forward.cooldown import Cooldowns
 from hal0d.lifecycle.machine import SlotState
 from hal0d.lifecycle.remote import KIND_HAL0D, RemoteModels
-from hal0d.lifecycle.slots import SlotTable
+from hal0d.lifecycle.table import SlotTable
 from hal0d.routing import Plan, Route
 
 # A slot in these states answers without a load.

@@ -38,10 +38,7 @@ class LoadJobs(Teller):
     """The manager's load and stop jobs, and the room a load makes."""
 
     def _bring_up(self, runner: Runner) -> None:
-        if runner.retry is not None:
-            runner.retry.cancel()
-            runner.retry = None
-        runner.keep_alive_s = None  # a new load (after a crash too): keep_alive was the last one's
+        runner.new_load()
         runner.job_generation += 1
         runner.job = self._spawn(self._start(runner, runner.job_generation))
 
@@ -64,7 +61,7 @@ class LoadJobs(Teller):
             started = Started.WITHDRAWN
         except NoRoom as exc:
             # Not the model's failure: no backoff, and the next request may find room.
-            runner.cause = str(exc)
+            runner.no_room(str(exc))
             log.info("slot.no_room", slot=runner.name, reason=runner.cause)
             progress.enter(LoadPhase.FAILED, runner.cause)
             started = Started.NO_ROOM
@@ -86,7 +83,7 @@ class LoadJobs(Teller):
         elif started is Started.ANSWERED:
             assert runner.child is not None
             self.refresh_bounds(runner.config.group)  # its group's wait bounds learn this load
-            runner.watch = self._spawn(self._watch(runner, runner.child))
+            runner.watched_by(self._spawn(self._watch(runner, runner.child)))
             self.report(runner, generation, Event.ANSWERED)
         elif started is Started.NO_ROOM and not slot.in_flight:
             self.report(runner, generation, Event.NO_ROOM, runner.cause)
@@ -106,11 +103,10 @@ class LoadJobs(Teller):
         """The group's turn, room made in it, then the process brought up in it: None once it
         answers with its caches back, else why not. Withdrawn, NoRoom: as room.py says."""
         slot, config = runner.slot, runner.config
-        urgent, runner.urgent = runner.urgent, False
+        urgent = runner.take_urgent()
         if self.groups.get(config.group) is not None:
             if (problem := launch_problem(config.command or ())) is not None:
-                runner.load_error = problem  # said before any model is unloaded for it
-                return problem
+                return runner.cannot_launch(problem)
             progress.enter(LoadPhase.WAITING_FOR_ROOM)
             slot.turn_wait(True)
         async with self.groups.turn(slot, config.group) as group:
@@ -127,6 +123,8 @@ class LoadJobs(Teller):
                     if not pinned:
                         raise
             slot.turn_wait(False)
+            # A new run of the slot's process: what was learnt of the last one is asked anew.
+            slot.generation += 1
             self.report(runner, generation, Event.LAUNCH, runner.launch_words())
             return await runner.bring_up(self.client, progress)
 

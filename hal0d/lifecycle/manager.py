@@ -40,7 +40,7 @@ from hal0d.lifecycle import views
 from hal0d.lifecycle.load_jobs import FORCED_RETRY_AFTER_S, LoadJobs
 from hal0d.lifecycle.machine import Event
 from hal0d.lifecycle.reload import Reloads
-from hal0d.lifecycle.runner import BACKOFF_FIRST_S, Runner, no_request
+from hal0d.lifecycle.runner import BACKOFF_FIRST_S, Runner
 from hal0d.lifecycle.slots import Slot
 from hal0d.lifecycle.teller import EXIT_SEEN_S
 from hal0d.lifecycle.vocabulary import UP, SlotState
@@ -61,15 +61,12 @@ class LifecycleManager(LoadJobs, Reloads):
     # -- the actions -------------------------------------------------------------------------
 
     def _loaded(self, runner: Runner) -> None:
-        runner.cause = None
-        runner.slot.load_refused = None
+        runner.loaded()
 
     def _retry_later(self, runner: Runner) -> None:
-        runner.retry = asyncio.get_running_loop().call_later(
-            runner.retry_in_s, self._retry, runner, context=no_request())
+        runner.retry_later(self._retry)
 
     def _retry(self, runner: Runner) -> None:
-        runner.retry = None
         if self._stopping or runner.busy or runner.slot.state is not SlotState.ERROR:
             return
         if runner.wanted():
@@ -109,7 +106,7 @@ class LifecycleManager(LoadJobs, Reloads):
         if slot.state not in UP and not self._stopping:
             if not runner.busy and runner.child is None and slot.state in (SlotState.STOPPED,
                                                                             SlotState.ERROR):
-                runner.urgent = True  # an operator's load waits for no batch
+                runner.make_urgent()  # an operator's load waits for no batch
                 self.tell(runner, Event.START)  # at rest, or waiting out a backoff
             job = runner.job
             if job is not None and not job.done():

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from hal0d.config import GroupConfig, SlotConfig
 from hal0d.lifecycle.machine import Event, allows
 from hal0d.lifecycle.runner import Runner, drain
-from hal0d.lifecycle.slots import Slot, SlotObserver, SlotTable
+from hal0d.lifecycle.slots import Slot, SlotObserver
+from hal0d.lifecycle.table import SlotTable
 from hal0d.lifecycle.teller import Teller
 from hal0d.lifecycle.vocabulary import SlotState, UnloadReason
 
@@ -83,9 +84,9 @@ def change(table: SlotTable, configs: dict[str, SlotConfig], runner: Runner | No
     if runner is None:
         return taken
     if taken is Step.RECONFIGURE:
-        runner.config = after
+        runner.take_on(after)
     elif taken is not Step.TAKE_ON:  # taken on once the old process is gone
-        runner.successor, runner.drain_s = after, drain_s
+        runner.succeed_by(after, drain_s)
     return taken
 
 
@@ -154,7 +155,7 @@ class Reloads(Teller):
             self._change(config, drain_s)
             self.observers.slot_reconfigured(self.table[config.name])
         for runner in self.runners.values():  # the groups' members as the reload left them
-            runner.slot.turn_wait_s = self.turn_wait_s(runner.config)
+            self._wire(runner)
         self.sweep_caches()
 
     def _remove(self, name: str, drain_s: float) -> None:
@@ -199,7 +200,7 @@ class Reloads(Teller):
                 # `starting` at once (new requests wait for the new process) while the old one
                 # drains and stops; a slot already stopping takes its successor on when its
                 # process is gone.
-                runner.unloading = UnloadReason.RELOAD
+                runner.unload_for(UnloadReason.RELOAD)
                 self.tell(runner, Event.REPLACE, "replacing its process (reload)")
         else:
             self._unload_now(runner, UnloadReason.RELOAD)
@@ -213,22 +214,18 @@ class Reloads(Teller):
 
     def _take_on(self, runner: Runner, after: SlotConfig) -> None:
         """A reload's config for a runner whose process is gone."""
-        runner.successor = None
         if not after.command:  # now an upstream hal0d only probes
             del self.runners[runner.name]
-            runner.slot.demand = None
-            runner.slot.exit_seen = None
-            runner.slot.turn_wait_s = 0.0
+            self._unwire(runner.slot)
             self._spawn(self.probe_once(runner.name))
             return
-        runner.config, runner.load_error = after, None  # a new config may well load
-        runner.slot.demand = self._demand if after.on_demand else None
-        runner.slot.turn_wait_s = self.turn_wait_s(after)
+        runner.take_on(after)
+        self._wire(runner)
         self.sweep_caches()  # the old command's caches, now that its process is gone
 
     def _unloaded(self, runner: Runner) -> None:
         """The process is gone: a reload's new config is taken on; started again if wanted."""
-        runner.drain_s = None
+        runner.unloaded()
         if runner.successor is not None:
             self._take_on(runner, runner.successor)
         if self.runners.get(runner.name) is runner and runner.wanted():

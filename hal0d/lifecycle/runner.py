@@ -165,6 +165,72 @@ class Runner:
             return None if self.keep_alive_s < 0 else self.keep_alive_s
         return self.config.idle_unload_s or None
 
+    # -- the record's other writers: what the manager's jobs and steps set ------------------
+
+    def _fire(self, fired: Callable[[], None], fire: Callable[[Runner], None]) -> None:
+        fired()
+        fire(self)
+
+    def idle_timer_fired(self) -> None:
+        self.idle_timer = None
+
+    def retry_fired(self) -> None:
+        self.retry = None
+
+    def retry_later(self, fire: Callable[[Runner], None]) -> None:
+        """Its start tried again after the backoff of its last failure."""
+        self.retry = asyncio.get_running_loop().call_later(
+            self.retry_in_s, self._fire, self.retry_fired, fire, context=no_request())
+
+    def new_load(self) -> None:
+        """A start begins (after a crash too): a retry waiting is moot, and a client's
+        keep_alive was the last load's."""
+        if self.retry is not None:
+            self.retry.cancel()
+            self.retry = None
+        self.keep_alive_s = None
+
+    def loaded(self) -> None:
+        """A start answered: its last failure's cause forgotten, loads allowed again."""
+        self.cause = None
+        self.slot.allow_loads()
+
+    def no_room(self, cause: str) -> None:
+        """Its group could not make room: the cause its waiters get (no backoff taken)."""
+        self.cause = cause
+
+    def cannot_launch(self, problem: str) -> str:
+        """Its command cannot be launched: said before any model is unloaded for it."""
+        self.load_error = problem
+        return problem
+
+    def take_urgent(self) -> bool:
+        """Whether this load was asked for by an operator (it waits for no batch); once."""
+        urgent, self.urgent = self.urgent, False
+        return urgent
+
+    def make_urgent(self) -> None:
+        self.urgent = True
+
+    def unload_for(self, reason: UnloadReason) -> None:
+        self.unloading = reason
+
+    def watched_by(self, watch: asyncio.Task[None]) -> None:
+        """The task that waits for its process's exit (the manager's)."""
+        self.watch = watch
+
+    def take_on(self, after: SlotConfig) -> None:
+        """A reload's config, now its own: a new config may well load."""
+        self.config, self.load_error, self.successor = after, None, None
+
+    def succeed_by(self, after: SlotConfig, drain_s: float) -> None:
+        """A reload's config, taken on once its process is gone, which drains for at most
+        `drain_s` first."""
+        self.successor, self.drain_s = after, drain_s
+
+    def unloaded(self) -> None:
+        self.drain_s = None
+
     def cancel_timers(self) -> None:
         for timer in (self.retry, self.idle_timer):
             if timer is not None:
@@ -195,7 +261,7 @@ class Runner:
         if from_last_use:
             idle_s -= time.monotonic() - self.last_used
         self.idle_timer = asyncio.get_running_loop().call_later(
-            max(0.0, idle_s), fire, self, context=no_request())
+            max(0.0, idle_s), self._fire, self.idle_timer_fired, fire, context=no_request())
 
     # -- its process -------------------------------------------------------------------------
 

@@ -53,7 +53,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, Protocol
@@ -225,6 +225,10 @@ class Slot:
             self.load_refused = (time.monotonic() + retry_after_s, cause)
         self.fail_waiters(SlotLoadFailed(self._load_failure(cause), retry_after=retry_after_s))
 
+    def allow_loads(self) -> None:
+        """A start answered: no failure refuses requests any more."""
+        self.load_refused = None
+
     def hold(self, cause: str) -> None:
         """Its process exited and is started again: nothing is granted until the new one answers
         (nothing listens there meanwhile, and another program that took the port must not
@@ -311,10 +315,10 @@ class Slot:
 
     # -- admission ---------------------------------------------------------------------------
 
-    def lease(self, client: str = ANONYMOUS) -> _LeaseContext:
+    def lease(self, client: str = ANONYMOUS) -> LeaseContext:
         """``async with slot.lease() as lease:`` holds one unit of capacity for the block;
         `client` is whose turn the request waits for in the queue."""
-        return _LeaseContext(self, client)
+        return LeaseContext(self, client)
 
     def _can_grant(self) -> bool:
         return (self.state in GRANTABLE and self.in_flight < self.config.max_concurrent
@@ -453,7 +457,7 @@ class Slot:
         }
 
 
-class _LeaseContext:
+class LeaseContext:
     __slots__ = ("_client", "_held", "_slot", "_started")
 
     def __init__(self, slot: Slot, client: str = ANONYMOUS) -> None:
@@ -482,54 +486,3 @@ class _LeaseContext:
         if self._held:
             self._held = False
             self._slot._release()
-
-
-class SlotTable:
-    """Every configured slot by name, in config order."""
-
-    def __init__(self, configs: Iterable[SlotLimits]) -> None:
-        self._slots: dict[str, Slot] = {}
-        for config in configs:
-            if config.name in self._slots:
-                raise ValueError(f"duplicate slot name {config.name!r}")
-            self._slots[config.name] = Slot(config)
-
-    def get(self, name: str) -> Slot | None:
-        return self._slots.get(name)
-
-    def add(self, slot: Slot) -> None:
-        """A slot a reload added."""
-        if slot.name in self._slots:
-            raise ValueError(f"duplicate slot name {slot.name!r}")
-        self._slots[slot.name] = slot
-
-    def remove(self, name: str) -> Slot:
-        """A slot a reload removed; the caller takes it offline."""
-        return self._slots.pop(name)
-
-    def lease(self, name: str, client: str = ANONYMOUS) -> _LeaseContext:
-        """A lease on the named slot; SlotLoading (503) when a reload has just removed it."""
-        slot = self._slots.get(name)
-        if slot is None:
-            raise SlotLoading(
-                f"slot {name!r} was removed by a configuration reload", retry_after=1.0
-            )
-        return slot.lease(client)
-
-    def __getitem__(self, name: str) -> Slot:
-        return self._slots[name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._slots
-
-    def __iter__(self) -> Iterator[Slot]:
-        return iter(self._slots.values())
-
-    def __len__(self) -> int:
-        return len(self._slots)
-
-    def names(self) -> list[str]:
-        return list(self._slots)
-
-    def snapshot(self) -> list[dict[str, Any]]:
-        return [slot.snapshot() for slot in self._slots.values()]

@@ -26,7 +26,8 @@ from hal0d.lifecycle.probe import probe
 from hal0d.lifecycle.prompt_cache import Warmth
 from hal0d.lifecycle.room import Member, wait_bound_s
 from hal0d.lifecycle.runner import Runner
-from hal0d.lifecycle.slots import Slot, SlotTable
+from hal0d.lifecycle.slots import Slot
+from hal0d.lifecycle.table import SlotTable
 from hal0d.lifecycle.vocabulary import UP, LoadPhase, SlotState, UnloadReason
 from hal0d.logs import get_logger
 from hal0d.transport.upstream import UpstreamClient
@@ -137,10 +138,25 @@ class Teller:
             return None
         slot = self.table[config.name]
         runner = self.runners[config.name] = Runner(slot, config, warmth=self.warmth)
-        slot.demand = self._demand if config.on_demand else None
-        slot.exit_seen = self._exit_seen
+        self._wire(runner)
         self.refresh_bounds(config.group)  # its wait bound, and its group's others' with it
         return runner
+
+    def _wire(self, runner: Runner) -> None:
+        """What admission asks of the manager for a slot whose process it runs, as its current
+        config says: a load when a request finds it stopped (on demand), its process's fate
+        when a connect is refused, the wait for its model's turn in its group."""
+        slot, config = runner.slot, runner.config
+        slot.demand = self._demand if config.on_demand else None
+        slot.exit_seen = self._exit_seen
+        slot.turn_wait_s = self.turn_wait_s(config)
+
+    @staticmethod
+    def _unwire(slot: Slot) -> None:
+        """A slot whose process the manager runs no more (a reload took its command away)."""
+        slot.demand = None
+        slot.exit_seen = None
+        slot.turn_wait_s = 0.0
 
     def _begin(self, runner: Runner) -> None:
         """A runner's first event: an on-demand slot rests, an `always` one starts."""
@@ -199,7 +215,6 @@ class Teller:
             self.groups.poke(runner.config.group)
 
     def _idle(self, runner: Runner) -> None:
-        runner.idle_timer = None
         slot = runner.slot
         if slot.state is SlotState.READY and not slot.queued and not self._stopping:
             self._unload_now(runner, UnloadReason.IDLE if runner.keep_alive_s is None
@@ -236,7 +251,7 @@ class Teller:
             return
         if not allows(slot.state, Event.UNLOAD) or slot.state is SlotState.STOPPING:
             return
-        runner.unloading = reason
+        runner.unload_for(reason)
         self.tell(runner, Event.UNLOAD, f"unloading ({reason})")
 
     def sweep_caches(self) -> None:

@@ -25,7 +25,8 @@ from prometheus_client.registry import Collector
 
 from hal0d.lifecycle.observers import LifecycleObserver
 from hal0d.lifecycle.room import Swap
-from hal0d.lifecycle.slots import SlotState, SlotTable
+from hal0d.lifecycle.slots import SlotState
+from hal0d.lifecycle.table import SlotTable
 from hal0d.lifecycle.vocabulary import LOADED, LoadPhase, SwapPhase, UnloadReason
 from hal0d.observability.live import SlotMetrics
 from hal0d.transport import descriptors
