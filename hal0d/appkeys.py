@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from hal0d.front.heads import HeadWatch
+from hal0d.front.surfaces import Surfaces
 from hal0d.keys import KeyLimits
 from hal0d.lifecycle.slots import SlotTable
 from hal0d.response_owners import ResponseOwners
@@ -44,8 +45,9 @@ RESPONSE_OWNERS = web.AppKey("response_owners", ResponseOwners)
 # What each named key is doing now (its model calls in flight and of the last minute): one for
 # the process, so a reload keeps the counts.
 KEY_LIMITS = web.AppKey("key_limits", KeyLimits)
-# The port of the Ollama listener ([ollama] listen), when it is on.
-OLLAMA_PORT = web.AppKey("ollama_port", int)
+# Each route's surface (its error envelope, its key scope, whether it is a model call), and the
+# Ollama listener's port when it is on: what the lifecycle middleware asks of a request's route.
+SURFACES = web.AppKey("surfaces", Surfaces)
 # What each slot's server says of itself (llama-server's /props), per run of its process:
 # what /api/show says its models can do.
 UPSTREAM_PROPS = web.AppKey("upstream_props", UpstreamProps)
