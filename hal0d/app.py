@@ -21,6 +21,7 @@ from hal0d.appkeys import (
     EVENTS,
     HEADS,
     KEY_LIMITS,
+    OLLAMA_OPTIONS_LOGGED,
     RECORDER,
     RESPONSE_OWNERS,
     RUNTIME,
@@ -264,6 +265,7 @@ def make_app(config: Config) -> web.Application:
     app.on_shutdown.append(close_events)
     app[RESPONSE_OWNERS] = ResponseOwners()
     app[KEY_LIMITS] = KeyLimits()
+    app[OLLAMA_OPTIONS_LOGGED] = set()
     app[UPSTREAM_PROPS] = UpstreamProps()
     ollama_address = config.ollama.address
     app[SURFACES] = Surfaces(ollama_address[1] if ollama_address is not None else None)

@@ -48,6 +48,9 @@ KEY_LIMITS = web.AppKey("key_limits", KeyLimits)
 # Each route's surface (its error envelope, its key scope, whether it is a model call), and the
 # Ollama listener's port when it is on: what the lifecycle middleware asks of a request's route.
 SURFACES = web.AppKey("surfaces", Surfaces)
+# The (client, option) pairs of Ollama requests whose ignored option was logged
+# (`ollama.option_ignored`, once each): the app's own, so another app logs its clients anew.
+OLLAMA_OPTIONS_LOGGED: web.AppKey[set[tuple[str, str]]] = web.AppKey("ollama_options_logged")
 # What each slot's server says of itself (llama-server's /props), per run of its process:
 # what /api/show says its models can do.
 UPSTREAM_PROPS = web.AppKey("upstream_props", UpstreamProps)

@@ -23,7 +23,14 @@ import orjson
 from aiohttp import hdrs, web
 
 from hal0d import conversations
-from hal0d.appkeys import DISPATCH, LIFECYCLE, RUNTIME, SLOTS, UPSTREAM_PROPS
+from hal0d.appkeys import (
+    DISPATCH,
+    LIFECYCLE,
+    OLLAMA_OPTIONS_LOGGED,
+    RUNTIME,
+    SLOTS,
+    UPSTREAM_PROPS,
+)
 from hal0d.errors import Forbidden, Hal0Error, InvalidRequest, NoRoute, UpstreamInvalid
 from hal0d.forward import Answer, Attempt, Call, Exchange
 from hal0d.forward.exchange import upstream_refusal
@@ -62,9 +69,9 @@ OLLAMA_VERSION: Final = "0.32.15"
 # The models are hal0d's configuration's: known since it started.
 STARTED: Final = time.time()
 UNMANAGED: Final = ("push", "create", "copy", "delete")
-# (client, option) pairs named once in the log each (a client sends the same few with every
-# request); the client is its key's name, else its User-Agent, cut at _CLIENT_CHARS.
-_options_logged: set[tuple[str, str]] = set()
+# (client, option) pairs are named once in the log each (the app's OLLAMA_OPTIONS_LOGGED: a
+# client sends the same few with every request); the client is its key's name, else its
+# User-Agent, cut at _CLIENT_CHARS.
 _CLIENT_CHARS: Final = 80
 _MAX_OPTIONS_LOGGED: Final = 256
 # The states in which a slot has its model loaded (as another hal0d reports them too).
@@ -201,10 +208,11 @@ def log_ignored(request: web.Request, req: OllamaRequest) -> None:
     key = request.get(KEY)
     client = (key.name if key is not None and not key.anonymous else
               request.headers.get(hdrs.USER_AGENT, "")[:_CLIENT_CHARS] or "unknown")
+    logged = request.app[OLLAMA_OPTIONS_LOGGED]
     for name, value in req.ignored:
-        if (client, name) in _options_logged or len(_options_logged) >= _MAX_OPTIONS_LOGGED:
+        if (client, name) in logged or len(logged) >= _MAX_OPTIONS_LOGGED:
             continue
-        _options_logged.add((client, name))
+        logged.add((client, name))
         if name == "num_ctx":
             why = ("the context is the slot's, set when its model loads (llama-server: -c in "
                    "the slot's command); hal0d cannot change it per request: make the slot's "
