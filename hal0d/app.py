@@ -26,7 +26,6 @@ from hal0d.appkeys import (
     RESPONSE_OWNERS,
     RUNTIME,
     SURFACES,
-    UPSTREAM_PROPS,
 )
 from hal0d.config import Config
 from hal0d.contexts import dispatch_context, recorder_context
@@ -44,7 +43,6 @@ from hal0d.observability.recorder import UNLOGGED_PATHS, done_fields, record_of
 from hal0d.observability.requestinfo import INFO, RequestInfo
 from hal0d.response_owners import ResponseOwners
 from hal0d.routing import Runtime, RuntimeRef
-from hal0d.transport.props import UpstreamProps
 
 log = get_logger()
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -266,7 +264,6 @@ def make_app(config: Config) -> web.Application:
     app[RESPONSE_OWNERS] = ResponseOwners()
     app[KEY_LIMITS] = KeyLimits()
     app[OLLAMA_OPTIONS_LOGGED] = set()
-    app[UPSTREAM_PROPS] = UpstreamProps()
     ollama_address = config.ollama.address
     app[SURFACES] = Surfaces(ollama_address[1] if ollama_address is not None else None)
     app.cleanup_ctx.append(recorder_context)

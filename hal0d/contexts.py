@@ -15,12 +15,23 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from hal0d import appkeys
-from hal0d.appkeys import DISPATCH, EVENTS, HEADS, LIFECYCLE, RECORDER, RUNTIME, SLOTS, VIEWS
+from hal0d.appkeys import (
+    DISPATCH,
+    EVENTS,
+    HEADS,
+    LIFECYCLE,
+    OLLAMA_MODELS,
+    RECORDER,
+    RUNTIME,
+    SLOTS,
+    VIEWS,
+)
 from hal0d.config import SlotConfig
 from hal0d.config.cache_dir import cache_root
 from hal0d.conversations import Affinity
 from hal0d.forward import Dispatch
 from hal0d.forward.modes import AnthropicModes, ResponsesModes
+from hal0d.forward.ollama_models import OllamaModels
 from hal0d.forward.placement import Placement
 from hal0d.lifecycle.manager import LifecycleManager
 from hal0d.lifecycle.remote import RemoteModels
@@ -82,6 +93,7 @@ async def dispatch_context(app: web.Application) -> AsyncIterator[None]:
                                  cache_root=cache_root(config.database_path()))
     lifecycle.observers.append(recorder.prom.lifecycle)
     app[LIFECYCLE] = lifecycle
+    app[OLLAMA_MODELS] = OllamaModels(dispatch, lifecycle.unloads_in)
     views = SlotViews(lifecycle.slot_view)
     lifecycle.observers.append(views)  # before the feed: its `load` events find views current
     app[VIEWS] = views

@@ -11,7 +11,7 @@ A handler never touches an upstream response: the exchange is its whole say in h
 meets an upstream, and everything that is the same for every surface (hand-on, the stall guard,
 the record of what the relay saw, the keepalive of a stream that waits: keepalive.py) is written
 once, here. `modes.py` asks a slot's upstream whether it serves the Anthropic and Responses APIs
-itself.
+itself; `ollama_models.py` reads the Ollama API's model lists from the dispatch.
 """
 
 from hal0d.forward.exchange import Answer, Attempt, Call, Exchange
