@@ -13,9 +13,7 @@ from __future__ import annotations
 import asyncio
 import re
 import secrets
-from collections.abc import Awaitable, Callable
 
-import orjson
 import structlog
 from aiohttp import hdrs, web
 
@@ -23,53 +21,32 @@ from hal0d.appkeys import (
     EVENTS,
     HEADS,
     KEY_LIMITS,
-    OLLAMA_PORT,
+    OLLAMA_OPTIONS_LOGGED,
     RECORDER,
     RESPONSE_OWNERS,
     RUNTIME,
-    UPSTREAM_PROPS,
+    SURFACES,
 )
 from hal0d.config import Config
 from hal0d.contexts import dispatch_context, recorder_context
 from hal0d.errors import ErrorCode, Hal0Error, MethodNotAllowed, NoRoute
 from hal0d.front import access
+from hal0d.front.access import listener_port
 from hal0d.front.heads import HeadWatch
+from hal0d.front.surfaces import ANTHROPIC, HAL0D, OLLAMA, OPENAI, Handler, Surface, Surfaces
 from hal0d.handlers import admin, anthropic, openai, page, responses, timeline
 from hal0d.handlers import ollama as ollama_handlers
 from hal0d.keys import KEY, KeyLimits
 from hal0d.logs import get_logger
 from hal0d.observability.events import EventHub
-from hal0d.observability.recorder import (
-    UNLOGGED_PATHS,
-    done_fields,
-    is_dispatch_request,
-    is_ollama_model_call,
-    record_of,
-)
+from hal0d.observability.recorder import UNLOGGED_PATHS, done_fields, record_of
 from hal0d.observability.requestinfo import INFO, RequestInfo
 from hal0d.response_owners import ResponseOwners
 from hal0d.routing import Runtime, RuntimeRef
-from hal0d.transport.props import UpstreamProps
 
 log = get_logger()
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 REQUEST_ID_HEADER = "X-Request-Id"
-
-
-def is_anthropic_path(path: str) -> bool:
-    return path.startswith(("/llm/v1/messages", "/v1/messages"))
-
-
-def error_response(exc: Hal0Error, path: str, *, ollama: bool = False) -> web.Response:
-    if ollama:
-        body = exc.ollama_body()
-    else:
-        body = exc.anthropic_body() if is_anthropic_path(path) else exc.openai_body()
-    return web.Response(
-        body=orjson.dumps(body), status=exc.status, headers=exc.headers(),
-        content_type="application/json",
-    )
 
 
 def translate_http_exception(exc: web.HTTPException, request: web.Request) -> Hal0Error:
@@ -115,32 +92,13 @@ class OllamaResource(web.PlainResource):
 
     async def resolve(self, request: web.Request) -> tuple[web.UrlMappingMatchInfo | None,
                                                             set[str]]:
-        if local_port(request) != self.port:
+        if listener_port(request) != self.port:
             return None, set()
         return await super().resolve(request)
 
 
-def local_port(request: web.Request) -> int | None:
-    """The port of the listener the request came in on."""
-    sockname = request.transport.get_extra_info("sockname") if request.transport else None
-    return sockname[1] if isinstance(sockname, tuple) and len(sockname) >= 2 else None
-
-
-def on_ollama_listener(request: web.Request) -> bool:
-    port = request.app.get(OLLAMA_PORT)
-    return port is not None and local_port(request) == port
-
-
-def ollama_api(request: web.Request, on_ollama: bool) -> bool:
-    """Whether the request is for the Ollama API: anything on its listener but /v1/, which that
-    listener serves as hal0d's OpenAI surface (Ollama serves /v1 too)."""
-    return on_ollama and not request.path.startswith("/v1/")
-
-
 @web.middleware
-async def request_lifecycle(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
+async def request_lifecycle(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Names the request, renders every error in the surface's envelope, sends the answer, and
     then, the request having ended, writes its request.done line and makes its record."""
     given = request.headers.get(REQUEST_ID_HEADER, "")
@@ -149,9 +107,9 @@ async def request_lifecycle(
     request[INFO] = info
     request.app[HEADS].served(request.protocol)
     structlog.contextvars.bind_contextvars(request_id=request_id)
-    on_ollama = on_ollama_listener(request)
+    surface = request.app[SURFACES].of(request)
     try:
-        response = await answer(request, handler, info, on_ollama)
+        response = await answer(request, handler, info, surface)
         await send(request, response, info)
         return response
     except asyncio.CancelledError:
@@ -161,37 +119,29 @@ async def request_lifecycle(
     finally:
         structlog.contextvars.unbind_contextvars("request_id")
         info.end()
-        finish(request, info, ollama_api(request, on_ollama))
-
-
-def is_model_call(request: web.Request, ollama: bool) -> bool:
-    if ollama:
-        return is_ollama_model_call(request.method, request.path)
-    return is_dispatch_request(request.method, request.path)
+        finish(request, info, surface)
 
 
 async def answer(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
-    info: RequestInfo, on_ollama: bool = False,
+    request: web.Request, handler: Handler, info: RequestInfo, surface: Surface,
 ) -> web.StreamResponse:
     """The handler's answer, or the error it raised in its surface's envelope."""
     runtime = request.app[RUNTIME].current
     server = runtime.config.server
-    ollama = ollama_api(request, on_ollama)
     try:
-        listening = runtime.config.ollama.address if on_ollama else None
-        access.admit(request, server, listening[0] if listening else None)
+        access.admit(request, server, listening_host(request, runtime.config))
         if (preflight := access.preflight(request, server)) is not None:
             return preflight
-        if ollama and not isinstance(request.match_info.route.resource, OllamaResource | None):
+        if not surface.served:
             # One of hal0d's own routes (its page, /api/slots): not on the Ollama listener.
             raise NoRoute(f"no such endpoint on the Ollama API: {request.method} {request.path}")
-        key = access.check(request, runtime.keys, server, ollama=ollama)
+        scope = surface.scope(request.method, request.path, server.protect_metrics)
+        key = access.check(request, runtime.keys, scope)
         if key is not None:
             request[KEY] = key
             info.key = key.name
         # A key's limits count its model calls, never the page's polls.
-        counted = key if is_model_call(request, ollama) else None
+        counted = key if surface.is_model_call(request) else None
         with request.app[KEY_LIMITS].admitted(counted):
             response = await handler(request)
         if not info.status:
@@ -202,22 +152,30 @@ async def answer(
         if (started := answer_started(request, info)) is not None:
             return started
         info.status = exc.status
-        return error_response(exc, request.path, ollama=ollama)
+        return surface.error_response(exc)
     except web.HTTPException as exc:
         error = translate_http_exception(exc, request)
         info.fail(error.error_code)
         if (started := answer_started(request, info)) is not None:
             return started
         info.status = error.status
-        return error_response(error, request.path, ollama=ollama)
+        return surface.error_response(error)
     except Exception:
         log.exception("request.failed", path=request.path)
         info.fail(ErrorCode.INTERNAL)
         if (started := answer_started(request, info)) is not None:
             return started
         info.status = 500
-        return error_response(Hal0Error("internal error in hal0d; see its log"), request.path,
-                              ollama=ollama)
+        return surface.error_response(Hal0Error("internal error in hal0d; see its log"))
+
+
+def listening_host(request: web.Request, config: Config) -> str | None:
+    """The host the Ollama listener listens on, for a request that came in on it (the Host
+    check's, access.admit); None for [server]'s listener."""
+    ollama = config.ollama.address
+    if ollama is None or not request.app[SURFACES].on_ollama(request):
+        return None
+    return ollama[0]
 
 
 async def send(request: web.Request, response: web.StreamResponse, info: RequestInfo) -> None:
@@ -233,14 +191,14 @@ async def send(request: web.Request, response: web.StreamResponse, info: Request
         info.fail(ErrorCode.CLIENT_DISCONNECT)  # aiohttp's own finish ignores the rest
 
 
-def finish(request: web.Request, info: RequestInfo, ollama: bool = False) -> None:
+def finish(request: web.Request, info: RequestInfo, surface: Surface) -> None:
     """The ended request's record (once the recorder runs) and its request.done line. A failure
     here costs this request's line or record, never its answer nor any other request's."""
     method, path = request.method, request.path
     try:
         record = record_of(info)
         recorder = request.app.get(RECORDER)
-        if recorder is not None and is_model_call(request, ollama):
+        if recorder is not None and surface.is_model_call(request):
             recorder.record(info, record)
         if path not in UNLOGGED_PATHS:
             log.info("request.done", method=method, path=path, **done_fields(record))
@@ -305,43 +263,59 @@ def make_app(config: Config) -> web.Application:
     app.on_shutdown.append(close_events)
     app[RESPONSE_OWNERS] = ResponseOwners()
     app[KEY_LIMITS] = KeyLimits()
-    app[UPSTREAM_PROPS] = UpstreamProps()
+    app[OLLAMA_OPTIONS_LOGGED] = set()
+    ollama_address = config.ollama.address
+    app[SURFACES] = Surfaces(ollama_address[1] if ollama_address is not None else None)
     app.cleanup_ctx.append(recorder_context)
     app.cleanup_ctx.append(dispatch_context)
     app.on_response_prepare.append(on_prepare)
     app.on_startup.append(warn_if_exposed)
 
-    router = app.router
-    if (ollama_address := config.ollama.address) is not None:
-        app[OLLAMA_PORT] = ollama_address[1]
-        add_ollama_routes(router, ollama_address[1])  # first: on its port, its `/` is Ollama's
-    router.add_get("/healthz", admin.healthz)
-    router.add_get("/readyz", admin.readyz)
-    for prefix in ("/v1", "/llm/v1"):
-        router.add_get(f"{prefix}/models", openai.list_models)
-        for endpoint in openai.ENDPOINTS:
-            router.add_post(f"{prefix}/{{endpoint:{re.escape(endpoint)}}}", openai.dispatch)
-        router.add_post(f"{prefix}/responses", responses.create)
-        router.add_get(f"{prefix}/responses/{{id}}", responses.stored)
-        router.add_delete(f"{prefix}/responses/{{id}}", responses.stored)
-    for path in ("/llm/v1/messages", "/v1/messages"):
-        router.add_post(path, anthropic.messages)
-        router.add_post(f"{path}/count_tokens", anthropic.count_tokens)
-    router.add_get("/", page.index)
-    router.add_get("/static/{name}", page.static)
-    router.add_get("/api/status", admin.status)
-    router.add_get("/api/slots", admin.slots)
-    router.add_post("/api/slots/{name}/load", admin.load_slot)
-    router.add_post("/api/slots/{name}/unload", admin.unload_slot)
-    router.add_get("/api/slots/metrics", admin.slot_metrics)
-    router.add_get("/api/events", admin.events)
-    router.add_get("/api/requests", admin.requests)
-    router.add_get("/api/timeline", timeline.timeline)
-    router.add_get("/metrics", admin.prometheus)
+    add_routes(app.router, app[SURFACES])
     return app
 
 
-def add_ollama_routes(router: web.UrlDispatcher, port: int) -> None:
+GET, POST, DELETE = hdrs.METH_GET, hdrs.METH_POST, hdrs.METH_DELETE
+
+
+def add_routes(router: web.UrlDispatcher, surfaces: Surfaces) -> None:
+    """Every route, each declared with its surface (front/surfaces.py); the ones under /v1/ are
+    the Ollama listener's too, as Ollama serves them."""
+    if surfaces.ollama_port is not None:
+        # First: on its port, its `/` is Ollama's.
+        add_ollama_routes(router, surfaces, surfaces.ollama_port)
+    surfaces.add_routes(router, HAL0D, [(GET, "/healthz", admin.healthz),
+                                        (GET, "/readyz", admin.readyz)])
+    for prefix in ("/v1", "/llm/v1"):
+        surfaces.add_routes(router, OPENAI, [
+            (GET, f"{prefix}/models", openai.list_models),
+            *((POST, f"{prefix}/{{endpoint:{re.escape(endpoint)}}}", openai.dispatch)
+              for endpoint in openai.ENDPOINTS),
+            (POST, f"{prefix}/responses", responses.create),
+            (GET, f"{prefix}/responses/{{id}}", responses.stored),
+            (DELETE, f"{prefix}/responses/{{id}}", responses.stored),
+        ], on_ollama=prefix == "/v1")
+    for path in ("/llm/v1/messages", "/v1/messages"):
+        surfaces.add_routes(router, ANTHROPIC, [
+            (POST, path, anthropic.messages),
+            (POST, f"{path}/count_tokens", anthropic.count_tokens),
+        ], on_ollama=path.startswith("/v1/"))
+    surfaces.add_routes(router, HAL0D, [
+        (GET, "/", page.index),
+        (GET, "/static/{name}", page.static),
+        (GET, "/api/status", admin.status),
+        (GET, "/api/slots", admin.slots),
+        (POST, "/api/slots/{name}/load", admin.load_slot),
+        (POST, "/api/slots/{name}/unload", admin.unload_slot),
+        (GET, "/api/slots/metrics", admin.slot_metrics),
+        (GET, "/api/events", admin.events),
+        (GET, "/api/requests", admin.requests),
+        (GET, "/api/timeline", timeline.timeline),
+        (GET, "/metrics", admin.prometheus),
+    ])
+
+
+def add_ollama_routes(router: web.UrlDispatcher, surfaces: Surfaces, port: int) -> None:
     """The Ollama API's paths, matched on the Ollama listener's port only (OllamaResource)."""
     routes: list[tuple[str, tuple[str, ...], Handler]] = [
         ("/", (hdrs.METH_GET, hdrs.METH_HEAD), ollama_handlers.running),
@@ -361,4 +335,4 @@ def add_ollama_routes(router: web.UrlDispatcher, port: int) -> None:
         resource = OllamaResource(path, port)
         router.register_resource(resource)
         for method in methods:
-            resource.add_route(method, handler)
+            surfaces.add(resource.add_route(method, handler), OLLAMA)

@@ -11,14 +11,15 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from hal0d.front.heads import HeadWatch
+from hal0d.front.surfaces import Surfaces
 from hal0d.keys import KeyLimits
 from hal0d.lifecycle.table import SlotTable
 from hal0d.response_owners import ResponseOwners
 from hal0d.routing import RuntimeRef
-from hal0d.transport.props import UpstreamProps
 
 if TYPE_CHECKING:
     from hal0d.forward import Dispatch
+    from hal0d.forward.ollama_models import OllamaModels
     from hal0d.lifecycle.manager import LifecycleManager
     from hal0d.observability.events import EventHub, SlotViews
     from hal0d.observability.recorder import Recorder
@@ -44,10 +45,13 @@ RESPONSE_OWNERS = web.AppKey("response_owners", ResponseOwners)
 # What each named key is doing now (its model calls in flight and of the last minute): one for
 # the process, so a reload keeps the counts.
 KEY_LIMITS = web.AppKey("key_limits", KeyLimits)
-# The port of the Ollama listener ([ollama] listen), when it is on.
-OLLAMA_PORT = web.AppKey("ollama_port", int)
-# What each slot's server says of itself (llama-server's /props), per run of its process:
-# what /api/show says its models can do.
-UPSTREAM_PROPS = web.AppKey("upstream_props", UpstreamProps)
+# Each route's surface (its error envelope, its key scope, whether it is a model call), and the
+# Ollama listener's port when it is on: what the lifecycle middleware asks of a request's route.
+SURFACES = web.AppKey("surfaces", Surfaces)
+# The (client, option) pairs of Ollama requests whose ignored option was logged
+# (`ollama.option_ignored`, once each): the app's own, so another app logs its clients anew.
+OLLAMA_OPTIONS_LOGGED: web.AppKey[set[tuple[str, str]]] = web.AppKey("ollama_options_logged")
+# The Ollama API's model lists (/api/tags, /api/show, /api/ps), read from the dispatch.
+OLLAMA_MODELS: web.AppKey[OllamaModels] = web.AppKey("ollama_models")
 # The last hour of loads and unloads, and the groups' free memory, for GET /api/timeline.
 TIMELINE: web.AppKey[Timeline] = web.AppKey("timeline")

@@ -15,12 +15,23 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from hal0d import appkeys
-from hal0d.appkeys import DISPATCH, EVENTS, HEADS, LIFECYCLE, RECORDER, RUNTIME, SLOTS, VIEWS
+from hal0d.appkeys import (
+    DISPATCH,
+    EVENTS,
+    HEADS,
+    LIFECYCLE,
+    OLLAMA_MODELS,
+    RECORDER,
+    RUNTIME,
+    SLOTS,
+    VIEWS,
+)
 from hal0d.config import SlotConfig
 from hal0d.config.cache_dir import cache_root
 from hal0d.conversations import Affinity
 from hal0d.forward import Dispatch
 from hal0d.forward.modes import AnthropicModes, ResponsesModes
+from hal0d.forward.ollama_models import OllamaModels
 from hal0d.forward.placement import Placement
 from hal0d.lifecycle.manager import LifecycleManager
 from hal0d.lifecycle.remote import RemoteModels
@@ -80,6 +91,7 @@ async def dispatch_context(app: web.Application) -> AsyncIterator[None]:
                                  end_streams=dispatch.end_streams, warmth=affinity,
                                  cache_root=cache_root(config.database_path()))
     app[LIFECYCLE] = lifecycle
+    app[OLLAMA_MODELS] = OllamaModels(dispatch, lifecycle.unloads_in)
     views = SlotViews(lifecycle.slot_view)
     app[VIEWS] = views
     feed = SlotFeed(app[EVENTS], views)

@@ -63,7 +63,7 @@ def aiohttp_errors_named(tree: ast.Module) -> list[int]:
 def test_only_the_forward_path_opens_an_upstream_request() -> None:
     callers = {name: lines for name, tree in modules().items()
                if (lines := calls_to(tree, "upstreams", "open"))}
-    assert callers.keys() == {"hal0d/forward/path.py"}, callers
+    assert callers.keys() == {"hal0d/forward/attempt.py"}, callers  # Forward._opening
 
 
 def test_only_the_upstream_client_holds_a_client_session() -> None:

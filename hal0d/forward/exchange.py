@@ -46,7 +46,7 @@ UPSTREAM_MESSAGE_LIMIT = 2000
 
 
 class Attempt(Protocol):
-    """What an exchange's hooks are handed of the request's way to one slot (path.Forward)."""
+    """What an exchange's hooks are handed of the request's way to one slot (attempt.Forward)."""
 
     route: Route
     request: web.Request

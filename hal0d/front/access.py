@@ -32,7 +32,7 @@ from aiohttp import hdrs, web
 
 from hal0d.config import ServerConfig, is_loopback
 from hal0d.errors import Forbidden, Unauthorized
-from hal0d.keys import ADMIN, INFERENCE, READ, Key, KeyRing, ollama_scope_of, scope_of
+from hal0d.keys import ADMIN, INFERENCE, READ, Key, KeyRing
 from hal0d.logs import get_logger
 
 log = get_logger()
@@ -175,17 +175,12 @@ SCOPE_WORK: Final = {INFERENCE: "call models", READ: "read hal0d's state",
 KEY_REQUIRED: Final = "Authorization: Bearer KEY or x-api-key: KEY"
 
 
-def check(request: web.Request, ring: KeyRing, server: ServerConfig, *,
-          ollama: bool = False) -> Key | None:
-    """The key the request came in with when its path needs one (hal0d.keys.scope_of, or
-    ollama_scope_of for the Ollama listener's API): 401 without a key or with an unknown one,
-    403 when the key lacks the scope. Without a key: the listener's anonymous access, when it
-    lets this request in (anonymous). None when keys are not set or the path needs none."""
-    if not ring:
-        return None
-    scope = (ollama_scope_of(request.method, request.path) if ollama
-             else scope_of(request.method, request.path, server.protect_metrics))
-    if scope is None:
+def check(request: web.Request, ring: KeyRing, scope: str | None) -> Key | None:
+    """The key the request came in with when it needs one (`scope`: what its surface says it
+    needs, surfaces.py): 401 without a key or with an unknown one, 403 when the key lacks the
+    scope. Without a key: the listener's anonymous access, when it lets this request in
+    (anonymous). None when keys are not set or the request needs none."""
+    if not ring or scope is None:
         return None
     presented = presented_key(request)
     if presented is None:

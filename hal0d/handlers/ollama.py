@@ -1,7 +1,8 @@
 """The Ollama API, on its own listener ([ollama] listen): /, /api/version, /api/tags, /api/show,
 /api/ps, /api/chat, /api/generate, /api/embed, /api/embeddings; push, create, copy and delete
 are refused (hal0d serves its slots' models, it does not manage model files), and so is a pull,
-but of a model hal0d serves, which has nothing to download.
+but of a model hal0d serves, which has nothing to download. The model lists (tags, show, ps)
+are read by forward/ollama_models.py, from the dispatch.
 
 Chat and generate are translated to chat completions (hal0d/ollama/request.py) and sent through
 the forward path like any other request; a stream comes back through the relay's Ollama
@@ -13,7 +14,6 @@ this load's idle timer of an on-demand slot.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections.abc import Mapping
@@ -23,16 +23,14 @@ import orjson
 from aiohttp import hdrs, web
 
 from hal0d import conversations
-from hal0d.appkeys import DISPATCH, LIFECYCLE, RUNTIME, SLOTS, UPSTREAM_PROPS
+from hal0d.appkeys import DISPATCH, LIFECYCLE, OLLAMA_MODELS, OLLAMA_OPTIONS_LOGGED, RUNTIME
 from hal0d.errors import Forbidden, Hal0Error, InvalidRequest, NoRoute, UpstreamInvalid
 from hal0d.forward import Answer, Attempt, Call, Exchange
 from hal0d.forward.exchange import upstream_refusal
 from hal0d.handlers.body import parse_json_object, read_body
 from hal0d.keys import KEY
 from hal0d.lifecycle.manager import LifecycleManager
-from hal0d.lifecycle.slots import SlotState
 from hal0d.logs import get_logger
-from hal0d.ollama import capabilities
 from hal0d.ollama import response as shapes
 from hal0d.ollama.request import (
     LOAD_OPTIONS,
@@ -52,23 +50,19 @@ from hal0d.ollama.stream import (
 )
 from hal0d.ollama.transform import OllamaTransform
 from hal0d.protocol.transform import Transform
-from hal0d.routing import Plan, Route
+from hal0d.routing import Plan
 from hal0d.transport.upstream import NDJSON_HEADERS
 
 log = get_logger()
 
 # The Ollama release whose API (api/types.go) this surface speaks.
 OLLAMA_VERSION: Final = "0.32.15"
-# The models are hal0d's configuration's: known since it started.
-STARTED: Final = time.time()
 UNMANAGED: Final = ("push", "create", "copy", "delete")
-# (client, option) pairs named once in the log each (a client sends the same few with every
-# request); the client is its key's name, else its User-Agent, cut at _CLIENT_CHARS.
-_options_logged: set[tuple[str, str]] = set()
+# (client, option) pairs are named once in the log each (the app's OLLAMA_OPTIONS_LOGGED: a
+# client sends the same few with every request); the client is its key's name, else its
+# User-Agent, cut at _CLIENT_CHARS.
 _CLIENT_CHARS: Final = 80
 _MAX_OPTIONS_LOGGED: Final = 256
-# The states in which a slot has its model loaded (as another hal0d reports them too).
-UP: Final = frozenset({str(SlotState.READY), str(SlotState.SERVING)})
 
 
 async def running(_: web.Request) -> web.Response:
@@ -79,50 +73,8 @@ async def version(_: web.Request) -> web.Response:
     return web.json_response({"version": OLLAMA_VERSION})
 
 
-def listed(request: web.Request) -> list[Plan]:
-    """Every model the request's key may use."""
-    return request.app[RUNTIME].current.router.listed(request.get(KEY))
-
-
-async def served(request: web.Request, plan: Plan, name: str | None = None,
-                 slot: Route | None = None) -> shapes.Served:
-    """`plan`'s model as the lists show it, named `name` (the client's, else the served one):
-    a slot's own with its slot; a route's as the route, with `slot` when one has it loaded
-    (what it can do is that slot's model's, else the first up slot's, else its first slot's)."""
-    source = slot or next(iter(up_routes(request, plan)), plan.first)
-    can, context = await described(request, source)
-    if plan.route is None:
-        return shapes.Served(name or plan.model, plan.first.slot.name,
-                             plan.first.slot.memory_mib, can, context)
-    return shapes.Served(name or plan.model, slot.slot.name if slot else None,
-                         slot.slot.memory_mib if slot else None, can, context,
-                         route=plan.model, slots=plan.route.slots)
-
-
-def up_routes(request: web.Request, plan: Plan) -> list[Route]:
-    """The plan's slots that have its model loaded, in the order they would answer."""
-    dispatch = request.app[DISPATCH]
-    return [route for route in dispatch.order(plan) if dispatch.state_of(route) in UP]
-
-
-async def described(request: web.Request, route: Route) -> tuple[tuple[str, ...], int]:
-    """What the route's model can do (ollama/capabilities.py) and the context its server holds:
-    what the slot declares, else what its server says of itself (while it is not up, what its
-    last process of the same command said)."""
-    config, known = route.slot, request.app[UPSTREAM_PROPS]
-    live = request.app[SLOTS].get(config.name)
-    if live is not None and str(live.state) in UP:
-        props = await known.of(request.app[DISPATCH].upstreams, config, live.generation)
-    else:
-        props = known.last(config)
-    can = capabilities.capabilities(config.declared_capabilities(route.served_model),
-                                    config.command, props)
-    return can, capabilities.context_length(props)
-
-
 async def tags(request: web.Request) -> web.Response:
-    shown = await asyncio.gather(*(served(request, plan) for plan in listed(request)))
-    return web.json_response(shapes.tags(shown, STARTED))
+    return web.json_response(await request.app[OLLAMA_MODELS].tags(request.get(KEY)))
 
 
 def requested(request: web.Request, body: dict[str, Any]) -> tuple[str, Plan]:
@@ -144,22 +96,12 @@ def requested(request: web.Request, body: dict[str, Any]) -> tuple[str, Plan]:
 
 async def show(request: web.Request) -> web.Response:
     model, plan = requested(request, parse_json_object(await read_body(request)))
-    return web.json_response(shapes.show(await served(request, plan, model), STARTED))
+    return web.json_response(await request.app[OLLAMA_MODELS].show(plan, model))
 
 
 async def ps(request: web.Request) -> web.Response:
-    """The models that are loaded, with when each unloads (never, for a slot hal0d does not
-    unload): a slot's own while its slot is up, a route's while any of its slots has it up
-    (shown by the one that would answer first, unloading when the last of them does)."""
-    lifecycle = request.app[LIFECYCLE]
-    loaded: list[tuple[shapes.Served, float | None]] = []
-    for plan in listed(request):
-        up = up_routes(request, plan)
-        if up:
-            expiries = [lifecycle.unloads_in(route.slot.name) for route in up]
-            expires = None if None in expiries else max(e for e in expiries if e is not None)
-            loaded.append((await served(request, plan, slot=up[0]), expires))
-    return web.json_response(shapes.ps(loaded, time.time()))
+    """The models that are loaded, with when each unloads (forward/ollama_models.py)."""
+    return web.json_response(await request.app[OLLAMA_MODELS].ps(request.get(KEY)))
 
 
 async def pull(request: web.Request) -> web.Response:
@@ -201,10 +143,11 @@ def log_ignored(request: web.Request, req: OllamaRequest) -> None:
     key = request.get(KEY)
     client = (key.name if key is not None and not key.anonymous else
               request.headers.get(hdrs.USER_AGENT, "")[:_CLIENT_CHARS] or "unknown")
+    logged = request.app[OLLAMA_OPTIONS_LOGGED]
     for name, value in req.ignored:
-        if (client, name) in _options_logged or len(_options_logged) >= _MAX_OPTIONS_LOGGED:
+        if (client, name) in logged or len(logged) >= _MAX_OPTIONS_LOGGED:
             continue
-        _options_logged.add((client, name))
+        logged.add((client, name))
         if name == "num_ctx":
             why = ("the context is the slot's, set when its model loads (llama-server: -c in "
                    "the slot's command); hal0d cannot change it per request: make the slot's "

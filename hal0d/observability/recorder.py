@@ -1,6 +1,7 @@
 """The recorder: when a request ends, its RequestInfo becomes a history row, Prometheus figures
 and per-slot live metrics, all at once and off the stream's path; and which requests are
-recorded and logged, with the fields of their `request.done` line."""
+logged, with the fields of their `request.done` line (which are recorded, their model calls, is
+their surface's say: front/surfaces.py)."""
 
 from __future__ import annotations
 
@@ -22,22 +23,6 @@ UNLOGGED_PATHS: Final = frozenset({"/healthz", "/readyz"})
 _DONE_COLUMNS: Final = tuple(name for name in COLUMNS if name != "ts")
 _DONE_NAMES: Final = tuple("duration_ms" if name == "total_ms" else name for name in _DONE_COLUMNS)
 _done_values: Final = operator.attrgetter(*_DONE_COLUMNS)
-
-
-def is_dispatch_request(method: str, path: str) -> bool:
-    """Requests for a model: the ones the history and the request metrics are about (not the
-    GET /v1/models a chat front end polls)."""
-    listing = method == "GET" and path.endswith("/models")
-    return path.startswith(("/v1/", "/llm/")) and not listing
-
-
-# The Ollama API's model calls (its model lists are not, as GET /v1/models is not).
-OLLAMA_MODEL_CALLS: Final = frozenset({"/api/chat", "/api/generate", "/api/embed",
-                                       "/api/embeddings"})
-
-
-def is_ollama_model_call(method: str, path: str) -> bool:
-    return method == "POST" and path in OLLAMA_MODEL_CALLS
 
 
 def record_of(info: RequestInfo) -> RequestRecord:
