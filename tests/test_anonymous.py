@@ -24,7 +24,11 @@ from aiohttp.test_utils import TestServer
 from ollama import AsyncClient, ResponseError
 
 from hal0d import config as configuration
-from tests.conftest import ServerFactory, Stub, chat_body, eventually, free_port
+from tests.harness.client import chat_body
+from tests.harness.daemons import ServerFactory
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
+from tests.harness.stubs import Stub
 
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN_KEY = "hal0-anonymous-test-admin-Zr7qk"

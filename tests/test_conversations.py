@@ -18,8 +18,9 @@ from aiohttp.test_utils import TestServer
 from hal0d import conversations
 from hal0d.config import parse
 from hal0d.conversations import Affinity
-from tests.conftest import ServerFactory, StubFactory
-from tests.test_failover import Upstream, answering_stream, route_config
+from tests.harness.config import route_config
+from tests.harness.daemons import ServerFactory
+from tests.harness.stubs import StubFactory, Upstream, answering_stream
 
 SYSTEM = {"role": "system", "content": "You are a careful coding agent."}
 

@@ -22,46 +22,15 @@ from aiohttp.test_utils import TestServer
 from structlog.testing import capture_logs
 
 from hal0d.config import ConfigError, parse
-from tests.conftest import (
-    ServerFactory,
-    Stub,
-    StubFactory,
-    Upstream,
-    chat_body,
-    eventually,
-    free_port,
-)
-from tests.test_loader import STARTUP_S, stub_command, stub_pids, views
+from tests.harness.client import chat_body, views
+from tests.harness.config import route_config
+from tests.harness.daemons import STARTUP_S, ServerFactory, launch, reload, stop
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
+from tests.harness.processes import stub_pids
+from tests.harness.stubs import Stub, StubFactory, Upstream, answering_stream, stub_command
 
 CHAT = "/v1/chat/completions"
-
-
-def route_config(first: str, second: str, tmp_path: Path, *, route: str = "",
-                 first_slot: str = "", second_slot: str = "") -> str:
-    """Two slots, `one` at `first` and `two` at `second` (the stub), and the route `qwen` over
-    them, each asked for the stub's `chat`."""
-    return f"""
-[[slots]]
-name = "one"
-upstream = "{first}"
-models = ["one-only"]
-{first_slot}
-
-[[slots]]
-name = "two"
-upstream = "{second}"
-models = ["two-only"]
-{second_slot}
-
-[[routes]]
-model = "qwen"
-slots = ["one", "two"]
-served = {{ one = "chat", two = "chat" }}
-{route}
-
-[metrics]
-database = "{tmp_path / 'history.sqlite3'}"
-"""
 
 
 async def start_routed(start_hal0d: ServerFactory, text: str, tmp_path: Path) -> TestServer:
@@ -210,14 +179,6 @@ async def test_a_first_slot_that_never_answers_is_left_after_first_byte_timeout_
     warned = [(e["event"], e["slot"]) for e in logs if e["log_level"] == "warning"
               and e["event"].startswith("route.")]
     assert warned == [("route.slot_failing", "one"), ("route.slot_recovered", "one")]
-
-
-async def answering_stream(request: web.Request) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await response.prepare(request)
-    await response.write(b'data: {"choices":[{"index":0,"delta":{"content":"ok"},'
-                         b'"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
-    return response
 
 
 async def test_a_whole_answer_slower_than_first_byte_timeout_s_is_the_first_slots_alone(
@@ -503,9 +464,6 @@ async def test_a_reload_that_moves_a_slots_upstream_asks_the_new_one_at_once(
 ) -> None:
     """The slot's state and reason were its old upstream's (refusing): after the reload they
     are the new one's (answering) within a moment, not at the next probe round (10 s)."""
-    from tests.test_lifecycle_reload import reload
-    from tests.test_server import launch, stop
-
     old, new = f"http://127.0.0.1:{free_port()}", await upstream_app({})
 
     def slot(upstream: str) -> str:

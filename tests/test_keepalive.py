@@ -26,10 +26,14 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from hal0d.appkeys import SLOTS
-from hal0d.config import Config, DispatcherConfig, MetricsConfig, RouteConfig, SlotConfig
+from hal0d.config import Config, DispatcherConfig, RouteConfig, SlotConfig
 from hal0d.lifecycle.slots import SlotState
-from tests.conftest import OllamaFactory, ServerFactory, Stub, chat_body, eventually
-from tests.test_loader import STARTUP_S, on_demand, stub_pids
+from tests.harness.client import chat_body
+from tests.harness.config import build_config, on_demand
+from tests.harness.daemons import STARTUP_S, OllamaFactory, ServerFactory
+from tests.harness.poll import eventually
+from tests.harness.processes import stub_pids
+from tests.harness.stubs import Stub
 
 KEEPALIVE_S = 0.3
 READ_TIMEOUT_S = 1.0
@@ -37,10 +41,8 @@ LOAD_DELAY = "2"  # the stub's --startup-delay: with its own start, a load of ~2
 
 
 def config(tmp_path: Path, *slots: SlotConfig, routes: tuple[RouteConfig, ...] = ()) -> Config:
-    return Config(slots=slots, routes=routes,
-                  dispatcher=DispatcherConfig(keepalive_s=KEEPALIVE_S),
-                  metrics=MetricsConfig(database=str(tmp_path / "history.sqlite3")),
-                  base_dir=tmp_path)
+    return build_config(tmp_path, *slots, routes=routes,
+                        dispatcher=DispatcherConfig(keepalive_s=KEEPALIVE_S))
 
 
 async def slow_loading(start_hal0d: ServerFactory, tmp_path: Path, *extra: str) -> TestServer:
@@ -60,9 +62,7 @@ async def test_without_keepalive_the_short_read_timeout_gives_up_during_the_load
     """What the keepalive is for: with keepalive_s 0 the same client times out while the
     model loads."""
     slot = on_demand("a", tmp_path, "--startup-delay", LOAD_DELAY)
-    plain = Config(slots=(slot,), dispatcher=DispatcherConfig(keepalive_s=0.0),
-                   metrics=MetricsConfig(database=str(tmp_path / "history.sqlite3")),
-                   base_dir=tmp_path)
+    plain = build_config(tmp_path, slot, dispatcher=DispatcherConfig(keepalive_s=0.0))
     hal0d = await start_hal0d("http://unused", config=plain)
     with pytest.raises(openai.APITimeoutError):
         stream = await sdk(hal0d).chat.completions.create(
