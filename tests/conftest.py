@@ -30,6 +30,7 @@ from tests.harness.daemons import (
     launch,
     stop,
 )
+from tests.harness.logs import watching_for_bugs
 from tests.harness.page import open_browser
 from tests.harness.ports import free_port
 from tests.harness.processes import kill_leftover_children, stub_pids
@@ -64,6 +65,24 @@ def no_process_outlives_the_tests() -> Iterator[None]:
     if leaked := kill_leftover_children(LEFTOVERS_KILLED_WITHIN_S):
         named = "\n".join(f"  pid {pid}: {cmd}" for pid, cmd in leaked.items())
         pytest.fail(f"processes started by the tests outlived them (killed now):\n{named}",
+                    pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def hal0d_logged_no_bug() -> Iterator[None]:
+    """Fails a test whose hal0d logged a line only a bug of hal0d's writes (logs.BUG_EVENTS:
+    `lifecycle.task_failed`, a task of the lifecycle manager raised), naming each line.
+
+    In process, structlog tells the watch of each event before any processor runs, so a test's
+    own capture_logs or log level hides none; the log of every `hal0d serve` the harness
+    started, and hal0d's pipeline into a logs_into_buffer buffer, are read after the test. An
+    autouse fixture is set up before the test's own fixtures and torn down after them: what a
+    daemon logs while it stops counts too.
+    """
+    with watching_for_bugs() as watch:
+        yield
+    if found := watch.found():
+        pytest.fail("hal0d logged what only a bug of its own writes:\n" + "\n".join(found),
                     pytrace=False)
 
 

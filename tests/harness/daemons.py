@@ -2,7 +2,8 @@
 test's own event loop (`start_hal0d`, `start`); a `Hal0dProcess` is a real `hal0d serve` started
 with asyncio (`spawn`, `launch`, `serving`) and steered with signals; a `Hal0dPopen` is one
 started with subprocess.Popen for a test without an event loop (the browser's). A process's
-output (JSON lines) goes to a file the test reads its events from."""
+output (JSON lines) goes to a file the test reads its events from, and the watch for lines only
+a bug writes reads it too (logs.watch_log)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from yarl import URL
 
 from hal0d.config import Config
 from tests.harness.config import config_text
+from tests.harness.logs import watch_log
 from tests.harness.poll import eventually, eventually_sync
 from tests.harness.ports import free_port
 
@@ -99,6 +101,7 @@ async def spawn(config: Path, port: int, log: Path, *flags: str, append: bool = 
                 **options: Any) -> Hal0dProcess:
     """`hal0d serve --config config` started, not waited for; its output into `log` (after
     what is there, with `append`). `options` go to create_subprocess_exec (`env`, ...)."""
+    watch_log(log)
     with log.open("ab" if append else "wb") as out:
         process = await asyncio.create_subprocess_exec(
             *HAL0D, "serve", "--config", str(config), *flags,
@@ -162,6 +165,7 @@ def popen(config: Path, output: Path, *, program: Sequence[str] = HAL0D,
           **options: Any) -> subprocess.Popen[bytes]:
     """`program serve --config config` started, its output after what `output` holds;
     `options` go to subprocess.Popen (`cwd`, ...)."""
+    watch_log(output)
     with output.open("ab") as out:
         return subprocess.Popen([*program, "serve", "--config", str(config)],
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
