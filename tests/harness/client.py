@@ -1,16 +1,18 @@
 """Asking a daemon as its clients do, in-process (a TestServer) or a process (Hal0dProcess): the
 request bodies, a chat and its answer, the slots' views and states, a stream as the client saw
-it, and the event feed read by an independent SSE client."""
+it, the event feed read by an independent SSE client, and what an SDK read under its parser."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
+import httpx2
 import orjson
 from aiohttp_sse_client import client as sse_client
 from yarl import URL
@@ -182,6 +184,53 @@ class Reader:
     async def close(self) -> None:
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
+
+
+class Recording(httpx2.AsyncBaseTransport):
+    """The SDK's transport, with every read of a response body kept as (seconds since the
+    request was sent, bytes)."""
+
+    def __init__(self) -> None:
+        self._inner = httpx2.AsyncHTTPTransport()
+        self.reads: list[tuple[float, bytes]] = []
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        started = time.monotonic()
+        response = await self._inner.handle_async_request(request)
+        reads = self.reads
+        assert isinstance(response.stream, httpx2.AsyncByteStream)
+        inner: httpx2.AsyncByteStream = response.stream
+
+        class Tee(httpx2.AsyncByteStream):
+            async def __aiter__(self) -> AsyncIterator[bytes]:
+                async for piece in inner:
+                    reads.append((time.monotonic() - started, piece))
+                    yield piece
+
+            async def aclose(self) -> None:
+                await inner.aclose()
+
+        return httpx2.Response(response.status_code, headers=response.headers, stream=Tee(),
+                               extensions=response.extensions)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    def received(self) -> bytes:
+        """Every byte read so far, the last response's body still coming included."""
+        return b"".join(piece for _, piece in self.reads)
+
+    def frames(self) -> list[tuple[float, bytes]]:
+        """Each SSE frame the client read (its lines, without the blank line), with the time
+        of the read that completed it."""
+        out: list[tuple[float, bytes]] = []
+        pending = b""
+        for at, piece in self.reads:
+            pending += piece
+            *complete, pending = pending.split(b"\n\n")
+            out += [(at, frame) for frame in complete]
+        assert pending == b"", f"the body ended inside a frame: {pending[-80:]!r}"
+        return out
 
 
 def openai_sdk(server: Served) -> AsyncOpenAI:
