@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from tests.conftest import free_port
+from tests.harness.daemons import popen
+from tests.harness.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 READY_WITHIN_S = 20.0
@@ -110,11 +111,7 @@ def running_demo(tmp: Path, stub_port: int | None = None,
     output = tmp / "hal0d.out"
     script = Path(sys.executable).parent / "hal0d"
     argv = [str(script)] if script.exists() else [sys.executable, "-m", "hal0d"]
-    with output.open("wb") as out:
-        process = subprocess.Popen(
-            [*argv, "serve", "--config", str(config)], stdout=out, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, cwd=tmp, start_new_session=True,
-        )
+    process = popen(config, output, program=argv, cwd=tmp, start_new_session=True)
     demo = RunningDemo(port, config, stub_log, output, process)
     try:
         deadline = time.monotonic() + READY_WITHIN_S

@@ -9,8 +9,6 @@ import dataclasses
 import io
 import re
 from contextlib import AbstractContextManager
-from pathlib import Path
-from typing import Any
 
 import aiohttp
 import orjson
@@ -20,36 +18,16 @@ from aiohttp.test_utils import TestServer
 from structlog.testing import capture_logs
 
 from hal0d.app import make_app, warn_if_exposed
-from hal0d.config import (
-    Config,
-    DispatcherConfig,
-    MetricsConfig,
-    ServerConfig,
-    SlotConfig,
-    load,
-    parse,
-)
+from hal0d.config import ServerConfig, load, parse
 from hal0d.handlers import openai
-from tests.conftest import STUB_MODELS, chat_body, eventually, logs_into_buffer, make_config
+from tests.harness.client import chat_body
+from tests.harness.config import KEY, OTHER_KEY, WRONG_KEY, keyed_config, make_config
+from tests.harness.logs import logs_into_buffer
+from tests.harness.poll import eventually
+from tests.harness.stubs import recording_upstream
 
-KEY = "hal0-client-key-7Qx9wL"
-OTHER_KEY = "hal0-second-key-Pz4"
-WRONG_KEY = "hal0-wrong-key-Zz8k"
 SLOT_KEY = "slot-upstream-key-Mn3"
 PROTECTED = ("/v1/", "/llm/", "/api/")
-
-
-def keyed_config(upstream: str, tmp_path: Path, *, protect_metrics: bool = False,
-                 slot_key: str | None = None, host: str = "127.0.0.1",
-                 keys: tuple[str, ...] = (KEY, OTHER_KEY)) -> Config:
-    return Config(
-        server=ServerConfig(host=host, api_keys=keys, accepted_keys=frozenset(keys),
-                            protect_metrics=protect_metrics),
-        dispatcher=DispatcherConfig(),
-        slots=(SlotConfig(name="llm", upstream=upstream, models=STUB_MODELS, api_key=slot_key),),
-        metrics=MetricsConfig(database=str(tmp_path / "history.sqlite3")),
-        base_dir=tmp_path,
-    )
 
 
 def concrete_routes(app: web.Application) -> list[tuple[str, str]]:
@@ -217,43 +195,6 @@ def test_api_keys_from_a_dict_and_from_a_file_are_both_accepted(tmp_path):
     (tmp_path / "keys").write_text(f"{OTHER_KEY}\n")
     config = parse({"server": {"api_keys": [KEY], "api_keys_file": "keys"}}, base_dir=tmp_path)
     assert config.server.accepted_keys == {KEY, OTHER_KEY}
-
-
-def recording_upstream(seen: list[tuple[str, dict[str, str]]]) -> dict[str, Any]:
-    """An upstream that records the headers of every request it gets, probes included."""
-
-    def record(request: web.Request) -> None:
-        seen.append((f"{request.method} {request.path}", dict(request.headers)))
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        record(request)
-        body = await request.json()
-        if not body.get("stream"):
-            return web.json_response({
-                "id": "x", "object": "chat.completion", "model": body["model"],
-                "choices": [{"index": 0, "finish_reason": "stop",
-                             "message": {"role": "assistant", "content": "hi"}}],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-            })
-        response = web.StreamResponse(headers={hdrs.CONTENT_TYPE: "text/event-stream"})
-        await response.prepare(request)
-        for delta, finish in (({"content": "hi"}, None), ({}, "stop")):
-            chunk = {"id": "x", "object": "chat.completion.chunk", "model": body["model"],
-                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-            await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
-        return response
-
-    async def tokenize(request: web.Request) -> web.Response:
-        record(request)
-        return web.json_response({"tokens": [1, 2, 3]})
-
-    async def models(request: web.Request) -> web.Response:
-        record(request)
-        return web.json_response({"object": "list", "data": []})
-
-    return {"POST /v1/chat/completions": chat, "POST /tokenize": tokenize,
-            "POST /extras/tokenize/count": tokenize, "GET /v1/models": models}
 
 
 async def test_the_client_key_is_never_forwarded_upstream_while_the_slot_key_is_injected(

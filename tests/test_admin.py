@@ -10,8 +10,11 @@ import aiohttp
 
 import hal0d
 from hal0d.config import SlotConfig
-from tests.conftest import Stub, chat_body, eventually, free_port, make_config
-from tests.test_access import KEY, WRONG_KEY, keyed_config, recording_upstream
+from tests.harness.client import chat_body
+from tests.harness.config import KEY, WRONG_KEY, keyed_config, make_config
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
+from tests.harness.stubs import Stub, recording_upstream
 
 USER_AGENT = f"hal0d/{hal0d.__version__}"
 

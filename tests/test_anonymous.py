@@ -10,6 +10,7 @@ would open more than that.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -24,7 +25,13 @@ from aiohttp.test_utils import TestServer
 from ollama import AsyncClient, ResponseError
 
 from hal0d import config as configuration
-from tests.conftest import ServerFactory, Stub, chat_body, eventually, free_port
+from hal0d.config import SlotConfig
+from tests.harness.client import chat_body, state_is, views
+from tests.harness.config import on_demand
+from tests.harness.daemons import STARTUP_S, ServerFactory
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
+from tests.harness.stubs import Stub
 
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN_KEY = "hal0-anonymous-test-admin-Zr7qk"
@@ -67,12 +74,15 @@ def config_text(stub: str, ollama_port: int, tmp_path: Path,
 
 
 async def start(start_hal0d: ServerFactory, stub: Stub, tmp_path: Path,
-                **options: Any) -> tuple[TestServer, str]:
-    """hal0d from config_text, with its Ollama listener as `hal0d serve` has it (a second site
-    of the one application); the server and the Ollama listener's URL."""
+                slot: SlotConfig | None = None, **options: Any) -> tuple[TestServer, str]:
+    """hal0d from config_text (`slot`: its one slot instead), with its Ollama listener as
+    `hal0d serve` has it (a second site of the one application); the server and the Ollama
+    listener's URL."""
     port = free_port()
     config = configuration.parse(tomllib.loads(config_text(stub.url, port, tmp_path, **options)),
                                  base_dir=tmp_path)
+    if slot is not None:
+        config = dataclasses.replace(config, slots=(slot,))
     server = await start_hal0d(stub.url, config=config)
     assert server.runner is not None
     await web.TCPSite(server.runner, "127.0.0.1", port).start()
@@ -195,14 +205,32 @@ async def test_without_a_key_a_model_is_used_but_not_unloaded_through_ollamas_ap
     start_hal0d: ServerFactory, stub: Stub, tmp_path: Path
 ) -> None:
     """Ollama's own way to unload, keep_alive 0 with no prompt (`ollama stop`), takes a key as
-    hal0d's unload does; a keyless chat's keep_alive is left out, the chat answered."""
-    _, base = await start(start_hal0d, stub, tmp_path)
-    keyless = AsyncClient(host=base)
-    with pytest.raises(ResponseError) as refused:
-        await keyless.generate(model="chat", keep_alive=0)
-    assert refused.value.status_code == 403 and "unload" in str(refused.value.error)
-    answer = await keyless.chat(model="chat", messages=HI, keep_alive=0)
-    assert answer.message.content
-    operator = AsyncClient(host=base, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
-    stopped = await operator.generate(model="chat", keep_alive=0)
-    assert stopped.done_reason == "unload"
+    hal0d's unload does; a keyless chat's keep_alive is left out, the chat answered. The slot
+    is the stub on demand, a process hal0d can unload: with a key, the same keep_alive 0 does."""
+    hal0d, base = await start(start_hal0d, stub, tmp_path, slot=on_demand("a", tmp_path))
+    keyless = AsyncClient(host=base, timeout=STARTUP_S + 10)
+    assert (await keyless.chat(model="chat", messages=HI)).message.content  # loads it
+    async with aiohttp.ClientSession(headers=bearer(ADMIN_KEY)) as admin:
+        loaded = (await views(admin, hal0d))["a"]
+        assert loaded["state"] == "ready" and loaded["pid"] is not None, loaded
+        with pytest.raises(ResponseError) as refused:
+            await keyless.generate(model="chat", keep_alive=0)
+        assert refused.value.status_code == 403 and "unload" in str(refused.value.error)
+        answer = await keyless.chat(model="chat", messages=HI, keep_alive=0)
+        assert answer.message.content
+
+        async def recorded() -> list[dict[str, Any]]:
+            async with admin.get(hal0d.make_url("/api/requests?key=anonymous")) as resp:
+                rows: list[dict[str, Any]] = (await resp.json())["requests"]
+            assert len(rows) == 3, rows  # two chats and the refused unload
+            return rows
+
+        # Each recorded once its lease was given back: a keep_alive 0 told under it would
+        # have left the slot idle, and unloading, by then.
+        await eventually(recorded, 5.0, "the keyless requests in the history")
+        after = (await views(admin, hal0d))["a"]
+        assert (after["state"], after["pid"]) == ("ready", loaded["pid"]), after  # still loaded
+        operator = AsyncClient(host=base, headers=bearer(ADMIN_KEY))
+        stopped = await operator.generate(model="chat", keep_alive=0)
+        assert stopped.done_reason == "unload"
+        await state_is(admin, hal0d, "a", "stopped")  # what keep_alive 0 does with a key

@@ -29,8 +29,12 @@ from hal0d.lifecycle.reload import ConfigDiff
 from hal0d.routing import Runtime
 from hal0d.transport.upstream import UpstreamClient
 from hal0d_stub.app import CONTENT_TEXT, REASONING_TEXT, make_stub_app, prompt_tokens, words
-from tests.conftest import Stub, eventually, free_port
-from tests.test_loader import lifecycle_config, start, state_is, stub_command
+from tests.harness.client import state_is
+from tests.harness.config import build_config
+from tests.harness.daemons import start
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
+from tests.harness.stubs import Stub, answering_first, serve_stub, stub_command
 
 if TYPE_CHECKING:
     from anthropic import AsyncAnthropic
@@ -43,9 +47,7 @@ STALL_BOUNDS = {"stream_idle_timeout_s": 0.5, "stream_total_timeout_s": 30.0}
 
 @pytest.fixture
 async def native_stub(aiohttp_server: Any, tmp_path: Path) -> Stub:
-    log = tmp_path / f"stub-{free_port()}.log"
-    server = await aiohttp_server(make_stub_app(log, 0.002, anthropic_native=True))
-    return Stub(server, log)
+    return await serve_stub(aiohttp_server, tmp_path, anthropic_native=True)
 
 
 @pytest.fixture
@@ -249,23 +251,6 @@ async def test_a_native_slot_holds_an_answer_to_its_max_output_tokens(
 
 # -- "auto": decided by a definite answer, kept for one process ------------------------------
 
-def answering_first(status: int, app: web.Application, path: str) -> web.Application:
-    """`app` with its first POST to `path` answered `status` whatever it has there, as a server
-    that is still loading its model (503), limits its callers (429) or wants a key (401)."""
-    first = True
-
-    @web.middleware
-    async def first_answer(request: web.Request, handler: Any) -> web.StreamResponse:
-        nonlocal first
-        if request.method == "POST" and request.path == path and first:
-            first = False
-            return web.json_response({"error": {"message": "not now"}}, status=status)
-        return await handler(request)
-
-    app.middlewares.append(first_answer)
-    return app
-
-
 async def messages(http: aiohttp.ClientSession, hal0d: TestServer) -> tuple[int, Any]:
     request = {"model": "chat", "max_tokens": 64, "messages": HI}
     async with http.post(hal0d.make_url("/v1/messages"), json=request) as answer:
@@ -372,12 +357,12 @@ async def test_a_reload_that_changes_only_the_command_asks_again(
     before = SlotConfig(name="llm", upstream=f"http://127.0.0.1:{port}", models=("chat",),
                         command=stub_command(port, log, "--anthropic-native"),
                         anthropic="auto")
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, before))
+    hal0d = await start(start_hal0d, build_config(tmp_path, before))
     await state_is(http, hal0d, "llm", "ready")
     with capture_logs() as logs:
         assert (await messages(http, hal0d))[0] == 200
         # The same upstream, a command whose server has no /v1/messages.
-        after = lifecycle_config(tmp_path, dataclasses.replace(before,
+        after = build_config(tmp_path, dataclasses.replace(before,
                                                                command=stub_command(port, log)))
         lifecycle = hal0d.app[LIFECYCLE]
         await lifecycle.apply(ConfigDiff.between(lifecycle.configs, after.slots, after.groups))
@@ -394,7 +379,7 @@ async def test_a_restarted_process_is_asked_again(
     upstream, command = native_then_not("llm", tmp_path)
     config = SlotConfig(name="llm", upstream=upstream, models=("chat",), command=command,
                         anthropic="auto")
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, config))
+    hal0d = await start(start_hal0d, build_config(tmp_path, config))
     await state_is(http, hal0d, "llm", "ready")
     runner = hal0d.app[LIFECYCLE].runners["llm"]
     with capture_logs() as logs:

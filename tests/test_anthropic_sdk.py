@@ -19,7 +19,8 @@ from aiohttp.test_utils import TestServer
 
 from hal0d.config import ServerConfig
 from hal0d_stub.app import CONTENT_TEXT, LONG_WORDS, REASONING_TEXT, prompt_tokens, words
-from tests.conftest import Stub, make_config
+from tests.harness.config import make_config
+from tests.harness.stubs import Stub
 
 if TYPE_CHECKING:
     from anthropic import AsyncAnthropic

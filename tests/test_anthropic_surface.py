@@ -25,7 +25,10 @@ from aiohttp_sse_client import client as sse_client
 from hal0d.config import ServerConfig
 from hal0d_stub.app import CONTENT_TEXT, REASONING_TEXT, prompt_tokens, words
 from tests.anthropic_rules import Event, assemble, assert_valid_anthropic_stream, events_from_sse
-from tests.conftest import Stub, eventually, free_port, make_config
+from tests.harness.config import make_config
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
+from tests.harness.stubs import Stub
 
 MESSAGES = "/llm/v1/messages"
 UpstreamApp = Callable[[dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]],

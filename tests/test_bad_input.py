@@ -15,8 +15,8 @@ import aiohttp
 import orjson
 from aiohttp.test_utils import TestServer
 
-from hal0d.config import Config, DispatcherConfig, MetricsConfig, ServerConfig, SlotConfig
-from tests.conftest import STUB_MODELS
+from hal0d.config import ServerConfig
+from tests.harness.config import make_config
 
 OPENAI_PATHS = ("/v1/chat/completions", "/llm/v1/chat/completions")
 ANTHROPIC_PATHS = ("/llm/v1/messages", "/v1/messages")
@@ -149,16 +149,6 @@ CASES: dict[str, Case] = {
     "too many messages": Case(js(openai_body(messages=MANY)), js(anthropic_body(messages=MANY)),
                               field="messages", openai_field="messages"),
 }
-
-
-def make_config(upstream: str, tmp_path: Path, **server: Any) -> Config:
-    return Config(
-        server=ServerConfig(**server),
-        dispatcher=DispatcherConfig(),
-        slots=(SlotConfig(name="llm", upstream=upstream, models=STUB_MODELS),),
-        metrics=MetricsConfig(database=str(tmp_path / "history.sqlite3")),
-        base_dir=tmp_path,
-    )
 
 
 def db_rows(path: Path) -> dict[str, dict[str, Any]]:
@@ -298,8 +288,8 @@ async def test_wrong_method_is_405_in_the_surface_envelope_with_an_ok_0_row(
 async def test_body_over_max_body_bytes_is_413_in_the_surface_envelope_and_hal0d_keeps_serving(
     stub, start_hal0d, http, tmp_path
 ):
-    hal0d = await start_hal0d(stub.url, config=make_config(stub.url, tmp_path,
-                                                           max_body_bytes=2048))
+    hal0d = await start_hal0d(stub.url, config=make_config(
+        stub.url, tmp_path=tmp_path, server=ServerConfig(max_body_bytes=2048)))
     big = "x" * 4096
     ids = set()
     for path, make in [(p, openai_body) for p in OPENAI_PATHS] + [

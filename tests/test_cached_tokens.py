@@ -23,9 +23,9 @@ from aiohttp.test_utils import TestServer
 from structlog.testing import capture_logs
 
 from hal0d.appkeys import RUNTIME
-from tests.conftest import eventually
 from tests.fixtures_util import fixture_path
-from tests.test_metrics import db_row, scrape, slot_metrics, value
+from tests.harness.observe import db_row, scrape, slot_metrics, value
+from tests.harness.poll import eventually
 
 if TYPE_CHECKING:
     from anthropic import AsyncAnthropic

@@ -22,24 +22,14 @@ import pytest
 from aiohttp import hdrs
 
 import hal0d
-from tests.conftest import Stub, free_port
-from tests.test_server import Hal0d
+from tests.harness.cli import ROOT, env_without, hal0d_cli
+from tests.harness.daemons import Hal0dProcess, spawn
+from tests.harness.ports import free_port
+from tests.harness.stubs import Stub
 
-ROOT = Path(__file__).resolve().parents[1]
 MISSING_PROGRAM = "llama-serverx-hal0d-test"
 UNSET_VARIABLE = "HAL0D_TEST_KEY_THAT_IS_NEVER_SET"
 DEADLINE_S = 15.0
-
-
-def hal0d_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "hal0d", *args], capture_output=True, text=True, timeout=30,
-        cwd=ROOT, env=env,
-    )
-
-
-def env_without(*names: str) -> dict[str, str]:
-    return {key: value for key, value in os.environ.items() if key not in names}
 
 
 def slot_toml(upstream: str, *, command: list[str] | None = None, extra: str = "") -> str:
@@ -66,25 +56,19 @@ def config_toml(tmp_path: Path, port: int, slots: str) -> str:
     """) + slots
 
 
-ServeFactory = Callable[..., Awaitable[Hal0d]]
+ServeFactory = Callable[..., Awaitable[Hal0dProcess]]
 
 
 @pytest.fixture
 async def serve(tmp_path: Path) -> AsyncIterator[ServeFactory]:
-    started: list[Hal0d] = []
+    started: list[Hal0dProcess] = []
 
     async def start(config_text: str, *flags: str, port: int, wait: bool = True,
-                    env: dict[str, str] | None = None) -> Hal0d:
+                    env: dict[str, str] | None = None) -> Hal0dProcess:
         config = tmp_path / "hal0d.toml"
         config.write_text(config_text)
-        log = tmp_path / f"hal0d-{len(started)}.log"
-        with log.open("wb") as out:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "hal0d", "serve", "--config", str(config), *flags,
-                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
-                env=env if env is not None else env_without(UNSET_VARIABLE),
-            )
-        served = Hal0d(process, port, config, log)
+        served = await spawn(config, port, tmp_path / f"hal0d-{len(started)}.log", *flags,
+                             env=env if env is not None else env_without(UNSET_VARIABLE))
         started.append(served)
         if wait:
             await served.wait_for_event("server.started", DEADLINE_S)

@@ -20,110 +20,39 @@ import pytest
 from aiohttp import hdrs, web
 
 from hal0d_stub.app import prompt_tokens
-from tests.conftest import eventually, free_port
-from tests.test_cli import ROOT, env_without
-from tests.test_server import Hal0d, stop
-
-KEY = "sk-cli-test"
-DEADLINE_S = 20.0
-# Ctrl-C ends --watch at once: well under the feed's 15 s heartbeat, which a quit that waits
-# for the reader's next read would wait for.
-QUIT_S = 3.0
-
-
-def daemon_toml(tmp_path: Path, port: int) -> str:
-    stub_port = free_port()
-    command = [sys.executable, "-m", "hal0d", "stub", "--port", str(stub_port), "--delay",
-               "0.005"]
-    return textwrap.dedent(f"""
-        [server]
-        host = "0.0.0.0"
-        port = {port}
-        shutdown_grace_s = 1
-        api_keys = ["{KEY}"]
-
-        [metrics]
-        database = "{tmp_path / 'history.sqlite3'}"
-
-        [logging]
-        format = "json"
-
-        [[slots]]
-        name = "a"
-        upstream = "http://127.0.0.1:{stub_port}"
-        models = ["chat"]
-        command = {command!r}
-        start = "on_demand"
-        memory_mib = 512
-    """).replace("'", '"')
-
-
-async def serving(config: Path, port: int) -> AsyncIterator[Hal0d]:
-    """`hal0d serve --config config` as a real process, without the caller's API key in its
-    environment, until the fixture ends."""
-    log = config.parent / "hal0d.log"
-    with log.open("wb") as out:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "hal0d", "serve", "--config", str(config),
-            stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
-            env=env_without("HAL0D_API_KEY"),
-        )
-    served = Hal0d(process, port, config, log)
-    try:
-        await served.wait_for_event("server.started", DEADLINE_S)
-        yield served
-    finally:
-        await stop(process)
+from tests.harness.cli import CLI_DEADLINE_S, QUIT_S, ROOT, cli, cli_daemon, env_without, row_of
+from tests.harness.config import CLI_KEY, daemon_toml
+from tests.harness.daemons import Hal0dProcess, spawn, stop
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
 
 
 @pytest.fixture
-async def daemon(tmp_path: Path) -> AsyncIterator[Hal0d]:
+async def daemon(tmp_path: Path) -> AsyncIterator[Hal0dProcess]:
     port = free_port()
     config = tmp_path / "hal0d.toml"
     config.write_text(daemon_toml(tmp_path, port))
-    async for served in serving(config, port):
+    async with cli_daemon(config, port) as served:
         yield served
 
 
-async def hal0d(*args: str, key: str | None = None) -> tuple[int, str, str]:
-    """The real CLI; returns (exit code, stdout, stderr)."""
-    env = env_without("HAL0D_API_KEY")
-    if key is not None:
-        env["HAL0D_API_KEY"] = key
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "hal0d", *args, cwd=ROOT, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(process.communicate(), DEADLINE_S)
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
-
-
-def row_of(table: str, name: str) -> list[str]:
-    for line in table.splitlines():
-        cells = line.split()
-        if cells and cells[0] == name:
-            return cells
-    raise AssertionError(f"no row {name!r} in:\n{table}")
-
-
 async def test_status_load_requests_and_unload_through_the_config_file(
-    daemon: Hal0d, http: aiohttp.ClientSession
+    daemon: Hal0dProcess, http: aiohttp.ClientSession
 ) -> None:
     config = str(daemon.config)
-    code, out, err = await hal0d("status", "--config", config)
+    code, out, err = await cli("status", "--config", config)
     assert code == 0, err
     assert out.splitlines()[0].split() == [
         "SLOT", "STATE", "MODELS", "IN_FLIGHT", "QUEUED", "LOADED/IDLE", "MEMORY_MIB", "TOK/S",
         "TTFT_P50_MS"]
     assert row_of(out, "a") == ["a", "stopped", "chat", "0", "0", "-", "512", "-", "-"]
 
-    code, out, err = await hal0d("load", "a", "--config", config)
+    code, out, err = await cli("load", "a", "--config", config)
     assert code == 0, err
     assert out.startswith("a: ready (waited ")
 
     async with http.post(f"{daemon.url}/v1/chat/completions",
-                         headers={"Authorization": f"Bearer {KEY}"},
+                         headers={"Authorization": f"Bearer {CLI_KEY}"},
                          json={"model": "chat", "stream": True,
                                "messages": [{"role": "user", "content": "hi"}]}) as resp:
         assert resp.status == 200
@@ -131,16 +60,16 @@ async def test_status_load_requests_and_unload_through_the_config_file(
         request_id = resp.headers["X-Request-Id"]
 
     async def served_once() -> list[str]:
-        code, out, err = await hal0d("status", "--config", config)
+        code, out, err = await cli("status", "--config", config)
         assert code == 0, err
         row = row_of(out, "a")
         assert row[1] == "ready" and row[5] == "idle" and row[8] != "-", out
         return row
 
-    row = await eventually(served_once, DEADLINE_S, "the request in the slot's metrics")
+    row = await eventually(served_once, CLI_DEADLINE_S, "the request in the slot's metrics")
     assert row[7] != "-"  # tok/s
 
-    code, out, err = await hal0d("requests", "-n", "5", "--config", config)
+    code, out, err = await cli("requests", "-n", "5", "--config", config)
     assert code == 0, err
     assert request_id in out and "chat" in out.splitlines()[1]
     # The stream carried no usage: its prompt count is what the timings on its last chunk say
@@ -149,14 +78,14 @@ async def test_status_load_requests_and_unload_through_the_config_file(
     said = prompt_tokens({"messages": [{"role": "user", "content": "hi"}]})
     assert line.split()[-1].startswith(f"{said}/"), line
 
-    code, out, err = await hal0d("unload", "a", "--config", config)
+    code, out, err = await cli("unload", "a", "--config", config)
     assert (code, out.strip()) == (0, "a: stopped"), err
 
 
 async def test_status_watch_redraws_as_events_arrive_and_ends_0_on_ctrl_c(
-    daemon: Hal0d, http: aiohttp.ClientSession
+    daemon: Hal0dProcess, http: aiohttp.ClientSession
 ) -> None:
-    env = {**env_without("HAL0D_API_KEY"), "HAL0D_API_KEY": KEY}
+    env = {**env_without("HAL0D_API_KEY"), "HAL0D_API_KEY": CLI_KEY}
     watcher = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "hal0d", "status", "--watch", "--url", daemon.url, cwd=ROOT,
         env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
@@ -172,11 +101,11 @@ async def test_status_watch_redraws_as_events_arrive_and_ends_0_on_ctrl_c(
         return text in screens[-1]
 
     try:
-        await eventually(lambda: shown(" stopped "), DEADLINE_S, "the first screen")
+        await eventually(lambda: shown(" stopped "), CLI_DEADLINE_S, "the first screen")
         async with http.post(f"{daemon.url}/api/slots/a/load?wait=false",
-                             headers={"Authorization": f"Bearer {KEY}"}) as resp:
+                             headers={"Authorization": f"Bearer {CLI_KEY}"}) as resp:
             assert resp.status == 202
-        await eventually(lambda: shown("a: starting -> ready"), DEADLINE_S, "redrawn as ready")
+        await eventually(lambda: shown("a: starting -> ready"), CLI_DEADLINE_S, "redrawn as ready")
         assert " ready " in seen.decode().split("\x1b[H\x1b[2J")[-1]
         watcher.send_signal(signal.SIGINT)
         code = await asyncio.wait_for(watcher.wait(), QUIT_S)
@@ -187,8 +116,8 @@ async def test_status_watch_redraws_as_events_arrive_and_ends_0_on_ctrl_c(
             await watcher.wait()
 
 
-async def test_status_watch_reconnects_when_hal0d_restarts(daemon: Hal0d) -> None:
-    env = {**env_without("HAL0D_API_KEY"), "HAL0D_API_KEY": KEY}
+async def test_status_watch_reconnects_when_hal0d_restarts(daemon: Hal0dProcess) -> None:
+    env = {**env_without("HAL0D_API_KEY"), "HAL0D_API_KEY": CLI_KEY}
     watcher = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "hal0d", "status", "--watch", "--url", daemon.url, cwd=ROOT,
         env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
@@ -204,27 +133,23 @@ async def test_status_watch_reconnects_when_hal0d_restarts(daemon: Hal0d) -> Non
 
     again: asyncio.subprocess.Process | None = None
     try:
-        await eventually(lambda: shown(" stopped "), DEADLINE_S, "the first screen")
+        await eventually(lambda: shown(" stopped "), CLI_DEADLINE_S, "the first screen")
         daemon.process.send_signal(signal.SIGTERM)
-        await asyncio.wait_for(daemon.process.wait(), DEADLINE_S)
-        await eventually(lambda: shown("Connection to hal0d lost: reconnecting"), DEADLINE_S,
+        await asyncio.wait_for(daemon.process.wait(), CLI_DEADLINE_S)
+        await eventually(lambda: shown("Connection to hal0d lost: reconnecting"), CLI_DEADLINE_S,
                          "the page's notice")
         assert watcher.returncode is None  # still watching, not exited 1
         before = len(seen)
-        with daemon.log.open("ab") as out:
-            again = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "hal0d", "serve", "--config", str(daemon.config),
-                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
-                env=env_without("HAL0D_API_KEY"),
-            )
+        again = (await spawn(daemon.config, daemon.port, daemon.log, append=True,
+                             env=env_without("HAL0D_API_KEY"))).process
 
         async def redrawn() -> bool:
             await shown("")
             return " stopped " in seen[before:].decode(errors="replace")
 
-        await eventually(redrawn, DEADLINE_S, "a fresh screen from the restarted hal0d")
+        await eventually(redrawn, CLI_DEADLINE_S, "a fresh screen from the restarted hal0d")
         watcher.send_signal(signal.SIGINT)
-        assert await asyncio.wait_for(watcher.wait(), DEADLINE_S) == 0
+        assert await asyncio.wait_for(watcher.wait(), CLI_DEADLINE_S) == 0
     finally:
         for process in (watcher, again):
             if process is not None:
@@ -234,39 +159,40 @@ async def test_status_watch_reconnects_when_hal0d_restarts(daemon: Hal0d) -> Non
 async def test_a_daemon_that_is_not_running_is_one_line_and_exit_1() -> None:
     port = free_port()
     for command in (("status",), ("status", "--watch"), ("load", "a"), ("requests",)):
-        code, out, err = await hal0d(*command, "--url", f"http://127.0.0.1:{port}")
+        code, out, err = await cli(*command, "--url", f"http://127.0.0.1:{port}")
         assert code == 1 and out == ""
         assert err == (f"hal0d {command[0]}: hal0d is not running at http://127.0.0.1:{port} "
                        "(connection refused)\n")
 
 
-async def test_a_refused_key_and_a_missing_key_are_one_line_and_exit_1(daemon: Hal0d) -> None:
-    code, _, err = await hal0d("status", "--url", daemon.url, key="sk-wrong")
+async def test_a_refused_key_and_a_missing_key_are_one_line_and_exit_1(
+        daemon: Hal0dProcess) -> None:
+    code, _, err = await cli("status", "--url", daemon.url, key="sk-wrong")
     assert code == 1
     assert err == f"hal0d status: hal0d at {daemon.url} refused the API key: the API key is " \
                   "not valid\n"
-    code, _, err = await hal0d("status", "--url", daemon.url)
+    code, _, err = await cli("status", "--url", daemon.url)
     assert code == 1 and err.count("\n") == 1
     assert "needs an API key: set HAL0D_API_KEY" in err
     # The right key in the environment works with --url.
-    code, out, err = await hal0d("status", "--url", daemon.url, key=KEY)
+    code, out, err = await cli("status", "--url", daemon.url, key=CLI_KEY)
     assert code == 0 and row_of(out, "a")[1] == "stopped", err
 
 
-async def test_a_slot_the_daemon_does_not_know_is_its_own_message(daemon: Hal0d) -> None:
-    code, _, err = await hal0d("load", "nope", "--config", str(daemon.config))
+async def test_a_slot_the_daemon_does_not_know_is_its_own_message(daemon: Hal0dProcess) -> None:
+    code, _, err = await cli("load", "nope", "--config", str(daemon.config))
     assert code == 1
     assert err == "hal0d load: no slot named 'nope' (HTTP 404)\n"
 
 
 async def test_a_config_that_cannot_be_read_is_one_line_and_exit_1(tmp_path: Path) -> None:
-    code, _, err = await hal0d("status", "--config", str(tmp_path / "missing.toml"))
+    code, _, err = await cli("status", "--config", str(tmp_path / "missing.toml"))
     assert code == 1 and err.count("\n") == 1
     assert err.startswith(f"hal0d status: cannot use {tmp_path / 'missing.toml'}: ")
 
 
 @pytest.fixture
-async def slow_daemon(tmp_path: Path) -> AsyncIterator[Hal0d]:
+async def slow_daemon(tmp_path: Path) -> AsyncIterator[Hal0dProcess]:
     """A daemon whose on-demand slot `a` takes 30 s to load (its stub waits before listening)
     and whose slot `b` cannot start (a missing program)."""
     port = free_port()
@@ -281,51 +207,51 @@ async def slow_daemon(tmp_path: Path) -> AsyncIterator[Hal0d]:
         models = ["tool"]
         command = ["hal0d-no-such-program-b"]
     """))
-    async for served in serving(config, port):
+    async with cli_daemon(config, port) as served:
         yield served
 
 
 async def test_status_without_watch_shows_a_loads_phase_and_why_a_slot_is_in_error(
-    slow_daemon: Hal0d, http: aiohttp.ClientSession
+    slow_daemon: Hal0dProcess, http: aiohttp.ClientSession
 ) -> None:
     config = str(slow_daemon.config)
     async with http.post(f"{slow_daemon.url}/api/slots/a/load?wait=false",
-                         headers={"Authorization": f"Bearer {KEY}"}) as resp:
+                         headers={"Authorization": f"Bearer {CLI_KEY}"}) as resp:
         assert resp.status == 202
 
     async def phases() -> list[str]:
-        code, out, err = await hal0d("status", "--config", config)
+        code, out, err = await cli("status", "--config", config)
         assert code == 0, err
         row = row_of(out, "a")
         assert row[1] == "starting" and row[2] == "(probing", out
         assert "b: cannot start 'hal0d-no-such-program-b'" in out, out
         return row
 
-    row = await eventually(phases, DEADLINE_S, "the load's phase and b's reason")
+    row = await eventually(phases, CLI_DEADLINE_S, "the load's phase and b's reason")
     first = int(row[3].rstrip("s)"))
     # The phase's age counts from the load's start, not from the last event.
     later = await eventually(
-        lambda: _later_phase(config, first), DEADLINE_S, "the probing phase's age grown")
+        lambda: _later_phase(config, first), CLI_DEADLINE_S, "the probing phase's age grown")
     assert later > first
 
 
 async def _later_phase(config: str, first: int) -> int:
-    code, out, err = await hal0d("status", "--config", config)
+    code, out, err = await cli("status", "--config", config)
     assert code == 0, err
     seconds = int(row_of(out, "a")[3].rstrip("s)"))
     return seconds if seconds >= first + 2 else 0
 
 
 async def test_status_watch_counts_idle_up_between_events(
-    daemon: Hal0d, http: aiohttp.ClientSession
+    daemon: Hal0dProcess, http: aiohttp.ClientSession
 ) -> None:
     """Nothing happens after the load: the screen is still redrawn, idle counting up from the
     slot's idle-since time (not standing at the age it had at the last event)."""
     import re
 
-    code, _, err = await hal0d("load", "a", "--config", str(daemon.config))
+    code, _, err = await cli("load", "a", "--config", str(daemon.config))
     assert code == 0, err
-    env = {**env_without("HAL0D_API_KEY"), "HAL0D_API_KEY": KEY}
+    env = {**env_without("HAL0D_API_KEY"), "HAL0D_API_KEY": CLI_KEY}
     watcher = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "hal0d", "status", "--watch", "--url", daemon.url, cwd=ROOT,
         env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
@@ -341,7 +267,8 @@ async def test_status_watch_counts_idle_up_between_events(
         return values if values and values[-1] >= values[0] + 3 else []
 
     try:
-        values = await eventually(idles, DEADLINE_S, "idle counting up on one screen after another")
+        values = await eventually(idles, CLI_DEADLINE_S,
+                                  "idle counting up on one screen after another")
         assert values == sorted(values), values
     finally:
         watcher.kill()
@@ -390,7 +317,7 @@ async def test_status_watch_reads_a_feed_whose_lines_end_in_cr_or_crlf(
         return screen if "last: a: starting -> ready" in screen else ""
 
     try:
-        screen = await eventually(last_screen, DEADLINE_S, "both events drawn")
+        screen = await eventually(last_screen, CLI_DEADLINE_S, "both events drawn")
         assert row_of(screen, "a")[:3] == ["a", "ready", "chat"], screen
         watcher.send_signal(signal.SIGINT)
         assert await asyncio.wait_for(watcher.wait(), QUIT_S) == 0

@@ -24,7 +24,8 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from hal0d_stub.app import CONTENT_TEXT, SHELL_ANSWER, SHELL_OUTPUT, make_stub_app
-from tests.conftest import Stub, free_port
+from tests.harness.ports import free_port
+from tests.harness.stubs import Stub
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTALLED = ROOT / ".npm-test" / "node_modules" / ".bin" / "codex"

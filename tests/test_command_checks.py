@@ -16,9 +16,10 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from tests.conftest import Stub, chat_body, free_port
-from tests.test_loader import STARTUP_S
-from tests.test_server import Hal0dFactory, start_hal0d, stub  # noqa: F401 (fixtures)
+from tests.harness.client import chat_body
+from tests.harness.daemons import STARTUP_S, Hal0dProcessFactory
+from tests.harness.ports import free_port
+from tests.harness.stubs import Stub
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,9 +102,10 @@ def test_check_config_warns_of_a_missing_model_file_and_a_thin_context_per_slot(
 
 
 async def test_serve_logs_the_same_warnings_once_and_serves(
-        start_hal0d: Hal0dFactory, stub: Stub, tmp_path: Path) -> None:  # noqa: F811
+        start_hal0d_process: Hal0dProcessFactory, stub: Stub, tmp_path: Path) -> None:
     port, missing = free_port(), tmp_path / "typo.gguf"
-    hal0d = await start_hal0d(stub, slot=thin_slot(llama_server(tmp_path), missing, port))
+    hal0d = await start_hal0d_process(stub.url,
+                                      slot=thin_slot(llama_server(tmp_path), missing, port))
     logged = hal0d.named("config.warning")
     assert [f"warning: {w['key']}: {w['problem']}" for w in logged] == warnings_of(missing)
     async with asyncio.timeout(STARTUP_S), aiohttp.ClientSession() as http, http.post(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 import tomllib
 from pathlib import Path
@@ -11,24 +9,8 @@ from pathlib import Path
 import pytest
 
 from hal0d import config
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def hal0d_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "hal0d", *args], capture_output=True, text=True, timeout=30,
-        cwd=ROOT,
-    )
-
-
-def write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "hal0d.toml"
-    path.write_text(text)
-    return path
-
-
-SLOT = '[[slots]]\nname = "a"\nupstream = "http://127.0.0.1:9"\nmodels = ["m"]\n'
+from tests.harness.cli import hal0d_cli
+from tests.harness.config import SLOT, write
 
 
 @pytest.mark.parametrize(

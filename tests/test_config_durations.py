@@ -14,8 +14,11 @@ import aiohttp
 
 from hal0d import config as configuration
 from hal0d.ollama import request as ollama_request
-from tests.conftest import ServerFactory, chat_body, eventually, free_port
-from tests.test_loader import STARTUP_S, stub_command
+from tests.harness.client import chat_body
+from tests.harness.daemons import STARTUP_S, ServerFactory
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
+from tests.harness.stubs import stub_command
 
 ROOT = Path(__file__).resolve().parents[1]
 

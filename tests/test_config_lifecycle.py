@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from hal0d import config
-from tests.test_config import hal0d_cli, write
+from tests.harness.cli import hal0d_cli
+from tests.harness.config import write
 
 
 def slot(name: str, *, command: bool = True, **keys: object) -> str:

@@ -17,8 +17,11 @@ import aiohttp
 import orjson
 
 from hal0d.config.spec import SLOT_SPEC
-from tests.conftest import Stub, chat_body, eventually, free_port
-from tests.test_server import stub  # noqa: F401 (a fixture)
+from tests.harness.client import chat_body
+from tests.harness.daemons import spawn
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
+from tests.harness.stubs import Stub
 
 ROOT = Path(__file__).resolve().parents[1]
 HA_KEY = "hal0-problems-test-ha-Kd9wq"
@@ -91,7 +94,7 @@ def logged(text: str, event: str, key: str) -> list[str]:
 
 
 async def test_a_sighup_with_a_broken_config_logs_each_problem_as_a_readable_line(
-        stub: Stub, tmp_path: Path) -> None:  # noqa: F811
+        stub: Stub, tmp_path: Path) -> None:
     port = free_port()
     head = f"[server]\nport = {port}\n"
     tail = (f'\n[metrics]\ndatabase = "{tmp_path / "history.sqlite3"}"\n'
@@ -99,14 +102,11 @@ async def test_a_sighup_with_a_broken_config_logs_each_problem_as_a_readable_lin
     good = head + f'[[slots]]\nname = "llm"\nupstream = "{stub.url}"\nmodels = ["chat"]\n' + tail
     path, log = tmp_path / "hal0d.toml", tmp_path / "hal0d.log"
     path.write_text(good)
-    with log.open("wb") as out:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "hal0d", "serve", "--config", str(path),
-            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+    hal0d = await spawn(path, port, log)
     try:
         await eventually(lambda: "server.started" in log.read_text(), 10.0, "hal0d started")
         path.write_text(head + BROKEN + tail)
-        process.send_signal(signal.SIGHUP)
+        hal0d.send(signal.SIGHUP)
         await eventually(lambda: "config.reload_failed" in log.read_text(), 5.0, "the refusal")
         text = log.read_text()
         assert logged(text, "config.reload_problem", "problem") == EXPECTED, text
@@ -117,5 +117,5 @@ async def test_a_sighup_with_a_broken_config_logs_each_problem_as_a_readable_lin
                 json=chat_body("chat", stream=False)) as resp:
             assert resp.status == 200  # on the running configuration
     finally:
-        process.send_signal(signal.SIGTERM)
-        await asyncio.wait_for(process.wait(), 15.0)
+        hal0d.send(signal.SIGTERM)
+        await asyncio.wait_for(hal0d.process.wait(), 15.0)

@@ -16,10 +16,13 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from hal0d import conversations
+from hal0d.appkeys import SLOTS
 from hal0d.config import parse
 from hal0d.conversations import Affinity
-from tests.conftest import ServerFactory, StubFactory
-from tests.test_failover import Upstream, answering_stream, route_config
+from tests.harness.config import route_config
+from tests.harness.daemons import ServerFactory
+from tests.harness.poll import eventually
+from tests.harness.stubs import StubFactory, Upstream, answering_stream
 
 SYSTEM = {"role": "system", "content": "You are a careful coding agent."}
 
@@ -159,10 +162,16 @@ async def test_each_conversation_stays_on_the_replica_that_served_it(
     first replica."""
     first, second = await start_stub(delay=0.02), await start_stub(delay=0.02)
     hal0d = await start_route(start_hal0d, first.url, second.url, tmp_path)
+    table = hal0d.app[SLOTS]
 
-    async def ask(name: str, n: int, pause: float) -> tuple[str, str]:
-        await asyncio.sleep(pause)
-        return name, await turn(http, hal0d, turns(name, n))
+    async def in_order(asks_first: str, then: str, n: int) -> dict[str, str]:
+        """Turn n of `asks_first`, and of `then` once the first holds its slot (or is over):
+        the slot each turn reached."""
+        leading = asyncio.create_task(turn(http, hal0d, turns(asks_first, n)))
+        await eventually(lambda: leading.done() or sum(slot.in_flight for slot in table) == 1,
+                         5.0, f"{asks_first}'s turn {n} on its slot")
+        following = await turn(http, hal0d, turns(then, n))
+        return {asks_first: await leading, then: following}
 
     served: dict[str, list[str]] = {}
     for pair in (("alpha", "beta"), ("gamma", "delta")):
@@ -172,8 +181,7 @@ async def test_each_conversation_stays_on_the_replica_that_served_it(
             served[name] = [slot]
         later = sorted(pair, key=lambda name: served[name][0] == "one")  # two's first
         for n in (2, 3, 4):
-            for name, slot in await asyncio.gather(ask(later[0], n, 0.0),
-                                                   ask(later[1], n, 0.05)):
+            for name, slot in (await in_order(later[0], later[1], n)).items():
                 served[name].append(slot)
     assert {name: set(slots) for name, slots in served.items()} == {
         name: {slots[0]} for name, slots in served.items()}, served

@@ -18,8 +18,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from tests.conftest import free_port
 from tests.demo import running_demo, slot_views
+from tests.harness.ports import free_port
 
 OLD_STUB_PORT = 8091
 ERROR_WITHIN_S = 15.0

@@ -15,7 +15,6 @@ import resource
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -27,8 +26,12 @@ import pytest
 
 from hal0d import config
 from hal0d.server import keep_restart_keys, restart_needed, somaxconn
-from tests.conftest import Stub, StubFactory, chat_body, eventually, free_port
-from tests.test_server import Hal0d, config_text
+from tests.harness.client import chat_body
+from tests.harness.config import config_text
+from tests.harness.daemons import Hal0dProcess, spawn
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
+from tests.harness.stubs import Stub, StubFactory
 
 STUB_DELAY_S = 0.05  # "chatty" streams a token every 50 ms, forever: a stream stays open
 LOW_LIMIT = 64  # soft = hard: room for hal0d at rest plus a couple of dozen sockets
@@ -39,7 +42,7 @@ ANTHROPIC_BODY = {
     "messages": [{"role": "user", "content": "hi"}],
 }
 
-Launcher = Callable[..., Awaitable[Hal0d]]
+Launcher = Callable[..., Awaitable[Hal0dProcess]]
 
 
 @pytest.fixture
@@ -56,24 +59,18 @@ def nofile(soft: int, hard: int) -> Callable[[], None]:
 
 @pytest.fixture
 async def launch(tmp_path: Path) -> AsyncIterator[Launcher]:
-    started: list[Hal0d] = []
+    started: list[Hal0dProcess] = []
 
     async def start(stub: Stub, *, soft: int, hard: int, backlog: int | None = None,
-                    slot: str = "") -> Hal0d:
+                    slot: str = "") -> Hal0dProcess:
         port = free_port()
         config = tmp_path / "hal0d.toml"
         text = config_text(stub.url, port, tmp_path, slot=slot)
         if backlog is not None:
             text = text.replace("[server]\n", f"[server]\nbacklog = {backlog}\n", 1)
         config.write_text(text)
-        log = tmp_path / "hal0d.log"
-        with log.open("wb") as out:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "hal0d", "serve", "--config", str(config),
-                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
-                preexec_fn=nofile(soft, hard),  # setrlimit alone: safe after fork
-            )
-        hal0d = Hal0d(process, port, config, log)
+        hal0d = await spawn(config, port, tmp_path / "hal0d.log",
+                            preexec_fn=nofile(soft, hard))  # setrlimit alone: safe after fork
         started.append(hal0d)
         await hal0d.wait_for_event("server.started", timeout=10)
         return hal0d
@@ -187,7 +184,7 @@ class Holders:
     """What holds hal0d's descriptors from the test's side: open streams (a client socket and
     an upstream socket each) and idle connections (a client socket each)."""
 
-    def __init__(self, hal0d: Hal0d, limit: int) -> None:
+    def __init__(self, hal0d: Hal0dProcess, limit: int) -> None:
         self.hal0d = hal0d
         self.limit = limit
         self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),

@@ -27,7 +27,9 @@ from aiohttp.test_utils import TestServer
 from structlog.testing import capture_logs
 
 from hal0d_stub.app import make_stub_app
-from tests.conftest import chat_body, eventually, free_port
+from tests.harness.client import chat_body
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
 
 STREAMS = 500
 SEED = 8_2026

@@ -23,7 +23,9 @@ from yarl import URL
 from hal0d.config import SlotConfig
 from hal0d.errors import UpstreamUnavailable
 from hal0d.transport.failures import transport_reason, upstream_errors
-from tests.conftest import OllamaFactory, StubFactory, Upstream, free_port
+from tests.harness.daemons import OllamaFactory
+from tests.harness.ports import free_port
+from tests.harness.stubs import StubFactory, Upstream
 
 HI = [{"role": "user", "content": "hi"}]
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import re
 import socket
 import time
@@ -19,7 +18,6 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp.test_utils import TestServer
-from aiohttp_sse_client import client as sse_client
 
 from hal0d.appkeys import EVENTS, LIFECYCLE
 from hal0d.config import ServerConfig
@@ -29,59 +27,14 @@ from hal0d.observability import events
 from hal0d.observability.events import EventHub
 from hal0d.observability.history import RequestRecord
 from hal0d.protocol.sse import Decoder
-from tests.conftest import STUB_MODELS, Stub, chat_body, eventually, logs_into_buffer, make_config
-from tests.test_loader import STARTUP_S, Start, lifecycle_config, on_demand, start
+from tests.harness.client import Event, Reader, chat_body
+from tests.harness.config import build_config, make_config, on_demand
+from tests.harness.daemons import ServerFactory, start
+from tests.harness.logs import logs_into_buffer
+from tests.harness.poll import eventually
+from tests.harness.stubs import STUB_MODELS, Stub
 
-Event = tuple[str, dict[str, Any]]
 DROPPED = re.compile(rb"event: dropped\ndata: (\{[^\n]*\})\n\n")
-
-
-class _StreamEnded(Exception):
-    """aiohttp-sse-client calls on_error when the body ends (then it would reconnect)."""
-
-
-def _ended() -> None:
-    raise _StreamEnded
-
-
-class Reader:
-    """An independent SSE client reading GET /api/events into `events` as they arrive."""
-
-    def __init__(self, http: aiohttp.ClientSession, hal0d: TestServer,
-                 headers: dict[str, str] | None = None) -> None:
-        self.events: list[Event] = []
-        self.ended = False
-        self._source = sse_client.EventSource(
-            str(hal0d.make_url("/api/events")), session=http, headers=headers or {},
-            on_error=_ended, max_connect_retry=0,
-        )
-        self._task = asyncio.create_task(self._read())
-
-    async def _read(self) -> None:
-        try:
-            async with self._source:
-                async for message in self._source:
-                    self.events.append((message.type, json.loads(message.data)))
-        except _StreamEnded:
-            pass
-        self.ended = True
-
-    def named(self, name: str) -> list[dict[str, Any]]:
-        return [data for event, data in self.events if event == name]
-
-    async def wait_for(self, name: str, what: str, timeout: float = STARTUP_S,
-                       **match: Any) -> dict[str, Any]:
-        def found() -> dict[str, Any] | None:
-            for data in self.named(name):
-                if all(data.get(key) == value for key, value in match.items()):
-                    return data
-            return None
-
-        return await eventually(found, timeout, what)
-
-    async def close(self) -> None:
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
 
 
 def hub_of(hal0d: TestServer) -> EventHub:
@@ -91,9 +44,9 @@ def hub_of(hal0d: TestServer) -> EventHub:
 # -- the lifecycle, as a page sees it ---------------------------------------------------------
 
 async def test_a_load_a_request_and_an_unload_read_as_slot_load_and_request_events(
-    start_hal0d: Start, tmp_path: Any, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Any, http: aiohttp.ClientSession
 ) -> None:
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, on_demand("a", tmp_path)))
+    hal0d = await start(start_hal0d, build_config(tmp_path, on_demand("a", tmp_path)))
     reader = Reader(http, hal0d)
     hello = await reader.wait_for("hello", "the hello event")
     assert [(view["name"], view["state"]) for view in hello["slots"]] == [("a", "stopped")]
@@ -145,10 +98,10 @@ async def test_a_load_a_request_and_an_unload_read_as_slot_load_and_request_even
 
 
 async def test_a_slot_a_reload_adds_is_in_the_feed_too(
-    start_hal0d: Start, tmp_path: Any, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Any, http: aiohttp.ClientSession
 ) -> None:
     first = on_demand("a", tmp_path)
-    config = lifecycle_config(tmp_path, first)
+    config = build_config(tmp_path, first)
     hal0d = await start(start_hal0d, config)
     reader = Reader(http, hal0d)
     await reader.wait_for("hello", "the hello event")
@@ -175,7 +128,7 @@ def stuck_reader(port: int) -> socket.socket:
 
 
 async def test_a_reader_that_stops_reading_delays_no_stream_and_its_drops_are_counted_and_told(
-    start_hal0d: Start, stub: Stub, tmp_path: Any, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, stub: Stub, tmp_path: Any, http: aiohttp.ClientSession
 ) -> None:
     hal0d = await start_hal0d(stub.url)
     hub = hub_of(hal0d)
@@ -243,7 +196,7 @@ READER_BOUND_S = 1.0
 
 
 async def test_a_reader_that_takes_no_bytes_for_the_client_bound_is_cut_and_forgotten(
-    start_hal0d: Start, stub: Stub, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, stub: Stub, http: aiohttp.ClientSession
 ) -> None:
     """A suspended `hal0d status --watch` or a stuck proxy: once the socket's buffers are full
     the feed's write waits on it, and after the bound a relayed stream's client has, its
@@ -330,7 +283,7 @@ async def test_a_reader_that_takes_no_bytes_for_the_client_bound_is_cut_and_forg
 # -- keys, heartbeats, shutdown ---------------------------------------------------------------
 
 async def test_the_feed_needs_a_key_when_keys_are_set(
-    start_hal0d: Start, stub: Stub, tmp_path: Any, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, stub: Stub, tmp_path: Any, http: aiohttp.ClientSession
 ) -> None:
     config = make_config(stub.url, tmp_path=tmp_path)
     keyed = dataclasses.replace(
@@ -347,10 +300,10 @@ async def test_the_feed_needs_a_key_when_keys_are_set(
 
 
 async def test_a_reload_that_changes_a_slot_shows_its_new_view_in_the_feed(
-    start_hal0d: Start, tmp_path: Any, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Any, http: aiohttp.ClientSession
 ) -> None:
     first = on_demand("a", tmp_path)
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, first))
+    hal0d = await start(start_hal0d, build_config(tmp_path, first))
     reader = Reader(http, hal0d)
     await reader.wait_for("hello", "the hello event")
     changed = dataclasses.replace(first, models=("chat", "tool"))
@@ -363,7 +316,7 @@ async def test_a_reload_that_changes_a_slot_shows_its_new_view_in_the_feed(
 
 
 async def test_a_reader_that_leaves_ends_its_feed_normally_not_as_a_failed_request(
-    start_hal0d: Start, stub: Stub, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, stub: Stub, http: aiohttp.ClientSession
 ) -> None:
     """A closed status page is how a feed ends: its request.done says ok, so the README's
     `journalctl -g 'request.done.*ok=False'` lists failures, not page closes."""
@@ -385,7 +338,8 @@ async def test_a_reader_that_leaves_ends_its_feed_normally_not_as_a_failed_reque
 
 
 async def test_a_quiet_feed_sends_a_heartbeat_comment(
-    start_hal0d: Start, stub: Stub, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+    start_hal0d: ServerFactory, stub: Stub, http: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(admin, "HEARTBEAT_S", 0.2)
     hal0d = await start_hal0d(stub.url)
@@ -401,7 +355,7 @@ async def test_a_quiet_feed_sends_a_heartbeat_comment(
 
 
 async def test_shutdown_ends_an_open_feed_at_once(
-    start_hal0d: Start, stub: Stub, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, stub: Stub, http: aiohttp.ClientSession
 ) -> None:
     hal0d = await start_hal0d(stub.url)
     reader = Reader(http, hal0d)

@@ -14,7 +14,9 @@ from aiohttp.test_utils import TestServer
 from structlog.testing import capture_logs
 
 from hal0d.config import GroupConfig
-from tests.test_loader import Start, body, lifecycle_config, on_demand, start, state_is
+from tests.harness.client import body, state_is
+from tests.harness.config import build_config, on_demand
+from tests.harness.daemons import ServerFactory, start
 
 GROUP = {"gpu": GroupConfig(name="gpu", max_loaded=1, policy="fifo")}
 
@@ -25,16 +27,16 @@ async def ask(http: aiohttp.ClientSession, hal0d: TestServer, model: str
         return resp.status, await resp.json()
 
 
-async def good_and_broken(start_hal0d: Start, tmp_path: Any) -> TestServer:
+async def good_and_broken(start_hal0d: ServerFactory, tmp_path: Any) -> TestServer:
     """`a` (chat) loads; `b` (think-only) exits as llama-server does on a model it cannot read."""
     good = on_demand("a", tmp_path, group="gpu")
     broken = on_demand("b", tmp_path, "--fail-start", "error: failed to load model 'x.gguf'",
                        group="gpu")
-    return await start(start_hal0d, lifecycle_config(tmp_path, good, broken, groups=GROUP))
+    return await start(start_hal0d, build_config(tmp_path, good, broken, groups=GROUP))
 
 
 async def test_a_broken_model_evicts_the_working_one_once_at_most(
-    start_hal0d: Start, tmp_path: Any, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Any, http: aiohttp.ClientSession
 ) -> None:
     hal0d = await good_and_broken(start_hal0d, tmp_path)
     with capture_logs() as logs:
@@ -55,7 +57,7 @@ async def test_a_broken_model_evicts_the_working_one_once_at_most(
 
 
 async def test_an_operators_load_of_the_broken_model_may_evict_again(
-    start_hal0d: Start, tmp_path: Any, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Any, http: aiohttp.ClientSession
 ) -> None:
     hal0d = await good_and_broken(start_hal0d, tmp_path)
     assert (await ask(http, hal0d, "chat"))[0] == 200
@@ -68,7 +70,7 @@ async def test_an_operators_load_of_the_broken_model_may_evict_again(
 
 
 async def test_a_missing_model_file_is_found_before_anything_is_evicted(
-    start_hal0d: Start, tmp_path: Any, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Any, http: aiohttp.ClientSession
 ) -> None:
     """llama-server told to load a file that is not there: the load fails on that, at once,
     before the working model is unloaded to make room for it."""
@@ -78,7 +80,7 @@ async def test_a_missing_model_file_is_found_before_anything_is_evicted(
     good = on_demand("a", tmp_path, group="gpu")
     typo = on_demand("b", tmp_path, group="gpu")
     typo = dataclasses.replace(typo, command=(str(server), "-m", str(tmp_path / "typo.gguf")))
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, good, typo, groups=GROUP))
+    hal0d = await start(start_hal0d, build_config(tmp_path, good, typo, groups=GROUP))
     assert (await ask(http, hal0d, "chat"))[0] == 200
     with capture_logs() as logs:
         status, answer = await ask(http, hal0d, "think-only")

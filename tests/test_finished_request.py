@@ -17,7 +17,11 @@ from structlog.testing import capture_logs
 
 from hal0d.appkeys import RECORDER
 from hal0d.observability.recorder import Recorder
-from tests.conftest import ServerFactory, Stub, chat_body, eventually, logs_into_buffer
+from tests.harness.client import chat_body
+from tests.harness.daemons import ServerFactory
+from tests.harness.logs import logs_into_buffer
+from tests.harness.poll import eventually
+from tests.harness.stubs import Stub
 
 # "Within a few milliseconds of the client having its answer": a bound, not a benchmark. The
 # old deferred finisher took the full 100 ms whenever an event reader was open.

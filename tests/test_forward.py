@@ -11,15 +11,11 @@ from aiohttp import hdrs, web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from hal0d.transport.upstream import response_headers
-from tests.conftest import (
-    ROLE_CHUNK,
-    chat_body,
-    content_chunk,
-    eventually,
-    free_port,
-    read_http_chunks,
-)
 from tests.fixtures_util import fixture_path
+from tests.harness.client import chat_body, read_http_chunks
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
+from tests.harness.stubs import ROLE_CHUNK, content_chunk
 
 
 def fixture_chunks() -> list[bytes]:

@@ -19,7 +19,9 @@ from hal0d.lifecycle.probe import probe
 from hal0d.transport import descriptors
 from hal0d.transport.failures import upstream_errors
 from hal0d.transport.upstream import UpstreamClient
-from tests.conftest import chat_body, eventually, free_port
+from tests.harness.client import chat_body
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
 
 MESSAGES = {"model": "chat", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
 SETTLE_S = 5.0

@@ -32,7 +32,7 @@ from hal0d.openai.transform import Passthrough
 from hal0d.protocol.transform import TransformFailed
 from hal0d_stub.app import make_stub_app
 from tests.anthropic_rules import assert_valid_anthropic_stream, events_from_sse
-from tests.conftest import make_config
+from tests.harness.config import make_config
 
 EXAMPLES = 1000
 FUZZ = settings(

@@ -17,7 +17,8 @@ from aiohttp.test_utils import TestServer
 from structlog.testing import capture_logs
 
 from hal0d.app import make_app
-from tests.conftest import eventually, make_config
+from tests.harness.config import make_config
+from tests.harness.poll import eventually
 
 
 async def fails_mid_stream(request: web.Request) -> web.StreamResponse:

@@ -13,7 +13,7 @@ from contextlib import closing
 from pathlib import Path
 
 from hal0d.observability.history import HistoryWriter, RequestRecord
-from tests.conftest import eventually
+from tests.harness.poll import eventually
 
 REPO = Path(__file__).resolve().parent.parent
 DAY = 86400.0
@@ -276,8 +276,8 @@ async def test_the_pages_errors_of_the_last_hour_are_the_historys_and_survive_a_
     a restart keeps them, and a failure older than an hour is not among them."""
     import aiohttp
 
-    from tests.conftest import free_port
-    from tests.test_server import launch, stop
+    from tests.harness.daemons import launch, stop
+    from tests.harness.ports import free_port
 
     old = record(0, ts=time.time() - 2 * 3600, ok=False)
     writer = HistoryWriter(tmp_path / "history.sqlite3")

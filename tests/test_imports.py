@@ -171,3 +171,96 @@ def test_an_arrow_up_and_a_module_without_a_layer_are_found(tmp_path: Path) -> N
     (root / "low" / "base.py").write_text("")
     (root / "stray.py").unlink()
     assert arrows_up(import_graph(root), layers) == []
+
+
+# -- the tests' own imports: no test module imports another --------------------------------------
+
+REPOSITORY = PACKAGE.parent
+TEST_TREES = (REPOSITORY / "tests", REPOSITORY / "tests_real")
+
+
+def imported_names(path: Path, root: Path) -> set[str]:
+    """The dotted names `path` imports, relative imports resolved against its folder below
+    `root`; `from x import y` counts both x and x.y (y may be a module)."""
+    package = list(path.parent.relative_to(root).parts)
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            anchor = package[: len(package) - node.level + 1] if node.level else []
+            base = ".".join([*anchor, *([node.module] if node.module else [])])
+            found.update(f"{base}.{alias.name}".lstrip(".") for alias in node.names)
+            if base:
+                found.add(base)
+    return found
+
+
+def module_file(name: str, importer: Path, root: Path) -> Path | None:
+    """The file `name` is, from `root` or from the importer's own folder (pytest puts a test's
+    folder on the path, as tests_real's `from realserver import ...` relies on); None for a
+    module that is neither (the standard library's, a package's)."""
+    parts = name.split(".")
+    for base in (root, importer.parent):
+        for candidate in (base.joinpath(*parts).with_suffix(".py"),
+                          base.joinpath(*parts, "__init__.py")):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def is_test_module(path: Path) -> bool:
+    return path.name.startswith("test_") or path.name == "conftest.py"
+
+
+def imports_of_test_modules(trees: tuple[Path, ...], root: Path) -> list[str]:
+    """Every import, in any module of `trees`, of a test module (test_*.py) or a conftest."""
+    found = []
+    for tree in trees:
+        for path in sorted(tree.rglob("*.py")):
+            for name in sorted(imported_names(path, root)):
+                target = module_file(name, path, root)
+                if target is not None and target != path and is_test_module(target):
+                    found.append(f"{path.relative_to(root)} imports {target.relative_to(root)}")
+    return sorted(set(found))
+
+
+def test_no_test_module_imports_another_nor_a_conftest() -> None:
+    """What two test modules share lives in tests/harness/; fixtures are asked for by name, not
+    imported. A test module imported by another runs its own tests' imports (and a module-level
+    skip) in the importer, and a fixture imported by name is a second copy of it."""
+    assert (REPOSITORY / "tests" / "harness").is_dir()
+    assert imports_of_test_modules(TEST_TREES, REPOSITORY) == [], (
+        "move what these share into tests/harness/")
+
+
+def test_an_import_of_a_test_module_is_found_however_it_is_written(tmp_path: Path) -> None:
+    """The walk can fail: `from tests.test_x import`, `import tests.test_x`, `from tests import
+    test_x` inside a function, a relative `from . import test_x`, an import of a conftest, and a
+    bare `from test_x import` beside the importer are each reported; imports of the harness, of
+    a helper module and of the standard library are not."""
+    tests, real = tmp_path / "tests", tmp_path / "tests_real"
+    (tests / "harness").mkdir(parents=True)
+    real.mkdir()
+    for empty in (tests / "__init__.py", tests / "harness" / "__init__.py",
+                  tests / "harness" / "poll.py", tests / "helper.py", tests / "test_b.py",
+                  real / "realserver.py", real / "test_real_b.py"):
+        empty.write_text("")
+    (tests / "conftest.py").write_text("import tests.test_b\nfrom tests.harness import poll\n")
+    (tests / "test_a.py").write_text(
+        "import ast\nfrom tests.test_b import shared\nfrom tests import helper\n\n\n"
+        "def test_it():\n    from tests import test_b\n")
+    (tests / "harness" / "daemons.py").write_text("from .. import conftest\n")
+    (tests / "test_c.py").write_text("from . import test_b\nfrom tests.harness.poll import x\n")
+    (real / "test_real_a.py").write_text("from realserver import x\nfrom test_real_b import y\n")
+    assert imports_of_test_modules((tests, real), tmp_path) == [
+        "tests/conftest.py imports tests/test_b.py",
+        "tests/harness/daemons.py imports tests/conftest.py",
+        "tests/test_a.py imports tests/test_b.py",
+        "tests/test_c.py imports tests/test_b.py",
+        "tests_real/test_real_a.py imports tests_real/test_real_b.py",
+    ]
+    for path in (tests / "conftest.py", tests / "test_a.py", tests / "harness" / "daemons.py",
+                 tests / "test_c.py", real / "test_real_a.py"):
+        path.write_text("from tests.harness import poll\nfrom realserver import x\n")
+    assert imports_of_test_modules((tests, real), tmp_path) == []

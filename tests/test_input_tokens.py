@@ -18,7 +18,9 @@ from hal0d.config import Config, MetricsConfig, SlotConfig
 from hal0d.transport.tokens import estimate
 from hal0d_stub.app import SYSTEM_PREAMBLE
 from tests.anthropic_rules import assert_valid_anthropic_stream, events_from_sse
-from tests.conftest import Stub, eventually, free_port
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
+from tests.harness.stubs import Stub
 
 MESSAGES = "/v1/messages"
 WEATHER = {"name": "get_weather", "description": "The weather in a city, now.",

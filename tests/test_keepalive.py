@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import anthropic
 import httpx
+import httpx2
 import ollama
 import openai
 import orjson
@@ -26,10 +27,14 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from hal0d.appkeys import SLOTS
-from hal0d.config import Config, DispatcherConfig, MetricsConfig, RouteConfig, SlotConfig
+from hal0d.config import Config, DispatcherConfig, RouteConfig, SlotConfig
 from hal0d.lifecycle.slots import SlotState
-from tests.conftest import OllamaFactory, ServerFactory, Stub, chat_body, eventually
-from tests.test_loader import STARTUP_S, on_demand, stub_pids
+from tests.harness.client import Recording, chat_body
+from tests.harness.config import build_config, on_demand
+from tests.harness.daemons import STARTUP_S, OllamaFactory, ServerFactory
+from tests.harness.poll import eventually
+from tests.harness.processes import stub_pids
+from tests.harness.stubs import Stub
 
 KEEPALIVE_S = 0.3
 READ_TIMEOUT_S = 1.0
@@ -37,10 +42,8 @@ LOAD_DELAY = "2"  # the stub's --startup-delay: with its own start, a load of ~2
 
 
 def config(tmp_path: Path, *slots: SlotConfig, routes: tuple[RouteConfig, ...] = ()) -> Config:
-    return Config(slots=slots, routes=routes,
-                  dispatcher=DispatcherConfig(keepalive_s=KEEPALIVE_S),
-                  metrics=MetricsConfig(database=str(tmp_path / "history.sqlite3")),
-                  base_dir=tmp_path)
+    return build_config(tmp_path, *slots, routes=routes,
+                        dispatcher=DispatcherConfig(keepalive_s=KEEPALIVE_S))
 
 
 async def slow_loading(start_hal0d: ServerFactory, tmp_path: Path, *extra: str) -> TestServer:
@@ -48,10 +51,13 @@ async def slow_loading(start_hal0d: ServerFactory, tmp_path: Path, *extra: str) 
     return await start_hal0d("http://unused", config=config(tmp_path, slot))
 
 
-def sdk(hal0d: TestServer) -> openai.AsyncOpenAI:
+def sdk(hal0d: TestServer, recording: Recording | None = None) -> openai.AsyncOpenAI:
+    """The openai SDK with a read timeout shorter than a load; `recording`: what it reads."""
     return openai.AsyncOpenAI(base_url=str(hal0d.make_url("/v1")), api_key="unused",
                               max_retries=0,
-                              timeout=httpx.Timeout(READ_TIMEOUT_S, connect=5.0))
+                              timeout=httpx.Timeout(READ_TIMEOUT_S, connect=5.0),
+                              http_client=httpx2.AsyncClient(transport=recording)
+                              if recording is not None else None)
 
 
 async def test_without_keepalive_the_short_read_timeout_gives_up_during_the_load(
@@ -60,9 +66,7 @@ async def test_without_keepalive_the_short_read_timeout_gives_up_during_the_load
     """What the keepalive is for: with keepalive_s 0 the same client times out while the
     model loads."""
     slot = on_demand("a", tmp_path, "--startup-delay", LOAD_DELAY)
-    plain = Config(slots=(slot,), dispatcher=DispatcherConfig(keepalive_s=0.0),
-                   metrics=MetricsConfig(database=str(tmp_path / "history.sqlite3")),
-                   base_dir=tmp_path)
+    plain = build_config(tmp_path, slot, dispatcher=DispatcherConfig(keepalive_s=0.0))
     hal0d = await start_hal0d("http://unused", config=plain)
     with pytest.raises(openai.APITimeoutError):
         stream = await sdk(hal0d).chat.completions.create(
@@ -296,15 +300,20 @@ async def test_a_queue_a_forced_unload_clears_after_the_head_ends_in_an_error_th
     start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     hal0d = await slow_loading(start_hal0d, tmp_path)
+    recording = Recording()
 
     async def streamed() -> None:
-        stream = await sdk(hal0d).chat.completions.create(
+        stream = await sdk(hal0d, recording).chat.completions.create(
             model="chat", messages=[{"role": "user", "content": "hi"}], stream=True)
         async for _ in stream:
             pass
 
     waiting = asyncio.create_task(streamed())
-    await asyncio.sleep(KEEPALIVE_S * 3)  # its head and keepalives are out; the load goes on
+    # Its head and keepalives are out: three of the comments, read by the client under the
+    # SDK's parser (which skips them), while the load goes on.
+    await eventually(lambda: recording.received().count(b": hal0d: ") >= 3, STARTUP_S,
+                     "three keepalives read by the client")
+    assert hal0d.app[SLOTS]["a"].state is SlotState.STARTING
     assert not waiting.done()
     async with http.post(hal0d.make_url("/api/slots/a/unload?force=true")) as resp:
         assert resp.status == 200, await resp.text()

@@ -22,17 +22,12 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from hal0d.config import ConfigError, KeyConfig, parse
-from tests.conftest import (
-    OllamaFactory,
-    ServerFactory,
-    Stub,
-    StubFactory,
-    chat_body,
-    free_port,
-    make_config,
-)
-from tests.test_loader import stub_command, stub_pids
-from tests.test_server import Hal0d, Stream, launch, open_stream, stop
+from tests.harness.client import Stream, chat_body, open_stream
+from tests.harness.config import make_config
+from tests.harness.daemons import Hal0dProcess, OllamaFactory, ServerFactory, launch, stop
+from tests.harness.ports import free_port
+from tests.harness.processes import stub_pids
+from tests.harness.stubs import Stub, StubFactory, stub_command
 
 INFERENCE_KEY = "hal0-inference-key-Vw3kq"
 READ_KEY = "hal0-read-key-Lm8zr"
@@ -288,11 +283,11 @@ async def test_a_keyed_request_names_its_key_in_history_metrics_and_event_feed(
 
 
 @pytest.fixture
-async def keyed_process(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Hal0d]]]:
+async def keyed_process(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Hal0dProcess]]]:
     """A real `hal0d serve` (a SIGHUP reload needs one), stopped after the test."""
-    started: list[Hal0d] = []
+    started: list[Hal0dProcess] = []
 
-    async def start(upstream: str, **options: Any) -> Hal0d:
+    async def start(upstream: str, **options: Any) -> Hal0dProcess:
         started.append(await launch(tmp_path, upstream, **options))
         return started[-1]
 
@@ -302,7 +297,7 @@ async def keyed_process(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable
 
 
 async def test_a_sighup_that_adds_a_key_lets_it_in_while_the_loaded_slot_keeps_its_process(
-    stub: Stub, keyed_process: Callable[..., Awaitable[Hal0d]], http: aiohttp.ClientSession,
+    stub: Stub, keyed_process: Callable[..., Awaitable[Hal0dProcess]], http: aiohttp.ClientSession,
     tmp_path: Path,
 ) -> None:
     port = free_port()

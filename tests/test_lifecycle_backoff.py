@@ -25,18 +25,12 @@ from hal0d.config import SlotConfig
 from hal0d.errors import SlotLoadFailed
 from hal0d.lifecycle.manager import EXIT_SEEN_S
 from hal0d.lifecycle.runner import BACKOFF_FIRST_S
-from tests.conftest import eventually, free_port
-from tests.test_loader import (
-    CHAT,
-    Start,
-    body,
-    chat,
-    lifecycle_config,
-    on_demand,
-    start,
-    state_is,
-    stub_command,
-)
+from tests.harness.client import CHAT, body, chat, state_is
+from tests.harness.config import build_config, on_demand
+from tests.harness.daemons import ServerFactory, start
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
+from tests.harness.stubs import stub_command
 
 
 def always(name: str, tmp_path: Path) -> SlotConfig:
@@ -54,10 +48,10 @@ def nth(logs: list[dict[str, Any]], event: str, slot: str, n: int) -> dict[str, 
 
 
 async def test_an_always_slot_whose_process_dies_is_restarted_with_the_on_demand_backoff(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     failing = on_demand("c", tmp_path, "--fail-start", "error: no such model file")
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, always("a", tmp_path), failing))
+    hal0d = await start(start_hal0d, build_config(tmp_path, always("a", tmp_path), failing))
     await state_is(http, hal0d, "a", "ready")
     runner = hal0d.app[LIFECYCLE].runners["a"]
     with capture_logs() as logs:
@@ -149,10 +143,10 @@ async def refused(upstream: str) -> bool:
 
 
 async def test_requests_queued_when_a_process_exits_wait_for_its_restart_instead_of_a_502(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     config = dataclasses.replace(always("a", tmp_path), max_concurrent=1)
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, config))
+    hal0d = await start(start_hal0d, build_config(tmp_path, config))
     await state_is(http, hal0d, "a", "ready")
     slot, runner = hal0d.app[SLOTS]["a"], hal0d.app[LIFECYCLE].runners["a"]
     with capture_logs() as logs:
@@ -174,10 +168,10 @@ async def test_requests_queued_when_a_process_exits_wait_for_its_restart_instead
 
 
 async def test_a_request_queued_past_its_bound_during_a_restart_gets_503_with_retry_after(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     config = dataclasses.replace(always("a", tmp_path), max_concurrent=1, queue_timeout_s=0.3)
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, config))
+    hal0d = await start(start_hal0d, build_config(tmp_path, config))
     await state_is(http, hal0d, "a", "ready")
     runner = hal0d.app[LIFECYCLE].runners["a"]
     assert runner.child is not None
@@ -191,10 +185,10 @@ async def test_a_request_queued_past_its_bound_during_a_restart_gets_503_with_re
 
 
 async def test_a_lease_refused_as_its_process_dies_is_told_when_the_restart_is_up(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     config = closes_then_exits("a", tmp_path)
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, config))
+    hal0d = await start(start_hal0d, build_config(tmp_path, config))
     await state_is(http, hal0d, "a", "ready")
     slot, runner = hal0d.app[SLOTS]["a"], hal0d.app[LIFECYCLE].runners["a"]
     old = runner.child
@@ -215,11 +209,11 @@ async def test_a_lease_refused_as_its_process_dies_is_told_when_the_restart_is_u
 
 @pytest.mark.parametrize("start_policy", ["always", "on_demand"])
 async def test_a_lease_waiting_for_a_restart_that_fails_gets_503_and_the_slot_goes_on(
-    start_policy: str, start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_policy: str, start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     # A bound of its own (an on-demand slot's lease waits up to load_timeout_s for a restart).
     config = fails_once_restarted("a", tmp_path, start=start_policy, load_timeout_s=15.0)
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, config))
+    hal0d = await start(start_hal0d, build_config(tmp_path, config))
     if start_policy == "on_demand":
         assert (await chat(http, hal0d, "chat"))[0] == 200  # its first load
     await state_is(http, hal0d, "a", "ready")
@@ -240,10 +234,10 @@ async def test_a_lease_waiting_for_a_restart_that_fails_gets_503_and_the_slot_go
 
 
 async def test_a_request_refused_in_the_instant_its_process_dies_is_served_after_the_restart(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     config = closes_then_exits("a", tmp_path)
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, config))
+    hal0d = await start(start_hal0d, build_config(tmp_path, config))
     await state_is(http, hal0d, "a", "ready")
     runner = hal0d.app[LIFECYCLE].runners["a"]
     assert runner.child is not None

@@ -26,7 +26,8 @@ from hal0d.appkeys import LIFECYCLE
 from hal0d.config import Config, parse
 from hal0d.lifecycle.machine import Event
 from hal0d.lifecycle.slots import SlotState
-from tests.conftest import eventually, free_port
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
 
 CHAT = "/v1/chat/completions"
 STARTUP_S = 15.0  # a Python process importing aiohttp, on a busy two-core box

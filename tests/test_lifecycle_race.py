@@ -28,18 +28,11 @@ from structlog.testing import capture_logs
 
 from hal0d.appkeys import LIFECYCLE
 from hal0d.lifecycle.slots import SlotState
-from tests.conftest import eventually
-from tests.test_loader import (
-    CHAT,
-    STARTUP_S,
-    Start,
-    body,
-    lifecycle_config,
-    on_demand,
-    start,
-    state_is,
-    stub_pids,
-)
+from tests.harness.client import CHAT, body, state_is
+from tests.harness.config import build_config, on_demand
+from tests.harness.daemons import STARTUP_S, ServerFactory, start
+from tests.harness.poll import eventually
+from tests.harness.processes import stub_pids
 
 STORM_S = float(os.environ.get("HAL0D_STORM_S", "4"))
 CLIENTS = 16
@@ -120,11 +113,11 @@ def check_consistent(hal0d: TestServer, marker: str, seen: collections.Counter[s
 
 
 async def test_loads_unloads_forced_unloads_and_requests_at_once_keep_one_truth(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     slot = on_demand("a", tmp_path, "--startup-delay", "0.3", idle_unload_s=1.0,
                      queue_timeout_s=QUEUE_TIMEOUT_S, load_timeout_s=LOAD_TIMEOUT_S)
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, slot))
+    hal0d = await start(start_hal0d, build_config(tmp_path, slot))
     url = str(hal0d.make_url("")).rstrip("/")
     marker = str(tmp_path)
     rng = random.Random(SEED)
@@ -168,10 +161,10 @@ async def test_loads_unloads_forced_unloads_and_requests_at_once_keep_one_truth(
 
 
 async def test_a_forced_unload_during_a_load_answers_its_waiters_at_once_and_stops_its_process(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     slot = on_demand("a", tmp_path, "--startup-delay", "2")
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, slot))
+    hal0d = await start(start_hal0d, build_config(tmp_path, slot))
     url = str(hal0d.make_url("")).rstrip("/")
     marker = str(tmp_path)
     with capture_logs() as logs:
@@ -191,10 +184,10 @@ async def test_a_forced_unload_during_a_load_answers_its_waiters_at_once_and_sto
 
 
 async def test_a_load_during_an_unload_waits_for_it_then_loads(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     slot = on_demand("a", tmp_path)
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, slot))
+    hal0d = await start(start_hal0d, build_config(tmp_path, slot))
     url = str(hal0d.make_url("")).rstrip("/")
     assert (await one_call(http, url, "load"))[1] == 200
     first = hal0d.app[LIFECYCLE].runners["a"].child

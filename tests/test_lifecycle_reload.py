@@ -6,35 +6,24 @@ limits count from the next decision. Each slot's command is the real stub."""
 from __future__ import annotations
 
 import asyncio
-import signal
 import sys
-import textwrap
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
-import pytest
 from aiohttp import web
 
-from tests.conftest import chat_body, eventually, free_port
-from tests.test_loader import ProcessSampler, alive, stub_pids
-from tests.test_server import (
-    Hal0d,
-    Stream,
-    after_the_stream,
-    chat,
-    launch,
-    open_stream,
-    stop,
-)
+from tests.harness.client import Stream, chat, chat_body, open_stream, state_is, views
+from tests.harness.daemons import STARTUP_S, Hal0dProcess, Hal0dProcessFactory, reload
+from tests.harness.observe import after_the_stream
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
+from tests.harness.processes import ProcessSampler, alive, stub_pids
 
-STARTUP_S = 15.0  # a Python process importing aiohttp, on a busy two-core box
 TOKEN_DELAY_S = 0.02
 STREAM_TOKENS = 40  # about 0.8 s: still running when the reload lands
 
-Serve = Callable[[str], Awaitable[Hal0d]]
 # One port per slot of a test, so a reloaded config changes only the keys the test changes.
 _PORTS: dict[tuple[Path, str], int] = {}
 
@@ -56,48 +45,7 @@ def group_toml(name: str, **keys: Any) -> str:
                                           for k, v in keys.items())
 
 
-@pytest.fixture
-async def serve(tmp_path: Path) -> AsyncIterator[Serve]:
-    started: list[Hal0d] = []
-
-    async def start(slots: str) -> Hal0d:
-        hal0d = await launch(tmp_path, "unused", slot=slots)
-        started.append(hal0d)
-        return hal0d
-
-    yield start
-    for hal0d in started:
-        await stop(hal0d.process)
-    assert not stub_pids(str(tmp_path)), "a slot process outlived hal0d"
-
-
-async def reload(hal0d: Hal0d, slots: str) -> dict[str, Any]:
-    """Rewrites the config's slots and sends SIGHUP; the config.reloaded line it caused."""
-    seen = len(hal0d.named("config.reloaded"))
-    text = hal0d.config.read_text()
-    start, end = text.index("[[slots]]"), text.index("[metrics]")
-    hal0d.config.write_text(text[:start] + textwrap.dedent(slots) + "\n" + text[end:])
-    hal0d.send(signal.SIGHUP)
-    await hal0d.wait_for_count("config.reloaded", seen + 1)
-    return hal0d.named("config.reloaded")[-1]
-
-
-async def views(http: aiohttp.ClientSession, hal0d: Hal0d) -> dict[str, dict[str, Any]]:
-    async with http.get(f"{hal0d.url}/api/slots") as resp:
-        return {view["name"]: view for view in (await resp.json())["slots"]}
-
-
-async def state_is(http: aiohttp.ClientSession, hal0d: Hal0d, name: str,
-                   state: str) -> dict[str, Any]:
-    async def reached() -> dict[str, Any]:
-        view = (await views(http, hal0d))[name]
-        assert view["state"] == state, view
-        return view
-
-    return await eventually(reached, STARTUP_S, f"slot {name} {state}")
-
-
-async def stream_running(http: aiohttp.ClientSession, hal0d: Hal0d,
+async def stream_running(http: aiohttp.ClientSession, hal0d: Hal0dProcess,
                          model: str) -> tuple[Stream, asyncio.Task[None]]:
     stream = Stream(f"a stream on {model}")
     task = asyncio.create_task(open_stream(http, hal0d.url, stream, chat_body(
@@ -108,9 +56,9 @@ async def stream_running(http: aiohttp.ClientSession, hal0d: Hal0d,
 
 
 async def test_a_changed_command_unloads_after_its_stream_and_the_next_request_loads_it(
-    serve: Serve, http: aiohttp.ClientSession, tmp_path: Path
+    start_hal0d_process: Hal0dProcessFactory, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
-    hal0d = await serve(slot_toml("a", "reasoning", tmp_path, start="on_demand"))
+    hal0d = await start_hal0d_process(slot=slot_toml("a", "reasoning", tmp_path, start="on_demand"))
     stream, task = await stream_running(http, hal0d, "reasoning")
     old_pid = (await views(http, hal0d))["a"]["pid"]
 
@@ -124,19 +72,19 @@ async def test_a_changed_command_unloads_after_its_stream_and_the_next_request_l
     assert "reload" in view["reason"] and not alive(old_pid)
     assert await after_the_stream(http, hal0d, "slot.unloaded", "a")
 
-    status, answer = await chat(http, hal0d.url, "reasoning")
+    status, answer = await chat(http, hal0d, "reasoning")
     assert status == 200, answer
     assert "start rid=" in (tmp_path / "a-new.log").read_text()  # the new command served it
     assert (await views(http, hal0d))["a"]["pid"] not in (None, old_pid)
 
 
 async def test_a_second_reload_while_an_always_slot_drains_stops_its_old_process_once(
-    serve: Serve, http: aiohttp.ClientSession, tmp_path: Path
+    start_hal0d_process: Hal0dProcessFactory, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     """Two reloads of an `always` slot's command, the second while the old process still drains
     a stream: the slot waits in `starting` throughout, the stream ends on the old process, that
     process is stopped, the first reload's command never runs and the second one's serves."""
-    hal0d = await serve(slot_toml("a", "reasoning", tmp_path))
+    hal0d = await start_hal0d_process(slot=slot_toml("a", "reasoning", tmp_path))
     await state_is(http, hal0d, "a", "ready")
     old_pid = hal0d.named("slot.process_started")[0]["pid"]
     stream = Stream("a stream on the old process")
@@ -154,7 +102,7 @@ async def test_a_second_reload_while_an_always_slot_drains_stops_its_old_process
     await state_is(http, hal0d, "a", "ready")
     assert not alive(old_pid)
 
-    status, answer = await chat(http, hal0d.url, "reasoning")
+    status, answer = await chat(http, hal0d, "reasoning")
     assert status == 200, answer
     assert "start rid=" in (tmp_path / "a-second.log").read_text()
     assert not (tmp_path / "a-first.log").exists()
@@ -162,10 +110,11 @@ async def test_a_second_reload_while_an_always_slot_drains_stops_its_old_process
 
 
 async def test_a_removed_slot_drains_its_stream_then_its_process_stops(
-    serve: Serve, http: aiohttp.ClientSession, tmp_path: Path
+    start_hal0d_process: Hal0dProcessFactory, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     b = slot_toml("b", "chat", tmp_path, start="on_demand")
-    hal0d = await serve(slot_toml("a", "reasoning", tmp_path, start="on_demand") + b)
+    a = slot_toml("a", "reasoning", tmp_path, start="on_demand")
+    hal0d = await start_hal0d_process(slot=a + b)
     stream, task = await stream_running(http, hal0d, "reasoning")
     pid = (await views(http, hal0d))["a"]["pid"]
 
@@ -179,9 +128,9 @@ async def test_a_removed_slot_drains_its_stream_then_its_process_stops(
 
 
 async def test_always_to_on_demand_rests_stopped_after_its_stream_and_loads_on_request(
-    serve: Serve, http: aiohttp.ClientSession, tmp_path: Path
+    start_hal0d_process: Hal0dProcessFactory, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
-    hal0d = await serve(slot_toml("a", "reasoning", tmp_path))
+    hal0d = await start_hal0d_process(slot=slot_toml("a", "reasoning", tmp_path))
     await state_is(http, hal0d, "a", "ready")
     pid = hal0d.named("slot.process_started")[0]["pid"]
     stream, task = await stream_running(http, hal0d, "reasoning")
@@ -194,14 +143,14 @@ async def test_always_to_on_demand_rests_stopped_after_its_stream_and_loads_on_r
     assert not alive(pid)
     assert await after_the_stream(http, hal0d, "slot.process_stopped", "a")
 
-    status, answer = await chat(http, hal0d.url, "reasoning")
+    status, answer = await chat(http, hal0d, "reasoning")
     assert status == 200, answer
     view = (await views(http, hal0d))["a"]
     assert view["state"] == "ready" and view["pid"] not in (None, pid)
 
 
 async def test_on_demand_to_always_starts_at_once_and_is_pinned_in_its_group(
-    serve: Serve, http: aiohttp.ClientSession, tmp_path: Path
+    start_hal0d_process: Hal0dProcessFactory, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     """b turned `always` starts without a request; the group holds one model, so the loaded
     on-demand a is unloaded first, and a cannot load again beside the pinned b."""
@@ -211,8 +160,8 @@ async def test_on_demand_to_always_starts_at_once_and_is_pinned_in_its_group(
         return (slot_toml("a", "reasoning", tmp_path, start="on_demand", group="gpu0")
                 + slot_toml("b", "chat", tmp_path, start=b_start, group="gpu0") + group)
 
-    hal0d = await serve(slots("on_demand"))
-    assert (await chat(http, hal0d.url, "reasoning"))[0] == 200
+    hal0d = await start_hal0d_process(slot=slots("on_demand"))
+    assert (await chat(http, hal0d, "reasoning"))[0] == 200
     with ProcessSampler(str(tmp_path)) as sampler:
         reloaded = await reload(hal0d, slots("always"))
         assert reloaded["slots_changed"] == ["b"]
@@ -221,17 +170,17 @@ async def test_on_demand_to_always_starts_at_once_and_is_pinned_in_its_group(
     assert view["state"] == "stopped" and "evicted" in view["reason"]
     assert sampler.most_alive == 1
 
-    status, answer = await chat(http, hal0d.url, "reasoning")
+    status, answer = await chat(http, hal0d, "reasoning")
     assert status == 503 and answer["error"]["code"] == "slot.load_failed", answer
     assert "no room" in answer["error"]["message"]
 
 
 async def test_a_shortened_idle_unload_s_applies_to_a_slot_already_idle(
-    serve: Serve, http: aiohttp.ClientSession, tmp_path: Path
+    start_hal0d_process: Hal0dProcessFactory, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
-    hal0d = await serve(slot_toml("a", "reasoning", tmp_path, start="on_demand",
+    hal0d = await start_hal0d_process(slot=slot_toml("a", "reasoning", tmp_path, start="on_demand",
                                   idle_unload_s=600))
-    assert (await chat(http, hal0d.url, "reasoning"))[0] == 200
+    assert (await chat(http, hal0d, "reasoning"))[0] == 200
     pid = (await views(http, hal0d))["a"]["pid"]
     await reload(hal0d, slot_toml("a", "reasoning", tmp_path, start="on_demand",
                                   idle_unload_s=0.5))
@@ -240,19 +189,19 @@ async def test_a_shortened_idle_unload_s_applies_to_a_slot_already_idle(
 
 
 async def test_a_lowered_max_loaded_applies_to_the_next_load(
-    serve: Serve, http: aiohttp.ClientSession, tmp_path: Path
+    start_hal0d_process: Hal0dProcessFactory, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     def slots(max_loaded: int) -> str:
         return "".join(slot_toml(name, model, tmp_path, start="on_demand", group="gpu0")
                        for name, model in (("a", "reasoning"), ("b", "chat"), ("c", "tool"))
                        ) + group_toml("gpu0", max_loaded=max_loaded)
 
-    hal0d = await serve(slots(2))
+    hal0d = await start_hal0d_process(slot=slots(2))
     for model in ("reasoning", "chat"):
-        assert (await chat(http, hal0d.url, model))[0] == 200
+        assert (await chat(http, hal0d, model))[0] == 200
     assert {v["state"] for v in (await views(http, hal0d)).values()} == {"ready", "stopped"}
     await reload(hal0d, slots(1))
-    status, answer = await chat(http, hal0d.url, "tool")
+    status, answer = await chat(http, hal0d, "tool")
     assert status == 200, answer
     states = {name: view["state"] for name, view in (await views(http, hal0d)).items()}
     assert states == {"a": "stopped", "b": "stopped", "c": "ready"}
@@ -260,11 +209,11 @@ async def test_a_lowered_max_loaded_applies_to_the_next_load(
 
 
 async def test_an_always_slot_added_to_a_group_makes_room_and_is_pinned(
-    serve: Serve, http: aiohttp.ClientSession, tmp_path: Path
+    start_hal0d_process: Hal0dProcessFactory, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     a = slot_toml("a", "reasoning", tmp_path, start="on_demand", group="gpu0")
-    hal0d = await serve(a + group_toml("gpu0", max_loaded=1))
-    assert (await chat(http, hal0d.url, "reasoning"))[0] == 200
+    hal0d = await start_hal0d_process(slot=a + group_toml("gpu0", max_loaded=1))
+    assert (await chat(http, hal0d, "reasoning"))[0] == 200
     with ProcessSampler(str(tmp_path)) as sampler:
         reloaded = await reload(hal0d, a + slot_toml("b", "chat", tmp_path, group="gpu0")
                                 + group_toml("gpu0", max_loaded=1))
@@ -272,12 +221,12 @@ async def test_an_always_slot_added_to_a_group_makes_room_and_is_pinned(
         await state_is(http, hal0d, "b", "ready")
     assert (await views(http, hal0d))["a"]["state"] == "stopped"
     assert sampler.most_alive == 1
-    status, answer = await chat(http, hal0d.url, "reasoning")
+    status, answer = await chat(http, hal0d, "reasoning")
     assert status == 503 and "no room" in answer["error"]["message"], answer
 
 
 async def test_a_reloaded_memory_mib_of_an_always_slot_counts_for_the_next_load(
-    serve: Serve, http: aiohttp.ClientSession, tmp_path: Path
+    start_hal0d_process: Hal0dProcessFactory, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     def slots(pinned_mib: int) -> str:
         return (slot_toml("a", "reasoning", tmp_path, start="on_demand", group="gpu0",
@@ -285,19 +234,20 @@ async def test_a_reloaded_memory_mib_of_an_always_slot_counts_for_the_next_load(
                 + slot_toml("b", "chat", tmp_path, group="gpu0", memory_mib=pinned_mib)
                 + group_toml("gpu0", memory_mib=8192))
 
-    hal0d = await serve(slots(2048))
+    hal0d = await start_hal0d_process(slot=slots(2048))
     await state_is(http, hal0d, "b", "ready")
-    assert (await chat(http, hal0d.url, "reasoning"))[0] == 200  # 2 + 4 of 8 GiB
+    assert (await chat(http, hal0d, "reasoning"))[0] == 200  # 2 + 4 of 8 GiB
     async with http.post(f"{hal0d.url}/api/slots/a/unload") as resp:
         assert resp.status == 200
     reloaded = await reload(hal0d, slots(6144))
     assert reloaded["slots_changed"] == ["b"]
-    status, answer = await chat(http, hal0d.url, "reasoning")  # 6 + 4 > 8 GiB
+    status, answer = await chat(http, hal0d, "reasoning")  # 6 + 4 > 8 GiB
     assert status == 503 and "no room" in answer["error"]["message"], answer
 
 
 async def test_a_route_slot_a_reload_removed_mid_request_hands_on_to_the_next(
-    serve: Serve, upstream_app: Any, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d_process: Hal0dProcessFactory, upstream_app: Any, tmp_path: Path,
+    http: aiohttp.ClientSession
 ) -> None:
     """A request's plan is the one it started with: while its first slot (it answers its probe,
     never a request) sits out first_byte_timeout_s, a reload removes the second. The second is
@@ -318,7 +268,7 @@ async def test_a_route_slot_a_reload_removed_mid_request_hands_on_to_the_next(
                 + f'[[routes]]\nmodel = "qwen"\nslots = [{members}]\n'
                   f"served = {{ {served} }}\nfirst_byte_timeout_s = 3.0\n")
 
-    hal0d = await serve(slots("two", "three"))
+    hal0d = await start_hal0d_process(slot=slots("two", "three"))
     for name in ("two", "three"):
         await state_is(http, hal0d, name, "ready")
     stream = Stream("qwen")

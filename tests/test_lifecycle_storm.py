@@ -21,19 +21,11 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from hal0d.config import GroupConfig
-from tests.conftest import eventually
-from tests.test_loader import (
-    CHAT,
-    STARTUP_S,
-    ProcessSampler,
-    Start,
-    body,
-    lifecycle_config,
-    on_demand,
-    start,
-    stub_pids,
-    views,
-)
+from tests.harness.client import CHAT, body, views
+from tests.harness.config import build_config, on_demand
+from tests.harness.daemons import STARTUP_S, ServerFactory, start
+from tests.harness.poll import eventually
+from tests.harness.processes import ProcessSampler, stub_pids
 
 REQUESTS = 300
 CONCURRENCY = 30
@@ -72,12 +64,12 @@ async def loads_total(http: aiohttp.ClientSession, url: str) -> int:
 
 
 async def test_a_swap_storm_never_cuts_a_stream_never_overlaps_two_models_and_leaves_nothing(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     group = {"gpu0": GroupConfig("gpu0", max_loaded=1)}
     slots = [on_demand(name, tmp_path, group="gpu0", models=(model,), max_concurrent=CONCURRENCY)
              for name, model in MODELS.items()]
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, *slots, groups=group))
+    hal0d = await start(start_hal0d, build_config(tmp_path, *slots, groups=group))
     url = str(hal0d.make_url(CHAT))
     rng = random.Random(SEED)
     plan = [(rng.choice(list(MODELS.values())), rng.random() < 0.25) for _ in range(REQUESTS)]

@@ -9,127 +9,23 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp.test_utils import TestServer
 from structlog.testing import capture_logs
 
 from hal0d.appkeys import LIFECYCLE
-from hal0d.config import Config, GroupConfig, MetricsConfig, SlotConfig
-from tests.conftest import eventually, free_port, logs_into_buffer
-
-CHAT = "/v1/chat/completions"
-STARTUP_S = 15.0  # a Python process importing aiohttp, on a busy two-core box
-
-Start = Callable[..., Awaitable[TestServer]]
-
-
-def stub_command(port: int, log: Path, *extra: str) -> tuple[str, ...]:
-    return (sys.executable, "-m", "hal0d", "stub", "--port", str(port), "--log", str(log),
-            "--delay", "0.005", *extra)
-
-
-# Each test slot serves one of the stub's own models (the stub refuses names it does not know).
-MODEL = {"a": "chat", "b": "think-only", "c": "tool"}
-
-
-def on_demand(name: str, tmp_path: Path, *extra: str, **keys: Any) -> SlotConfig:
-    port = free_port()
-    keys.setdefault("models", (MODEL[name],))
-    return SlotConfig(name=name, upstream=f"http://127.0.0.1:{port}",
-                      command=stub_command(port, tmp_path / f"{name}.log", *extra),
-                      start="on_demand", **keys)
-
-
-def lifecycle_config(tmp_path: Path, *slots: SlotConfig,
-                     groups: dict[str, GroupConfig] | None = None) -> Config:
-    return Config(slots=slots, groups=groups or {},
-                  metrics=MetricsConfig(database=str(tmp_path / "history.sqlite3")),
-                  base_dir=tmp_path)
-
-
-async def start(start_hal0d: Start, config: Config) -> TestServer:
-    return await start_hal0d("http://unused", config=config)
-
-
-def body(model: str, text: str = "hi", **extra: Any) -> dict[str, Any]:
-    return {"model": model, "messages": [{"role": "user", "content": text}], **extra}
-
-
-async def views(http: aiohttp.ClientSession, hal0d: TestServer) -> dict[str, dict[str, Any]]:
-    async with http.get(hal0d.make_url("/api/slots")) as resp:
-        assert resp.status == 200
-        return {view["name"]: view for view in (await resp.json())["slots"]}
-
-
-async def until(condition: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not await condition():
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        await asyncio.sleep(0.01)
-
-
-async def state_is(http: aiohttp.ClientSession, hal0d: TestServer, name: str, state: str,
-                   timeout: float = STARTUP_S) -> dict[str, Any]:
-    async def reached() -> bool:
-        return (await views(http, hal0d))[name]["state"] == state
-
-    await until(reached, timeout, f"slot {name} {state}")
-    return (await views(http, hal0d))[name]
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        # Gone before the open, or between the open and the read (the kernel says ESRCH then).
-        return False
-
-
-def stub_pids(marker: str) -> set[int]:
-    """The living stub processes whose command line names `marker` (the test's tmp_path)."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                argv = cmdline.read().split(b"\0")
-        except OSError:
-            continue
-        if b"stub" in argv and any(marker.encode() in arg for arg in argv) and alive(int(entry)):
-            found.add(int(entry))
-    return found
-
-
-class ProcessSampler(threading.Thread):
-    """Counts the living stub processes every 10 ms from a thread of its own, so a busy event
-    loop cannot make it miss an overlap."""
-
-    def __init__(self, marker: str) -> None:
-        super().__init__(daemon=True)
-        self.marker = marker
-        self.samples = 0
-        self.most_alive = 0
-        self._done = threading.Event()
-
-    def run(self) -> None:
-        while not self._done.wait(0.01):
-            self.most_alive = max(self.most_alive, len(stub_pids(self.marker)))
-            self.samples += 1
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self.join()
+from hal0d.config import GroupConfig, SlotConfig
+from tests.harness.client import CHAT, body, chat, state_is, views
+from tests.harness.config import build_config, on_demand
+from tests.harness.daemons import STARTUP_S, ServerFactory, start
+from tests.harness.logs import logs_into_buffer
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
+from tests.harness.processes import ProcessSampler, alive
+from tests.harness.stubs import stub_command
 
 
 class ExitWatch(threading.Thread):
@@ -154,19 +50,13 @@ class ExitWatch(threading.Thread):
             time.sleep(0.005)
 
 
-async def chat(http: aiohttp.ClientSession, hal0d: TestServer, model: str,
-               **extra: Any) -> tuple[int, Any]:
-    async with http.post(hal0d.make_url(CHAT), json=body(model, **extra)) as resp:
-        return resp.status, await resp.json()
-
-
 # -- load on demand --------------------------------------------------------------------------
 
 
 async def test_an_on_demand_slot_rests_stopped_and_lists_its_models_with_their_state(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, on_demand("a", tmp_path)))
+    hal0d = await start(start_hal0d, build_config(tmp_path, on_demand("a", tmp_path)))
     view = (await views(http, hal0d))["a"]
     assert (view["state"], view["pid"], view["start"]) == ("stopped", None, "on_demand")
     async with http.get(hal0d.make_url("/v1/models")) as resp:
@@ -177,10 +67,10 @@ async def test_an_on_demand_slot_rests_stopped_and_lists_its_models_with_their_s
 
 
 async def test_twenty_requests_during_one_load_cause_one_load_and_are_served_in_arrival_order(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     slot = on_demand("a", tmp_path, "--startup-delay", "0.5", max_concurrent=1)
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, slot))
+    hal0d = await start(start_hal0d, build_config(tmp_path, slot))
     served: list[int] = []
 
     async def one(i: int) -> None:
@@ -197,7 +87,7 @@ async def test_twenty_requests_during_one_load_cause_one_load_and_are_served_in_
                 view = (await views(http, hal0d))["a"]
                 return view["queued"] + view["in_flight"] + len(served) >= n
 
-            await until(queued, STARTUP_S, f"request {i} queued")
+            await eventually(queued, STARTUP_S, f"request {i} queued")
         await asyncio.gather(*tasks)
     assert served == list(range(20))
     events = [entry["event"] for entry in logs]
@@ -208,11 +98,11 @@ async def test_twenty_requests_during_one_load_cause_one_load_and_are_served_in_
 
 
 async def test_a_failed_load_answers_every_waiter_with_its_cause_at_once_and_backs_off(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     slot = on_demand("a", tmp_path, "--startup-delay", "0.3", "--fail-start",
                      "error: out of memory loading the model")
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, slot))
+    hal0d = await start(start_hal0d, build_config(tmp_path, slot))
     answered: list[float] = []
 
     async def one() -> tuple[int, Any]:
@@ -245,10 +135,10 @@ async def test_a_failed_load_answers_every_waiter_with_its_cause_at_once_and_bac
 
 
 async def test_an_idle_slot_is_unloaded_and_the_next_request_loads_it_again(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     slot = on_demand("a", tmp_path, idle_unload_s=0.5)
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, slot))
+    hal0d = await start(start_hal0d, build_config(tmp_path, slot))
     async with http.post(hal0d.make_url(CHAT), json=body("chat", stream=True)) as resp:
         assert resp.status == 200
         pid = (await views(http, hal0d))["a"]["pid"]
@@ -258,7 +148,7 @@ async def test_an_idle_slot_is_unloaded_and_the_next_request_loads_it_again(
     async def gone() -> bool:
         return not alive(pid)
 
-    await until(gone, 1.5, "the idle slot's process gone")
+    await eventually(gone, 1.5, "the idle slot's process gone")
     assert time.monotonic() - ended < 1.5
     view = await state_is(http, hal0d, "a", "stopped", timeout=1.0)
     assert "idle" in view["reason"]
@@ -275,7 +165,7 @@ async def test_an_idle_slot_is_unloaded_and_the_next_request_loads_it_again(
 
 
 async def test_a_failed_load_names_the_last_lines_of_output_not_only_the_usage_hint(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     """llama-server prints its real error two lines above `to show complete usage, run with
     -h`: the 503 names the last three lines."""
@@ -284,7 +174,7 @@ async def test_a_failed_load_names_the_last_lines_of_output_not_only_the_usage_h
               "print('to show complete usage, run with -h'); sys.exit(1)")
     slot = SlotConfig(name="a", upstream=f"http://127.0.0.1:{free_port()}", models=("chat",),
                       command=(sys.executable, "-c", script), start="on_demand")
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, slot))
+    hal0d = await start(start_hal0d, build_config(tmp_path, slot))
     status, answer = await chat(http, hal0d, "chat")
     assert status == 503 and answer["error"]["code"] == "slot.load_failed", answer
     message = answer["error"]["message"]
@@ -293,11 +183,11 @@ async def test_a_failed_load_names_the_last_lines_of_output_not_only_the_usage_h
 
 
 async def test_no_room_says_what_is_true_of_a_group_with_no_other_slot_loaded(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     group = {"gpu0": GroupConfig("gpu0", free_memory_command=("echo", "100"))}
     slot = on_demand("a", tmp_path, group="gpu0", memory_mib=2048)
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, slot, groups=group))
+    hal0d = await start(start_hal0d, build_config(tmp_path, slot, groups=group))
     status, answer = await chat(http, hal0d, "chat")
     assert status == 503, answer
     message = answer["error"]["message"]
@@ -306,7 +196,7 @@ async def test_no_room_says_what_is_true_of_a_group_with_no_other_slot_loaded(
 
 
 async def test_a_port_another_program_listens_on_fails_the_load_instead_of_its_answer_counting(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession, aiohttp_server: Any
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession, aiohttp_server: Any
 ) -> None:
     """Another program on the slot's port would answer the probe while the slot's own process
     fails to bind: the load fails at once, naming the port, and the slot is never ready."""
@@ -320,7 +210,7 @@ async def test_a_port_another_program_listens_on_fails_the_load_instead_of_its_a
     squatter = await aiohttp_server(other)
     slot = SlotConfig(name="a", upstream=f"http://127.0.0.1:{squatter.port}", models=("chat",),
                       command=stub_command(squatter.port, tmp_path / "a.log"), start="on_demand")
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, slot))
+    hal0d = await start(start_hal0d, build_config(tmp_path, slot))
     with capture_logs() as logs:
         status, answer = await chat(http, hal0d, "chat")
     assert status == 503 and answer["error"]["code"] == "slot.load_failed", answer
@@ -336,10 +226,10 @@ async def test_a_port_another_program_listens_on_fails_the_load_instead_of_its_a
 
 
 async def test_an_idle_unload_carries_no_request_id_and_the_load_a_request_caused_does(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     slot = on_demand("a", tmp_path, idle_unload_s=0.3)
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, slot))
+    hal0d = await start(start_hal0d, build_config(tmp_path, slot))
     with logs_into_buffer("json", "info") as buffer:
         async with http.post(hal0d.make_url(CHAT), json=body("chat"),
                              headers={"X-Request-Id": "the-one-request"}) as resp:
@@ -356,9 +246,9 @@ async def test_an_idle_unload_carries_no_request_id_and_the_load_a_request_cause
 
 
 async def test_a_process_that_exits_while_idle_leaves_its_slot_stopped_not_restarting(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, on_demand("a", tmp_path)))
+    hal0d = await start(start_hal0d, build_config(tmp_path, on_demand("a", tmp_path)))
     assert (await chat(http, hal0d, "chat"))[0] == 200
     pid = (await views(http, hal0d))["a"]["pid"]
     os.kill(pid, 9)
@@ -371,11 +261,11 @@ async def test_a_process_that_exits_while_idle_leaves_its_slot_stopped_not_resta
 
 
 async def test_max_loaded_1_swaps_models_and_never_runs_two_at_once(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     group = {"gpu0": GroupConfig("gpu0", max_loaded=1)}
     slots = [on_demand(name, tmp_path, group="gpu0") for name in ("a", "b", "c")]
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, *slots, groups=group))
+    hal0d = await start(start_hal0d, build_config(tmp_path, *slots, groups=group))
     with ProcessSampler(str(tmp_path)) as sampler, capture_logs() as logs:
         for model in ("chat", "think-only", "chat", "tool", "think-only"):
             status, answer = await chat(http, hal0d, model)
@@ -387,13 +277,13 @@ async def test_max_loaded_1_swaps_models_and_never_runs_two_at_once(
 
 
 async def test_count_tokens_for_a_model_that_is_not_loaded_estimates_and_evicts_nothing(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     """A count never swaps: with `a` serving in a group of one model at a time, a count for `b`
     (stopped) is an estimate that says so, and `a` stays loaded with `b` never started."""
     group = {"gpu0": GroupConfig("gpu0", max_loaded=1)}
     slots = [on_demand(name, tmp_path, group="gpu0") for name in ("a", "b")]
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, *slots, groups=group))
+    hal0d = await start(start_hal0d, build_config(tmp_path, *slots, groups=group))
     status, answer = await chat(http, hal0d, "chat")
     assert status == 200, answer
     with capture_logs() as logs:
@@ -411,7 +301,7 @@ async def test_count_tokens_for_a_model_that_is_not_loaded_estimates_and_evicts_
 
 
 async def test_a_memory_budget_evicts_the_least_recently_used_and_free_memory_one_more(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     asked = tmp_path / "free-memory-asked"
     # Reports 1000 MiB free the first time it is asked, then plenty: one eviction more.
@@ -421,7 +311,7 @@ async def test_a_memory_budget_evicts_the_least_recently_used_and_free_memory_on
     slots = [on_demand("a", tmp_path, group="gpu0", memory_mib=4096),
              on_demand("b", tmp_path, group="gpu0", memory_mib=4096),
              on_demand("c", tmp_path, group="gpu0", memory_mib=6144)]
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, *slots, groups=group))
+    hal0d = await start(start_hal0d, build_config(tmp_path, *slots, groups=group))
     for model in ("chat", "think-only"):
         assert (await chat(http, hal0d, model))[0] == 200
     assert {v["state"] for v in (await views(http, hal0d)).values()} == {"ready", "stopped"}
@@ -447,13 +337,13 @@ async def test_a_memory_budget_evicts_the_least_recently_used_and_free_memory_on
 
 
 async def test_a_busy_victim_drains_its_stream_before_it_is_evicted(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     # fifo: the victim is evicted while it streams (batch would let the stream end first).
     group = {"gpu0": GroupConfig("gpu0", max_loaded=1, policy="fifo")}
     slots = [on_demand("a", tmp_path, group="gpu0", models=("reasoning",)),
              on_demand("b", tmp_path, group="gpu0")]
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, *slots, groups=group))
+    hal0d = await start(start_hal0d, build_config(tmp_path, *slots, groups=group))
     long = body("reasoning", "long", stream=True, max_tokens=150)
     async with http.post(hal0d.make_url(CHAT), json=long) as resp:
         assert resp.status == 200
@@ -475,9 +365,9 @@ async def test_a_busy_victim_drains_its_stream_before_it_is_evicted(
 
 
 async def test_load_and_unload_through_the_api(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, on_demand("a", tmp_path)))
+    hal0d = await start(start_hal0d, build_config(tmp_path, on_demand("a", tmp_path)))
     async with http.post(hal0d.make_url("/api/slots/a/load")) as resp:
         assert resp.status == 200
         assert (await resp.json())["state"] == "ready"
@@ -496,10 +386,10 @@ async def test_load_and_unload_through_the_api(
 
 
 async def test_unload_drains_a_stream_refuses_with_requests_queued_and_force_ends_them(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     slot = on_demand("a", tmp_path, models=("reasoning",), max_concurrent=1)
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, slot))
+    hal0d = await start(start_hal0d, build_config(tmp_path, slot))
     long = body("reasoning", "long", stream=True, max_tokens=100)
 
     # Drain: the unload waits for the stream, which ends whole.
@@ -520,7 +410,7 @@ async def test_unload_drains_a_stream_refuses_with_requests_queued_and_force_end
         async def one_queued() -> bool:
             return (await views(http, hal0d))["a"]["queued"] == 1
 
-        await until(one_queued, 5, "a request queued")
+        await eventually(one_queued, 5, "a request queued")
         async with http.post(hal0d.make_url("/api/slots/a/unload")) as refused:
             assert refused.status == 409
             assert "1 requests queued" in (await refused.json())["error"]["message"]
@@ -538,10 +428,10 @@ async def test_unload_drains_a_stream_refuses_with_requests_queued_and_force_end
 
 
 async def test_a_forced_unload_ends_an_anthropic_stream_with_an_error_event(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     slot = on_demand("a", tmp_path, models=("reasoning",))
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, slot))
+    hal0d = await start(start_hal0d, build_config(tmp_path, slot))
     request = {"model": "reasoning", "max_tokens": 400, "stream": True,
                "messages": [{"role": "user", "content": "long"}]}
     async with http.post(hal0d.make_url("/llm/v1/messages"), json=request) as resp:
@@ -555,10 +445,10 @@ async def test_a_forced_unload_ends_an_anthropic_stream_with_an_error_event(
 
 
 async def test_an_always_slot_cannot_be_unloaded_through_the_api(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     plain = SlotConfig(name="p", upstream=f"http://127.0.0.1:{free_port()}", models=("p",))
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, plain))
+    hal0d = await start(start_hal0d, build_config(tmp_path, plain))
     async with http.post(hal0d.make_url("/api/slots/p/unload")) as resp:
         assert resp.status == 409
         assert "not start = 'on_demand'" in (await resp.json())["error"]["message"]
@@ -590,7 +480,7 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
 
 
 async def test_a_servers_output_is_its_own_info_while_it_loads_and_debug_once_it_answers(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     """Its lines never carry the id of the request that asked for the load (they are not about
     it), and the lines it prints for each request it answers are debug: at the default level
@@ -599,7 +489,7 @@ async def test_a_servers_output_is_its_own_info_while_it_loads_and_debug_once_it
     slot = SlotConfig(name="a", upstream=f"http://127.0.0.1:{port}", models=("chat",),
                       command=(sys.executable, "-c", _PRINTING_SERVER, str(port)),
                       start="on_demand")
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, slot))
+    hal0d = await start(start_hal0d, build_config(tmp_path, slot))
     with logs_into_buffer("json", "debug") as buffer:
         async with http.post(hal0d.make_url(CHAT), json=body("chat"),
                              headers={"X-Request-Id": "the-one-request"}) as resp:

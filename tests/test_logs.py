@@ -19,7 +19,11 @@ from hypothesis import strategies as st
 
 from hal0d import logs
 from hal0d.config import parse
-from tests.conftest import ServerFactory, Stub, chat_body, eventually, logs_into_buffer
+from tests.harness.client import chat_body
+from tests.harness.daemons import ServerFactory
+from tests.harness.logs import logs_into_buffer
+from tests.harness.poll import eventually
+from tests.harness.stubs import Stub
 
 CLIENT_KEY = "sk-secret-client-key-4f9Q2"
 SLOT_KEY = "upstream-slot-key-Hq81z"  # no recognisable shape: only hide() can catch it

@@ -11,7 +11,6 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import closing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -19,21 +18,18 @@ import orjson
 import pytest
 from aiohttp import hdrs, web
 from aiohttp.test_utils import TestServer
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from hal0d.appkeys import RUNTIME
 from hal0d.config import Config, GroupConfig, MetricsConfig, SlotConfig
-from tests.conftest import (
-    ROLE_CHUNK,
-    STUB_MODELS,
-    chat_body,
-    content_chunk,
-    eventually,
-    free_port,
-)
-from tests.test_loader import STARTUP_S, lifecycle_config, on_demand
-from tests.test_loader import chat as lifecycle_chat
+from tests.harness.client import chat as lifecycle_chat
+from tests.harness.client import chat_body
+from tests.harness.config import build_config, on_demand
+from tests.harness.daemons import STARTUP_S
+from tests.harness.observe import db_row, get_json, scrape, slot_metrics, value
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
+from tests.harness.stubs import ROLE_CHUNK, STUB_MODELS, content_chunk
 
 CHAT = "/v1/chat/completions"
 FINISH_CHUNK = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
@@ -61,29 +57,6 @@ def sse_upstream(*steps: bytes | float) -> Callable[[web.Request], Awaitable[web
     return handler
 
 
-async def get_json(http: aiohttp.ClientSession, hal0d: TestServer, path: str) -> Any:
-    async with http.get(hal0d.make_url(path)) as resp:
-        assert resp.status == 200, await resp.text()
-        return await resp.json()
-
-
-async def slot_metrics(
-    http: aiohttp.ClientSession,
-    hal0d: TestServer,
-    name: str = "llm",
-    requests: int = 1,
-    timeout: float = 2.0,
-) -> dict[str, Any]:
-    """The slot's /api/slots/metrics entry once it has recorded `requests` requests."""
-    async def recorded() -> dict[str, Any]:
-        slots = (await get_json(http, hal0d, "/api/slots/metrics"))["slots"]
-        entry = next(s for s in slots if s["name"] == name)
-        assert entry["requests"] >= requests, entry
-        return dict(entry)
-
-    return await eventually(recorded, timeout, f"{requests} requests recorded for {name!r}")
-
-
 async def api_row(
     http: aiohttp.ClientSession, hal0d: TestServer, request_id: str, timeout: float = 2.0
 ) -> dict[str, Any]:
@@ -94,40 +67,6 @@ async def api_row(
         return dict(found[0])
 
     return await eventually(written, timeout, f"the history row of {request_id}")
-
-
-async def db_row(path: Path, request_id: str, timeout: float = 2.0) -> dict[str, Any]:
-    """The row as the SQLite file holds it, read with a connection of our own once it is there."""
-    def written() -> dict[str, Any] | None:
-        if not path.exists():
-            return None
-        with closing(sqlite3.connect(path)) as conn:
-            conn.row_factory = sqlite3.Row
-            row = conn.execute(
-                "SELECT * FROM requests WHERE request_id = ?", (request_id,)
-            ).fetchone()
-        return dict(row) if row is not None else None
-
-    return await eventually(written, timeout, f"a row for {request_id} in {path}")
-
-
-async def scrape(http: aiohttp.ClientSession, hal0d: TestServer) -> dict[str, list[Sample]]:
-    """GET /metrics parsed by prometheus_client: samples by sample name."""
-    async with http.get(hal0d.make_url("/metrics")) as resp:
-        assert resp.status == 200
-        assert resp.headers[hdrs.CONTENT_TYPE].startswith("text/plain")
-        text = await resp.text()
-    samples: dict[str, list[Sample]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples.setdefault(sample.name, []).append(sample)
-    return samples
-
-
-def value(samples: dict[str, list[Sample]], name: str, **labels: str) -> float | None:
-    found = [s.value for s in samples.get(name, []) if labels.items() <= s.labels.items()]
-    assert len(found) <= 1, (name, labels, found)
-    return found[0] if found else None
 
 
 def headers(request_id: str) -> dict[str, str]:
@@ -591,7 +530,7 @@ async def test_metrics_count_loads_failed_loads_idle_unloads_and_evictions(
     """On-demand slots with the real stub as their command: each load, failed load, eviction and
     idle unload is counted, and the loaded gauge and the group's memory follow the slots."""
     group = {"gpu0": GroupConfig("gpu0", max_loaded=1, memory_mib=8192)}
-    config = lifecycle_config(
+    config = build_config(
         tmp_path,
         on_demand("a", tmp_path, group="gpu0", memory_mib=4096),
         on_demand("b", tmp_path, group="gpu0", memory_mib=3072),

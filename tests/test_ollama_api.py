@@ -24,8 +24,11 @@ from structlog.testing import capture_logs
 from hal0d.appkeys import SLOTS
 from hal0d.config import KeyConfig
 from hal0d.lifecycle.slots import SlotState
-from tests.conftest import STUB_MODELS, OllamaFactory, Stub, eventually, make_config
-from tests.test_loader import STARTUP_S, lifecycle_config, on_demand
+from tests.harness.client import HI
+from tests.harness.config import build_config, make_config, on_demand
+from tests.harness.daemons import STARTUP_S, OllamaFactory
+from tests.harness.poll import eventually
+from tests.harness.stubs import STUB_MODELS, Stub
 
 ROOT = Path(__file__).resolve().parents[1]
 NPM_DIR = ROOT / ".npm-test"
@@ -33,9 +36,6 @@ TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                    "required": ["city"]}}}]
-HI = [{"role": "user", "content": "hi"}]
-
-
 async def history(hal0d: TestServer, key: str | None = None) -> list[dict[str, Any]]:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     async with aiohttp.ClientSession(headers=headers) as http, http.get(
@@ -260,7 +260,7 @@ async def _first(hal0d: TestServer) -> dict[str, Any] | None:
 async def test_keep_alive_0_unloads_an_on_demand_slot_once_answered_and_10m_shows_in_ps(
         tmp_path: Path, start_ollama: OllamaFactory) -> None:
     slot = on_demand("a", tmp_path)  # idle_unload_s 0: without keep_alive it stays loaded
-    hal0d, base = await start_ollama("http://unused", config=lifecycle_config(tmp_path, slot))
+    hal0d, base = await start_ollama("http://unused", config=build_config(tmp_path, slot))
     table = hal0d.app[SLOTS]
     client = AsyncClient(host=base, timeout=STARTUP_S + 10)
     answer = await client.chat("chat", HI, stream=False, keep_alive="10m")
@@ -283,7 +283,7 @@ async def test_ollama_stop_loads_nothing_and_unloads_a_loaded_model(
     loaded, Ollama's answer (done, done_reason unload) without starting anything; for one that
     is, the unload."""
     slot = on_demand("a", tmp_path)
-    hal0d, base = await start_ollama("http://unused", config=lifecycle_config(tmp_path, slot))
+    hal0d, base = await start_ollama("http://unused", config=build_config(tmp_path, slot))
     table = hal0d.app[SLOTS]
     client = AsyncClient(host=base, timeout=STARTUP_S + 10)
     stopped = await client.generate("chat", keep_alive=0)

@@ -22,9 +22,11 @@ from hal0d.appkeys import SLOTS
 from hal0d.config import Config
 from hal0d.lifecycle.slots import SlotState
 from hal0d.ollama import capabilities
-from tests.conftest import OllamaFactory, Stub, StubFactory, Upstream, eventually
-from tests.test_loader import STARTUP_S, lifecycle_config, on_demand
-from tests.test_ollama_api import HI
+from tests.harness.client import HI
+from tests.harness.config import build_config, on_demand
+from tests.harness.daemons import STARTUP_S, OllamaFactory
+from tests.harness.poll import eventually
+from tests.harness.stubs import Stub, StubFactory, Upstream
 
 PROPS = json.loads((Path(__file__).parent / "fixtures" / "llama-server" / "props.json")
                    .read_text())
@@ -166,7 +168,7 @@ async def test_an_unloaded_on_demand_slot_says_what_its_server_said_when_it_was_
     while the slot is unloaded does not flip its capabilities and digest with every load."""
     props = Path(__file__).parent / "fixtures" / "llama-server" / "props.json"
     slot = on_demand("a", tmp_path, "--props", str(props))
-    hal0d, base = await start_ollama("http://unused", config=lifecycle_config(tmp_path, slot))
+    hal0d, base = await start_ollama("http://unused", config=build_config(tmp_path, slot))
     client = AsyncClient(host=base, timeout=STARTUP_S + 10)
     assert (await shown(client, "chat"))[0] == ["completion", "tools"]  # never up: not known
     await client.chat("chat", HI, stream=False)

@@ -15,15 +15,10 @@ import aiohttp
 import orjson
 
 from hal0d.config import ConfigError, parse
-from tests.conftest import Stub, free_port
-from tests.test_server import (
-    EXIT_SLACK_S,
-    GRACE_S,
-    Hal0dFactory,
-    config_text,
-    start_hal0d,  # noqa: F401 (a fixture)
-    stub,  # noqa: F401 (a fixture)
-)
+from tests.harness.config import GRACE_S, config_text
+from tests.harness.daemons import EXIT_SLACK_S, Hal0dProcessFactory
+from tests.harness.ports import free_port
+from tests.harness.stubs import Stub
 
 LONG = {"model": "reasoning", "messages": [{"role": "user", "content": "long"}],
         "options": {"num_predict": 1_000_000}}
@@ -34,9 +29,9 @@ def ollama_table(port: int) -> str:
 
 
 async def test_sigterm_ends_an_open_ollama_stream_with_its_terminal_object(
-        stub: Stub, start_hal0d: Hal0dFactory) -> None:  # noqa: F811
+        stub: Stub, start_hal0d_process: Hal0dProcessFactory) -> None:
     port = free_port()
-    hal0d = await start_hal0d(stub, extra=ollama_table(port))
+    hal0d = await start_hal0d_process(stub.url, extra=ollama_table(port))
     started = hal0d.named("server.started")[0]
     assert started["ollama"] == f"127.0.0.1:{port}"
     async with aiohttp.ClientSession() as http:

@@ -28,8 +28,10 @@ from hal0d.appkeys import SLOTS
 from hal0d.config import SlotConfig
 from hal0d.lifecycle.slots import SlotState
 from hal0d.protocol.sse import Decoder
-from tests.conftest import OllamaFactory, Stub, StubFactory, eventually
-from tests.test_loader import STARTUP_S, lifecycle_config, on_demand
+from tests.harness.config import build_config, on_demand
+from tests.harness.daemons import STARTUP_S, OllamaFactory
+from tests.harness.poll import eventually
+from tests.harness.stubs import Stub, StubFactory
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -121,7 +123,7 @@ async def test_an_unload_a_clients_keep_alive_decided_says_keep_alive_and_idle_s
     tmp_path: Path, start_ollama: OllamaFactory
 ) -> None:
     slot = on_demand("a", tmp_path, idle_unload_s=1)
-    hal0d, base = await start_ollama("http://unused", config=lifecycle_config(tmp_path, slot))
+    hal0d, base = await start_ollama("http://unused", config=build_config(tmp_path, slot))
     table = hal0d.app[SLOTS]
     client = AsyncClient(host=base, timeout=STARTUP_S + 10)
 

@@ -17,7 +17,10 @@ from aiohttp.test_utils import TestServer
 from structlog.testing import capture_logs
 
 from hal0d.config import ServerConfig
-from tests.conftest import ServerFactory, Stub, chat_body, make_config
+from tests.harness.client import chat_body
+from tests.harness.config import make_config
+from tests.harness.daemons import ServerFactory
+from tests.harness.stubs import Stub
 
 ATTACKER = "http://attacker.test"
 TEXT_PLAIN = {"Content-Type": "text/plain"}  # what a page may send without a preflight

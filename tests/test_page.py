@@ -13,121 +13,40 @@ import contextlib
 import functools
 import http.server
 import json
-import os
-import shutil
-import signal
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import eventually_sync, free_port
+from tests.harness.daemons import Hal0dPopen
+from tests.harness.page import (
+    PAGE_KEY,
+    console_errors,
+    page_config_text,
+    require_chromium,
+    route_config_text,
+    screenshot,
+    until,
+)
+from tests.harness.poll import eventually_sync
+from tests.harness.ports import free_port
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-KEY = "page-test-key-0123456789"
-# Also copied here when set (how docs/dashboard.png was made).
-SHOTS = Path(os.environ["HAL0D_SCREENSHOTS"]) if os.environ.get("HAL0D_SCREENSHOTS") else None
-
-if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
-    pytest.skip("needs Debian's chromium and chromium-driver: `make test` as root installs them "
-                "(apt-get install chromium chromium-driver)", allow_module_level=True)
-webdriver = pytest.importorskip("selenium.webdriver")
-from selenium.common.exceptions import WebDriverException  # noqa: E402
-from selenium.webdriver.chrome.service import Service  # noqa: E402
+require_chromium()
 from selenium.webdriver.common.by import By  # noqa: E402
 
 
-def config_text(port: int, tmp: Path, *, keys: bool) -> str:
-    stub = [sys.executable, "-m", "hal0d", "stub", "--delay", "0.005"]
-    always_port, demand_port = free_port(), free_port()
-    server_keys = f'api_keys = ["{KEY}"]\n' if keys else ""
-    return f"""
-[server]
-host = "127.0.0.1"
-port = {port}
-shutdown_grace_s = 1.0
-{server_keys}
-[metrics]
-database = "{tmp / 'history.sqlite3'}"
-
-[logging]
-format = "json"
-
-[[slots]]
-name = "llm"
-upstream = "http://127.0.0.1:{always_port}"
-models = ["chat", "reasoning", "stall"]
-command = {json.dumps([*stub, "--port", str(always_port), "--log", str(tmp / "llm.log")])}
-stream_idle_timeout_s = 0.5
-
-[[slots]]
-name = "ondemand"
-upstream = "http://127.0.0.1:{demand_port}"
-models = ["think-only"]
-command = {json.dumps([*stub, "--port", str(demand_port), "--log", str(tmp / "od.log")])}
-start = "on_demand"
-"""
-
-
-@dataclass
-class Daemon:
-    port: int
-    config: Path
-    output: Path
-    process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        with self.output.open("ab") as out:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "hal0d", "serve", "--config", str(self.config)],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            )
-        eventually_sync(self.ready, 20, "hal0d serves")
-
-    def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/healthz", timeout=1):
-                return True
-        except OSError:
-            assert self.process is not None and self.process.poll() is None, self.tail()
-            return False
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            self.process.wait(timeout=15)
-
-    def tail(self) -> str:
-        return self.output.read_text()[-3000:] if self.output.exists() else ""
-
-    def call(self, path: str, body: dict[str, Any] | None = None, *, key: bool = False) -> bytes:
-        headers = {"Content-Type": "application/json"}
-        if key:
-            headers["Authorization"] = f"Bearer {KEY}"
-        data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(self.url + path, data=data, headers=headers)
-        with urllib.request.urlopen(request, timeout=30) as resp:
-            return resp.read()
-
-
-def serve(tmp: Path, *, keys: bool = False) -> Iterator[Daemon]:
+def serve(tmp: Path, *, keys: bool = False) -> Iterator[Hal0dPopen]:
     port = free_port()
     config = tmp / "hal0d.toml"
-    config.write_text(config_text(port, tmp, keys=keys))
-    daemon = Daemon(port, config, tmp / "hal0d.out")
+    config.write_text(page_config_text(port, tmp, keys=keys))
+    daemon = Hal0dPopen(port, config, tmp / "hal0d.out")
     daemon.start()
     try:
         yield daemon
@@ -136,48 +55,13 @@ def serve(tmp: Path, *, keys: bool = False) -> Iterator[Daemon]:
 
 
 @pytest.fixture
-def hal0d(tmp_path: Path) -> Iterator[Daemon]:
+def hal0d(tmp_path: Path) -> Iterator[Hal0dPopen]:
     yield from serve(tmp_path)
 
 
 @pytest.fixture
-def keyed(tmp_path: Path) -> Iterator[Daemon]:
+def keyed(tmp_path: Path) -> Iterator[Hal0dPopen]:
     yield from serve(tmp_path, keys=True)
-
-
-@pytest.fixture
-def browser() -> Iterator[Any]:
-    options = webdriver.ChromeOptions()
-    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
-                     "--window-size=1440,900"):
-        options.add_argument(argument)
-    options.binary_location = CHROMIUM
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    try:
-        driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    except WebDriverException as exc:
-        pytest.fail(f"chromium did not start: {exc.msg}")
-    try:
-        yield driver
-    finally:
-        driver.quit()
-
-
-def console_errors(browser: Any) -> list[str]:
-    return [entry["message"] for entry in browser.get_log("browser")
-            if entry["level"] == "SEVERE"]
-
-
-def until(what: str, check: Callable[[], Any], timeout: float = 2.0) -> Any:
-    """The truthy value of `check` within `timeout` seconds (what the page promises)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.05)
 
 
 # Read in one script each: finding the elements and then asking each for its text races the page,
@@ -195,23 +79,11 @@ def request_rows(browser: Any) -> list[str]:
     return rows
 
 
-def screenshot(browser: Any, folder: Path, width: int, height: int) -> Path:
-    browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
-        "width": width, "height": height, "deviceScaleFactor": 1, "mobile": width < 600})
-    time.sleep(0.3)  # one layout pass at the new size before the picture
-    path = folder / f"dashboard-{width}x{height}.png"
-    browser.save_screenshot(str(path))
-    if SHOTS is not None:
-        SHOTS.mkdir(parents=True, exist_ok=True)
-        shutil.copy(path, SHOTS / path.name)
-    return path
-
-
 # -- the tests ---------------------------------------------------------------------------------
 
 
 def test_the_page_loads_live_with_no_console_error_and_shows_each_request_within_2_s(
-    hal0d: Daemon, browser: Any, tmp_path: Path
+    hal0d: Hal0dPopen, browser: Any, tmp_path: Path
 ) -> None:
     browser.get(hal0d.url + "/")
     until("the llm slot card", lambda: card_state(browser, "llm") in ("ready", "starting"), 20)
@@ -239,7 +111,7 @@ def test_the_page_loads_live_with_no_console_error_and_shows_each_request_within
     assert screenshot(browser, tmp_path, 390, 844).stat().st_size > 5_000
 
 
-def timed_stream(hal0d: Daemon) -> float:
+def timed_stream(hal0d: Hal0dPopen) -> float:
     """Seconds for a whole streamed answer (the stub paces its tokens 5 ms apart)."""
     started = time.monotonic()
     raw = hal0d.call("/v1/chat/completions", {"model": "reasoning", "stream": True,
@@ -248,7 +120,7 @@ def timed_stream(hal0d: Daemon) -> float:
     return time.monotonic() - started
 
 
-def test_a_page_left_open_does_not_slow_a_stream(hal0d: Daemon, browser: Any) -> None:
+def test_a_page_left_open_does_not_slow_a_stream(hal0d: Hal0dPopen, browser: Any) -> None:
     """The page follows /api/events while streams run: a stream takes no longer with it open
     (a generous bound: the feed carries a few events per request, none per chunk)."""
     eventually_sync(lambda: json.loads(hal0d.call("/readyz"))["status"] == "ready", 20,
@@ -263,7 +135,7 @@ def test_a_page_left_open_does_not_slow_a_stream(hal0d: Daemon, browser: Any) ->
     assert console_errors(browser) == []
 
 
-def test_unload_and_load_buttons_drive_an_on_demand_slot(hal0d: Daemon, browser: Any) -> None:
+def test_unload_and_load_buttons_drive_an_on_demand_slot(hal0d: Hal0dPopen, browser: Any) -> None:
     """From http://localhost:PORT/ (the other tests use 127.0.0.1): the page's own origin and
     Host are let in, its POSTs (which carry that Origin) included."""
     browser.get(hal0d.url.replace("127.0.0.1", "localhost") + "/")
@@ -282,7 +154,7 @@ def test_unload_and_load_buttons_drive_an_on_demand_slot(hal0d: Daemon, browser:
     assert console_errors(browser) == []
 
 
-def test_a_stall_guard_trip_shows_its_error_code(hal0d: Daemon, browser: Any) -> None:
+def test_a_stall_guard_trip_shows_its_error_code(hal0d: Hal0dPopen, browser: Any) -> None:
     browser.get(hal0d.url + "/")
     until("the llm slot ready", lambda: card_state(browser, "llm") == "ready", 20)
     hal0d.call("/v1/chat/completions", {"model": "stall", "stream": True,
@@ -293,31 +165,31 @@ def test_a_stall_guard_trip_shows_its_error_code(hal0d: Daemon, browser: Any) ->
 
 
 def test_with_keys_the_page_shows_nothing_before_the_key_and_everything_after(
-    keyed: Daemon, browser: Any
+    keyed: Hal0dPopen, browser: Any
 ) -> None:
     browser.get(keyed.url + "/")
     form = until("the key form", lambda: browser.find_element(By.ID, "key-form").is_displayed()
                  and browser.find_element(By.ID, "key-form"), 5)
     assert not browser.find_element(By.ID, "live").is_displayed()
     assert browser.find_elements(By.CSS_SELECTOR, "article.card") == []
-    form.find_element(By.ID, "key").send_keys(KEY)
+    form.find_element(By.ID, "key").send_keys(PAGE_KEY)
     form.find_element(By.CSS_SELECTOR, "button").click()
     until("the slots after the key", lambda: card_state(browser, "llm") != "", 5)
     # Its process may still be starting on a busy machine: a request then would find no one.
     until("the llm slot ready", lambda: card_state(browser, "llm") == "ready", 20)
     keyed.call("/v1/chat/completions", {"model": "chat",
                                          "messages": [{"role": "user", "content": "hi"}]},
-               key=True)
+               key=PAGE_KEY)
     until("a request, live, with the key", lambda: any("chat" in row
                                                        for row in request_rows(browser)))
     # Kept for the next visit, in this browser only; never in a URL.
-    assert browser.execute_script("return localStorage.getItem('hal0d.api_key')") == KEY
-    assert KEY not in browser.current_url
-    assert KEY not in keyed.tail()
+    assert browser.execute_script("return localStorage.getItem('hal0d.api_key')") == PAGE_KEY
+    assert PAGE_KEY not in browser.current_url
+    assert PAGE_KEY not in keyed.tail()
 
 
 def test_a_restarted_hal0d_shows_the_reconnecting_notice_then_live_data_again(
-    hal0d: Daemon, browser: Any
+    hal0d: Hal0dPopen, browser: Any
 ) -> None:
     browser.get(hal0d.url + "/")
     until("live", lambda: card_state(browser, "llm") != "", 20)
@@ -355,22 +227,6 @@ class _Refusing(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def route_config_text(port: int, tmp_path: Path, gone: str, second: str, served: str) -> str:
-    """config_text's with a slot `gone` at `gone` and the route `either` over it and `second`
-    (asked for `served`)."""
-    return config_text(port, tmp_path, keys=False) + f"""
-[[slots]]
-name = "gone"
-upstream = "{gone}"
-models = ["gone-only"]
-
-[[routes]]
-model = "either"
-slots = ["gone", "{second}"]
-served = {{ gone = "chat", {second} = "{served}" }}
-"""
-
-
 def test_a_request_a_route_handed_on_names_the_slot_it_passed(
     tmp_path: Path, browser: Any
 ) -> None:
@@ -380,7 +236,7 @@ def test_a_request_a_route_handed_on_names_the_slot_it_passed(
     config = tmp_path / "hal0d.toml"
     config.write_text(route_config_text(
         port, tmp_path, f"http://127.0.0.1:{refusing.server_address[1]}", "llm", "chat"))
-    daemon = Daemon(port, config, tmp_path / "hal0d.out")
+    daemon = Hal0dPopen(port, config, tmp_path / "hal0d.out")
     daemon.start()
     try:
         browser.get(daemon.url + "/")
@@ -515,7 +371,7 @@ idle_unload_s = 1.0
 """
 
 
-def ask(daemon: Daemon, model: str, *, stream: bool = False) -> int:
+def ask(daemon: Hal0dPopen, model: str, *, stream: bool = False) -> int:
     try:
         daemon.call("/v1/chat/completions", {"model": model, "stream": stream,
                                               "messages": [{"role": "user", "content": "hi"}]})
@@ -524,20 +380,20 @@ def ask(daemon: Daemon, model: str, *, stream: bool = False) -> int:
         return exc.code
 
 
-def api_timeline(daemon: Daemon) -> dict[str, Any]:
+def api_timeline(daemon: Hal0dPopen) -> dict[str, Any]:
     answer: dict[str, Any] = json.loads(daemon.call("/api/timeline"))
     return answer
 
 
 @pytest.fixture
-def scripted_hour(tmp_path: Path) -> Iterator[Daemon]:
+def scripted_hour(tmp_path: Path) -> Iterator[Hal0dPopen]:
     """An hour in fast-forward: the history's past hour seeded, then for real: streams, a
     stall, two swaps in a group of one, a failed load, an idle unload and an API unload."""
     seeded = seed_history(tmp_path / "history.sqlite3", time.time())
     port = free_port()
     config = tmp_path / "hal0d.toml"
     config.write_text(hour_config_text(port, tmp_path))
-    daemon = Daemon(port, config, tmp_path / "hal0d.out")
+    daemon = Hal0dPopen(port, config, tmp_path / "hal0d.out")
     daemon.start()
     try:
         eventually_sync(lambda: json.loads(daemon.call("/readyz"))["status"] == "ready", 20,
@@ -590,7 +446,7 @@ def api_chart_values(timeline: dict[str, Any], slot: str) -> dict[tuple[str, flo
 
 
 def test_after_an_hour_the_timeline_and_charts_show_what_api_timeline_says(
-    scripted_hour: Daemon, browser: Any, tmp_path: Path
+    scripted_hour: Hal0dPopen, browser: Any, tmp_path: Path
 ) -> None:
     daemon = scripted_hour
     browser.get(daemon.url + "/")
@@ -702,7 +558,7 @@ def test_after_an_hour_the_timeline_and_charts_show_what_api_timeline_says(
 
 
 def test_at_390_px_nothing_of_the_page_is_cut_off(
-    scripted_hour: Daemon, browser: Any, tmp_path: Path
+    scripted_hour: Hal0dPopen, browser: Any, tmp_path: Path
 ) -> None:
     browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
         "width": 390, "height": 844, "deviceScaleFactor": 1, "mobile": True})
@@ -827,13 +683,13 @@ def test_a_slots_card_shows_the_cached_share_of_its_prompts_and_its_saved_cache(
     config = tmp_path / "hal0d.toml"
     saved = time.time() - 120
     with llama_server_capture() as upstream:
-        config.write_text(config_text(port, tmp_path, keys=False) + f"""
+        config.write_text(page_config_text(port, tmp_path, keys=False) + f"""
 [[slots]]
 name = "warm"
 upstream = "{upstream}"
 models = ["smol"]
 """)
-        daemon = Daemon(port, config, tmp_path / "hal0d.out")
+        daemon = Hal0dPopen(port, config, tmp_path / "hal0d.out")
         daemon.start()
         try:
             browser.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument",

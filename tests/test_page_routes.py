@@ -12,22 +12,28 @@ from typing import Any
 
 import pytest
 
-from tests import test_page
-from tests.conftest import free_port
-from tests.test_page import Daemon, console_errors, route_config_text, screenshot, until
+from tests.harness.daemons import Hal0dPopen
+from tests.harness.page import (
+    console_errors,
+    require_chromium,
+    route_config_text,
+    screenshot,
+    until,
+)
+from tests.harness.ports import free_port
 
-browser = test_page.browser  # the fixture: headless chromium, skipped where there is none
+require_chromium()
 
 
 @pytest.fixture
-def routed(tmp_path: Path) -> Iterator[Daemon]:
+def routed(tmp_path: Path) -> Iterator[Hal0dPopen]:
     """test_page's daemon, with a slot where nothing listens (`gone`: in error once probed)
     and the route `either` over it and the on-demand slot (at rest)."""
     port = free_port()
     config = tmp_path / "hal0d.toml"
     config.write_text(route_config_text(port, tmp_path, f"http://127.0.0.1:{free_port()}",
                                         "ondemand", "think-only"))
-    daemon = Daemon(port, config, tmp_path / "hal0d.out")
+    daemon = Hal0dPopen(port, config, tmp_path / "hal0d.out")
     daemon.start()
     try:
         yield daemon
@@ -46,7 +52,7 @@ def route_card(browser: Any, model: str) -> dict[str, Any] | None:
 
 
 def test_a_route_shows_as_a_card_in_its_best_slots_state_and_follows_its_slots_live(
-    routed: Daemon, browser: Any, tmp_path: Path
+    routed: Hal0dPopen, browser: Any, tmp_path: Path
 ) -> None:
     browser.get(routed.url + "/")
     card = until("the route's card, gone in error", lambda: (
@@ -72,7 +78,7 @@ def test_a_route_shows_as_a_card_in_its_best_slots_state_and_follows_its_slots_l
 
 
 def test_a_slot_in_error_is_drawn_in_the_error_colour_on_the_timeline(
-    routed: Daemon, browser: Any
+    routed: Hal0dPopen, browser: Any
 ) -> None:
     timeline = json.loads(routed.call("/api/timeline"))
     spans = [span["state"] for span in timeline["spans"] if span["slot"] == "gone"]

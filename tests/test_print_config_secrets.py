@@ -15,7 +15,9 @@ import aiohttp
 import pytest
 
 from hal0d import config as configuration
-from tests.conftest import ServerFactory, Stub, chat_body
+from tests.harness.client import chat_body
+from tests.harness.daemons import ServerFactory
+from tests.harness.stubs import Stub
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER_SECRET = "hal0-print-test-server-Jm3xv"

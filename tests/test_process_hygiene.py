@@ -32,7 +32,9 @@ from hal0d.lifecycle.manager import LifecycleManager
 from hal0d.lifecycle.process import PARENT_DEATH_SIGNAL, PRCTL
 from hal0d.lifecycle.table import SlotTable
 from hal0d.transport.upstream import UpstreamClient
-from tests.conftest import free_port, kill_with_its_group, process_state, running
+from tests.harness.daemons import popen
+from tests.harness.ports import free_port
+from tests.harness.processes import kill_with_its_group, process_state, running
 
 pytestmark = pytest.mark.skipif(PRCTL is None, reason="parent-death signals are Linux's prctl")
 
@@ -168,11 +170,7 @@ def serving_two_slots(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes],
     config = tmp_path / "hal0d.toml"
     config.write_text(two_slot_config(port, (first, second), tmp_path))
     log = tmp_path / "hal0d.log"
-    with log.open("wb") as out:
-        hal0d = subprocess.Popen(
-            [sys.executable, "-m", "hal0d", "serve", "--config", str(config)],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-        )
+    hal0d = popen(config, log)
     pids: dict[str, int] = {}
     try:
         deadline = time.monotonic() + READY_WITHIN_S

@@ -20,10 +20,10 @@ import pytest
 from hal0d.config import ConfigError, parse
 from hal0d.config.cache_dir import cache_root, command_digest
 from hal0d.lifecycle.prompt_cache import MANIFEST, PromptCache, make_folder, sweep
-from tests import test_lifecycle_reload
-from tests.conftest import eventually, free_port
-from tests.test_lifecycle_reload import Serve, reload, state_is, views
-from tests.test_server import Hal0d, stop
+from tests.harness.client import state_is, views
+from tests.harness.daemons import Hal0dProcess, Hal0dProcessFactory, reload, stop
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
 
 STARTUP_S = 15.0
 # A long first message: the later turns add a few tokens, so a warm turn reads almost none.
@@ -49,9 +49,6 @@ def slot(name: str, model: str, tmp_path: Path, *extra: str, **keys: Any) -> str
     return "[[slots]]\n" + "\n".join(lines) + "\n"
 
 
-serve = test_lifecycle_reload.serve  # the fixture: real `hal0d serve`s, stopped, none left
-
-
 def messages(n: int) -> list[dict[str, str]]:
     said = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": OPENING}]
     for turn in range(1, n):
@@ -60,7 +57,7 @@ def messages(n: int) -> list[dict[str, str]]:
     return said
 
 
-async def turn(http: aiohttp.ClientSession, hal0d: Hal0d, model: str, n: int
+async def turn(http: aiohttp.ClientSession, hal0d: Hal0dProcess, model: str, n: int
                ) -> dict[str, Any]:
     """The n-th turn of the conversation, whole; its usage."""
     async with http.post(f"{hal0d.url}/v1/chat/completions", json={
@@ -79,7 +76,7 @@ def warm(usage: dict[str, Any]) -> bool:
     return cached(usage) > 0.9 * usage["prompt_tokens"]
 
 
-async def unload(http: aiohttp.ClientSession, hal0d: Hal0d, name: str) -> float:
+async def unload(http: aiohttp.ClientSession, hal0d: Hal0dProcess, name: str) -> float:
     """The admin API's unload, to its end; how long it took."""
     started = time.monotonic()
     async with http.post(f"{hal0d.url}/api/slots/{name}/unload") as resp:
@@ -96,9 +93,9 @@ def folders(tmp_path: Path, name: str) -> list[str]:
 
 
 async def test_an_idle_unload_saves_the_cache_and_the_next_load_restores_it_first(
-    serve: Serve, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d_process: Hal0dProcessFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
-    hal0d = await serve(slot("a", "chat", tmp_path, idle_unload_s=1.0))
+    hal0d = await start_hal0d_process(slot=slot("a", "chat", tmp_path, idle_unload_s=1.0))
     first = await turn(http, hal0d, "chat", 1)
     assert cached(first) == 0
     assert warm(await turn(http, hal0d, "chat", 2))  # the same process: its own cache
@@ -123,11 +120,11 @@ async def test_an_idle_unload_saves_the_cache_and_the_next_load_restores_it_firs
 
 
 async def test_a_cache_restored_and_unloaded_again_unused_is_still_there_next_time(
-    serve: Serve, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d_process: Hal0dProcessFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     """llama-server lists a restored slot as empty until it runs a task: its save must keep the
     file the slot was restored from, not drop it as a slot with nothing to save."""
-    hal0d = await serve(slot("a", "chat", tmp_path))
+    hal0d = await start_hal0d_process(slot=slot("a", "chat", tmp_path))
     await turn(http, hal0d, "chat", 1)
     await unload(http, hal0d, "a")
     async with http.post(f"{hal0d.url}/api/slots/a/load") as resp:  # an operator's load
@@ -139,9 +136,9 @@ async def test_a_cache_restored_and_unloaded_again_unused_is_still_there_next_ti
 
 
 async def test_without_a_saved_cache_an_unload_leaves_the_conversation_cold(
-    serve: Serve, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d_process: Hal0dProcessFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
-    hal0d = await serve(slot("a", "chat", tmp_path, prompt_cache="off"))
+    hal0d = await start_hal0d_process(slot=slot("a", "chat", tmp_path, prompt_cache="off"))
     await turn(http, hal0d, "chat", 1)
     assert (await views(http, hal0d))["a"]["conversations_warm"] == 1
     await unload(http, hal0d, "a")
@@ -152,10 +149,10 @@ async def test_without_a_saved_cache_an_unload_leaves_the_conversation_cold(
 
 
 async def test_a_swap_saves_the_evicted_models_cache_and_restores_it_on_its_way_back(
-    serve: Serve, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d_process: Hal0dProcessFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     group = '[groups.gpu]\nmax_loaded = 1\npolicy = "fifo"\n'
-    hal0d = await serve(group + slot("a", "chat", tmp_path, group="gpu")
+    hal0d = await start_hal0d_process(slot=group + slot("a", "chat", tmp_path, group="gpu")
                         + slot("b", "tool", tmp_path, group="gpu"))
     assert cached(await turn(http, hal0d, "chat", 1)) == 0
     await turn(http, hal0d, "tool", 1)  # evicts a: its cache is saved
@@ -166,14 +163,14 @@ async def test_a_swap_saves_the_evicted_models_cache_and_restores_it_on_its_way_
 
 
 async def test_a_restart_of_hal0d_keeps_the_conversation_warm(
-    serve: Serve, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d_process: Hal0dProcessFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     config = slot("a", "chat", tmp_path)
-    hal0d = await serve(config)
+    hal0d = await start_hal0d_process(slot=config)
     await turn(http, hal0d, "chat", 1)
     await stop(hal0d.process)  # SIGTERM, as systemd stops it
     assert [e["slot"] for e in hal0d.named("slot.cache_saved")] == ["a"]
-    again = await serve(config)
+    again = await start_hal0d_process(slot=config)
     assert warm(await turn(http, again, "chat", 2))
     assert again.named("slot.cache_restored")
 
@@ -182,9 +179,9 @@ async def test_a_restart_of_hal0d_keeps_the_conversation_warm(
 
 
 async def test_a_changed_command_restores_nothing_and_its_old_files_are_deleted(
-    serve: Serve, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d_process: Hal0dProcessFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
-    hal0d = await serve(slot("a", "chat", tmp_path))
+    hal0d = await start_hal0d_process(slot=slot("a", "chat", tmp_path))
     await turn(http, hal0d, "chat", 1)
     await unload(http, hal0d, "a")
     old = command_digest(command("a", tmp_path))
@@ -247,9 +244,9 @@ def test_save_needs_the_folder_in_the_command() -> None:
 
 
 async def test_a_hanging_save_does_not_hold_the_unload_past_its_bound(
-    serve: Serve, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d_process: Hal0dProcessFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
-    hal0d = await serve(slot("a", "chat", tmp_path, "--slot-save-delay", "30",
+    hal0d = await start_hal0d_process(slot=slot("a", "chat", tmp_path, "--slot-save-delay", "30",
                              save_timeout_s=0.5))
     await turn(http, hal0d, "chat", 1)
     took = await unload(http, hal0d, "a")
@@ -263,9 +260,9 @@ async def test_a_hanging_save_does_not_hold_the_unload_past_its_bound(
 
 
 async def test_a_refused_save_or_restore_is_logged_and_the_load_goes_on_cold(
-    serve: Serve, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d_process: Hal0dProcessFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
-    hal0d = await serve(slot("a", "chat", tmp_path, "--slot-save-fail")
+    hal0d = await start_hal0d_process(slot=slot("a", "chat", tmp_path, "--slot-save-fail")
                         + slot("b", "tool", tmp_path, "--slot-restore-fail"))
     for model, name in (("chat", "a"), ("tool", "b")):
         await turn(http, hal0d, model, 1)

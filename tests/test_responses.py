@@ -20,7 +20,9 @@ from aiohttp.test_utils import TestServer
 
 from hal0d.response_owners import ResponseOwners
 from hal0d_stub.app import CONTENT_TEXT, TOKENS_BEFORE_TROUBLE, words
-from tests.conftest import Stub, eventually
+from tests.harness.client import openai_sdk
+from tests.harness.poll import eventually
+from tests.harness.stubs import Stub
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -40,22 +42,15 @@ async def guarded(stub: Stub, start_hal0d: Any) -> TestServer:
     return await start_hal0d(stub.url, dispatcher=STALL_BOUNDS)
 
 
-def sdk(server: TestServer) -> AsyncOpenAI:
-    from openai import AsyncOpenAI
-
-    return AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="x", max_retries=0,
-                       timeout=10.0)
-
-
 @pytest.fixture
 async def client(hal0d: TestServer) -> AsyncIterator[AsyncOpenAI]:
-    async with sdk(hal0d) as client:
+    async with openai_sdk(hal0d) as client:
         yield client
 
 
 @pytest.fixture
 async def stall_client(guarded: TestServer) -> AsyncIterator[AsyncOpenAI]:
-    async with sdk(guarded) as client:
+    async with openai_sdk(guarded) as client:
         yield client
 
 

@@ -24,9 +24,11 @@ from hal0d.openai.responses_request import ChatRequest, chat_request
 from hal0d.protocol.sse import Decoder
 from hal0d.protocol.transform import StallTrip, TransformFailed
 from hal0d_stub.app import CONTENT_TEXT, make_stub_app
-from tests.conftest import ServerFactory, Stub, free_port, logs_into_buffer
 from tests.fixtures_util import fixture_path
-from tests.test_anthropic_native import answering_first
+from tests.harness.daemons import ServerFactory
+from tests.harness.logs import logs_into_buffer
+from tests.harness.ports import free_port
+from tests.harness.stubs import Stub, answering_first
 
 
 def chunk(delta: dict[str, Any] | None = None, finish: str | None = None,

@@ -28,8 +28,10 @@ from hal0d_stub.app import (
     make_stub_app,
     words,
 )
-from tests.conftest import Stub, eventually, free_port
-from tests.test_responses import sdk
+from tests.harness.client import openai_sdk
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
+from tests.harness.stubs import Stub
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -55,7 +57,7 @@ async def hal0d(chat_stub: Stub, start_hal0d: Any) -> TestServer:
 
 @pytest.fixture
 async def client(hal0d: TestServer) -> AsyncIterator[AsyncOpenAI]:
-    async with sdk(hal0d) as client:
+    async with openai_sdk(hal0d) as client:
         yield client
 
 
@@ -143,7 +145,8 @@ async def test_the_tool_model_streams_its_call_and_ends_completed(client: AsyncO
 async def test_a_stall_ends_incomplete_with_the_notice(chat_stub: Stub, start_hal0d: Any) -> None:
     hal0d = await start_hal0d(chat_stub.url, slot={"responses": "translate"},
                               dispatcher=STALL_BOUNDS)
-    async with sdk(hal0d) as client, client.responses.stream(model="stall", input="hi") as stream:
+    async with openai_sdk(hal0d) as client, client.responses.stream(model="stall",
+                                                                    input="hi") as stream:
         events = [event async for event in stream]
     last = events[-1]
     assert last.type == "response.incomplete"
@@ -192,7 +195,7 @@ async def test_auto_translates_for_an_upstream_without_the_endpoint_and_asks_onc
 ) -> None:
     hal0d = await start_hal0d(chat_stub.url, slot={"responses": "auto"})
     with capture_logs() as logs:
-        async with sdk(hal0d) as client:
+        async with openai_sdk(hal0d) as client:
             for _ in range(2):
                 answer = await client.responses.create(model="chat", input="hi")
                 assert answer.output_text == CONTENT_TEXT
@@ -205,7 +208,7 @@ async def test_auto_relays_natively_to_an_upstream_with_the_endpoint(
 ) -> None:
     hal0d = await start_hal0d(stub.url, slot={"responses": "auto"})
     with capture_logs() as logs:
-        async with sdk(hal0d) as client:
+        async with openai_sdk(hal0d) as client:
             answer = await client.responses.create(model="chat", input="hi")
     assert answer.output_text == CONTENT_TEXT and answer.id.startswith("resp_")
     assert [(e["mode"], e["probe_status"]) for e in logs

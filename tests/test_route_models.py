@@ -17,8 +17,11 @@ from aiohttp.test_utils import TestServer
 from ollama import AsyncClient
 
 from hal0d.config import Config, parse
-from tests.conftest import OllamaFactory, ServerFactory, Stub, eventually, free_port
-from tests.test_loader import stub_command, views
+from tests.harness.client import views
+from tests.harness.daemons import OllamaFactory, ServerFactory
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
+from tests.harness.stubs import Stub, stub_command
 
 ADMIN, HA = "sk-admin-route-models", "sk-ha-route-models"
 

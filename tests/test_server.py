@@ -7,218 +7,34 @@ and is steered with real signals, the way systemd steers it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import sqlite3
-import sys
 import textwrap
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import closing
-from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import orjson
 import pytest
 
 from hal0d import config as configuration
-from tests.conftest import Stub, StubFactory, chat_body, eventually, free_port
+from tests.harness.client import Stream, chat, chat_body, open_stream
+from tests.harness.config import GRACE_S, config_text
+from tests.harness.daemons import EXIT_SLACK_S, Hal0dProcessFactory, spawn
+from tests.harness.observe import after_the_stream
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
+from tests.harness.stubs import Stub, StubFactory
 
-GRACE_S = 1.5
 TOKEN_DELAY_S = 0.02  # the stub's pace: 50 tokens a second per stream
 SHORT_MAX_TOKENS = 30  # about 0.6 s of tokens: in flight at SIGTERM, done well within the grace
 LONG_MAX_TOKENS = 1_000_000  # with the message "long": far beyond the grace
-EXIT_SLACK_S = 3.0
-STOP_WITHIN_S = 15.0  # a grace of up to 1.5 s, then slot processes get STOP_GRACE_S at most
-
-
-def config_text(stub: str, port: int, tmp_path: Path, *, grace_s: float = GRACE_S,
-                slot: str = "", extra: str = "", server: str = "") -> str:
-    """hal0d's config; `slot` replaces the one slot in front of the test's stub, `server`
-    lines join the [server] table."""
-    slot = textwrap.dedent(slot) or textwrap.dedent(f"""
-        [[slots]]
-        name = "llm"
-        upstream = "{stub}"
-        models = ["reasoning", "chat"]
-        max_concurrent = 64
-    """)
-    return textwrap.dedent(f"""
-        [server]
-        host = "127.0.0.1"
-        port = {port}
-        shutdown_grace_s = {grace_s}
-    """) + textwrap.dedent(server) + slot + textwrap.dedent(f"""
-        [metrics]
-        database = "{tmp_path / 'history.sqlite3'}"
-
-        [logging]
-        format = "json"
-    """) + textwrap.dedent(extra)
-
-
-@dataclass
-class Hal0d:
-    """One `hal0d serve` process, its config file and its log (JSON lines)."""
-
-    process: asyncio.subprocess.Process
-    port: int
-    config: Path
-    log: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def events(self) -> list[dict[str, Any]]:
-        events = []
-        for line in self.log.read_text().splitlines():
-            with contextlib.suppress(orjson.JSONDecodeError):
-                events.append(orjson.loads(line))
-        return events
-
-    def named(self, name: str) -> list[dict[str, Any]]:
-        return [event for event in self.events() if event.get("event") == name]
-
-    async def wait_for_event(self, name: str, timeout: float = 5.0) -> dict[str, Any]:
-        def logged() -> dict[str, Any]:
-            found = self.named(name)
-            assert found, f"no {name} in hal0d's log:\n{self.log.read_text()}"
-            return found[-1]
-
-        return await eventually(logged, timeout, f"{name} in hal0d's log")
-
-    async def wait_for_count(self, name: str, count: int, timeout: float = 5.0) -> None:
-        await eventually(lambda: len(self.named(name)) >= count, timeout,
-                         f"{count} {name} lines in hal0d's log")
-
-    def send(self, signum: signal.Signals) -> None:
-        self.process.send_signal(signum)
-
-
-Hal0dFactory = Callable[..., Awaitable[Hal0d]]
-
-
-async def after_the_stream(http: aiohttp.ClientSession, hal0d: Hal0d, event: str,
-                           slot: str) -> bool:
-    """Whether `event` for `slot` was logged after the streamed request ended: the end is the
-    request's history row (its start and its duration), the event's time its line's."""
-    async with http.get(f"{hal0d.url}/api/requests") as response:
-        rows = (await response.json())["requests"]
-    streamed = next(row for row in rows if row["stream"])
-    ended = streamed["ts"] + streamed["total_ms"] / 1000
-    [logged] = [datetime.fromisoformat(e["timestamp"]).timestamp() for e in hal0d.events()
-                if e["event"] == event and e.get("slot") == slot]
-    return logged >= ended
 
 
 @pytest.fixture
 async def stub(start_stub: StubFactory) -> Stub:
     return await start_stub(delay=TOKEN_DELAY_S)
-
-
-async def launch(tmp_path: Path, upstream: str, **options: Any) -> Hal0d:
-    """A real `hal0d serve` on a free port, from config_text(upstream, ...), once it serves."""
-    port = free_port()
-    config = tmp_path / "hal0d.toml"
-    config.write_text(config_text(upstream, port, tmp_path, **options))
-    log = tmp_path / "hal0d.log"
-    with log.open("wb") as out:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "hal0d", "serve", "--config", str(config),
-            stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
-        )
-    hal0d = Hal0d(process, port, config, log)
-    await hal0d.wait_for_event("server.started", timeout=10)
-    return hal0d
-
-
-@pytest.fixture
-async def start_hal0d(tmp_path: Path) -> AsyncIterator[Hal0dFactory]:
-    started: list[Hal0d] = []
-
-    async def start(stub: Stub, **options: Any) -> Hal0d:
-        hal0d = await launch(tmp_path, stub.url, **options)
-        started.append(hal0d)
-        return hal0d
-
-    yield start
-    for hal0d in started:
-        await stop(hal0d.process)
-
-
-async def stop(process: asyncio.subprocess.Process) -> None:
-    """SIGTERM, so hal0d stops its slot processes itself; SIGKILL only if it will not end."""
-    if process.returncode is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        async with asyncio.timeout(STOP_WITHIN_S):
-            await process.wait()
-    except TimeoutError:
-        process.kill()
-        await process.wait()
-
-
-@dataclass
-class Stream:
-    """What a client saw of one streamed answer."""
-
-    name: str
-    data: list[bytes] = field(default_factory=list)  # the `data:` payloads, in order
-    raw: bytes = b""
-    first_chunk: asyncio.Event = field(default_factory=asyncio.Event)
-    ended_at: float = 0.0
-    error: str | None = None
-
-    def parse(self) -> None:
-        for block in self.raw.replace(b"\r\n", b"\n").split(b"\n\n"):
-            for line in block.split(b"\n"):
-                if line.startswith(b"data:"):
-                    self.data.append(line[5:].strip())
-
-    @property
-    def done(self) -> bool:
-        return bool(self.data) and self.data[-1] == b"[DONE]"
-
-    def chunks(self) -> list[dict[str, Any]]:
-        return [orjson.loads(item) for item in self.data if item != b"[DONE]"]
-
-    def stall(self) -> dict[str, Any] | None:
-        chunks = self.chunks()
-        return chunks[-1].get("x_hal0_stall") if chunks else None
-
-    def finished_normally(self) -> bool:
-        """The upstream's own ending: a finish_reason, then [DONE], no stall-guard frame."""
-        chunks = self.chunks()
-        return (self.done and self.stall() is None and bool(chunks)
-                and chunks[-1]["choices"][0]["finish_reason"] is not None)
-
-
-async def open_stream(http: aiohttp.ClientSession, url: str, stream: Stream,
-                      body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
-    try:
-        async with http.post(f"{url}/v1/chat/completions", json=body,
-                             headers=headers) as response:
-            assert response.status == 200, await response.text()
-            async for data in response.content.iter_any():
-                stream.raw += data
-                stream.first_chunk.set()
-    except aiohttp.ClientError as exc:
-        stream.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        stream.ended_at = time.monotonic()
-        stream.first_chunk.set()
-        stream.parse()
-
-
-async def chat(http: aiohttp.ClientSession, url: str, model: str) -> tuple[int, dict[str, Any]]:
-    async with http.post(f"{url}/v1/chat/completions",
-                         json=chat_body(model, stream=False)) as response:
-        return response.status, await response.json()
 
 
 async def served_models(http: aiohttp.ClientSession, url: str) -> list[str]:
@@ -227,12 +43,13 @@ async def served_models(http: aiohttp.ClientSession, url: str) -> list[str]:
 
 
 async def test_sigterm_drains_short_streams_and_ends_long_ones_with_a_terminal_frame(
-    stub: Stub, start_hal0d: Hal0dFactory, http: aiohttp.ClientSession, tmp_path: Path
+    stub: Stub, start_hal0d_process: Hal0dProcessFactory, http: aiohttp.ClientSession,
+    tmp_path: Path
 ) -> None:
     """20 open streams at SIGTERM: the 10 short ones finish on their own within the grace, the
     10 long ones get the stall-guard frame with reason shutdown and [DONE]; none ends without
     one of the two; new connections are refused at once; exit code 0 soon after the grace."""
-    hal0d = await start_hal0d(stub)
+    hal0d = await start_hal0d_process(stub.url)
     short = [Stream(f"short-{i}") for i in range(10)]
     long = [Stream(f"long-{i}") for i in range(10)]
     tasks = [
@@ -301,11 +118,11 @@ async def test_sigterm_drains_short_streams_and_ends_long_ones_with_a_terminal_f
 
 
 async def test_sigterm_ends_an_anthropic_stream_with_an_error_event(
-    stub: Stub, start_hal0d: Hal0dFactory, http: aiohttp.ClientSession
+    stub: Stub, start_hal0d_process: Hal0dProcessFactory, http: aiohttp.ClientSession
 ) -> None:
     """The Anthropic surface's terminal frame: one `event: error` naming the shutdown, and no
     message_stop that would make the cut answer look complete."""
-    hal0d = await start_hal0d(stub, grace_s=0.5)
+    hal0d = await start_hal0d_process(stub.url, grace_s=0.5)
     body = {"model": "reasoning", "max_tokens": LONG_MAX_TOKENS, "stream": True,
             "messages": [{"role": "user", "content": "long"}]}
     raw = b""
@@ -325,9 +142,9 @@ async def test_sigterm_ends_an_anthropic_stream_with_an_error_event(
 
 
 async def test_a_second_sigterm_ends_the_streams_at_once(
-    stub: Stub, start_hal0d: Hal0dFactory, http: aiohttp.ClientSession
+    stub: Stub, start_hal0d_process: Hal0dProcessFactory, http: aiohttp.ClientSession
 ) -> None:
-    hal0d = await start_hal0d(stub, grace_s=30)
+    hal0d = await start_hal0d_process(stub.url, grace_s=30)
     stream = Stream("long")
     task = asyncio.create_task(open_stream(http, hal0d.url, stream, chat_body(
         "reasoning", content="long", max_tokens=LONG_MAX_TOKENS)))
@@ -344,9 +161,9 @@ async def test_a_second_sigterm_ends_the_streams_at_once(
 
 
 async def test_sighup_with_a_broken_config_keeps_serving_on_the_old_one(
-    stub: Stub, start_hal0d: Hal0dFactory, http: aiohttp.ClientSession
+    stub: Stub, start_hal0d_process: Hal0dProcessFactory, http: aiohttp.ClientSession
 ) -> None:
-    hal0d = await start_hal0d(stub)
+    hal0d = await start_hal0d_process(stub.url)
     before = await served_models(http, hal0d.url)
     good = hal0d.config.read_text()
     hal0d.config.write_text(good.replace('models = ["reasoning", "chat"]',
@@ -362,9 +179,9 @@ async def test_sighup_with_a_broken_config_keeps_serving_on_the_old_one(
     assert any("server.shutdown_grace_s" in problem for problem in problems)
     assert not hal0d.named("config.reloaded")
     assert await served_models(http, hal0d.url) == before
-    status, answer = await chat(http, hal0d.url, "chat")
+    status, answer = await chat(http, hal0d, "chat")
     assert status == 200, answer
-    status, _ = await chat(http, hal0d.url, "new")
+    status, _ = await chat(http, hal0d, "new")
     assert status == 404  # still the old routing table
 
     # Not even a file that is not TOML any more takes it down.
@@ -372,7 +189,7 @@ async def test_sighup_with_a_broken_config_keeps_serving_on_the_old_one(
     hal0d.send(signal.SIGHUP)
     await hal0d.wait_for_count("config.reload_failed", 2)
     assert "invalid TOML" in hal0d.named("config.reload_problem")[-1]["problem"]
-    assert (await chat(http, hal0d.url, "chat"))[0] == 200
+    assert (await chat(http, hal0d, "chat"))[0] == 200
     assert hal0d.process.returncode is None
 
     # Nor a valid file with nothing to serve: the rule `serve` and check-config apply at start.
@@ -381,15 +198,15 @@ async def test_sighup_with_a_broken_config_keeps_serving_on_the_old_one(
     await hal0d.wait_for_count("config.reload_failed", 3)
     assert "hal0d would serve nothing" in hal0d.named("config.reload_problem")[-1]["problem"]
     assert await served_models(http, hal0d.url) == before
-    assert (await chat(http, hal0d.url, "chat"))[0] == 200
+    assert (await chat(http, hal0d, "chat"))[0] == 200
 
 
 async def test_sighup_applies_a_changed_config_to_new_requests_only(
-    stub: Stub, start_hal0d: Hal0dFactory, http: aiohttp.ClientSession
+    stub: Stub, start_hal0d_process: Hal0dProcessFactory, http: aiohttp.ClientSession
 ) -> None:
     """A valid reload: a new alias and a new slot serve at once; a tighter stall-guard bound
     applies to a stream started after the reload, not to the one already running."""
-    hal0d = await start_hal0d(stub)
+    hal0d = await start_hal0d_process(stub.url)
     running = Stream("started before the reload")
     task = asyncio.create_task(open_stream(http, hal0d.url, running, chat_body(
         "reasoning", max_tokens=60)))  # about 1.2 s
@@ -418,9 +235,9 @@ async def test_sighup_applies_a_changed_config_to_new_requests_only(
     assert restart and restart[0]["keys"] == ["server.port"] and restart[0]["level"] == "warning"
 
     assert "think-only" in await served_models(http, hal0d.url)
-    status, answer = await chat(http, hal0d.url, "gpt-4o")  # the new alias
+    status, answer = await chat(http, hal0d, "gpt-4o")  # the new alias
     assert status == 200 and answer["model"] == "chat", answer
-    status, answer = await chat(http, hal0d.url, "think-only")  # the new slot
+    status, answer = await chat(http, hal0d, "think-only")  # the new slot
     assert status == 200, answer
 
     after = Stream("started after the reload")
@@ -438,7 +255,8 @@ async def test_sighup_applies_a_changed_config_to_new_requests_only(
 
 
 async def test_a_reloaded_slot_command_replaces_its_process_once_its_streams_are_done(
-    stub: Stub, start_hal0d: Hal0dFactory, http: aiohttp.ClientSession, tmp_path: Path
+    stub: Stub, start_hal0d_process: Hal0dProcessFactory, http: aiohttp.ClientSession,
+    tmp_path: Path
 ) -> None:
     """A reload of an `always` slot's command: the old process keeps serving the stream it has
     (the slot waits in `starting`), then it is stopped and the new command serves the next
@@ -452,7 +270,7 @@ async def test_a_reloaded_slot_command_replaces_its_process_once_its_streams_are
         models = ["reasoning", "chat"]
         command = {orjson.dumps(command).decode()}
     """
-    hal0d = await start_hal0d(stub, slot=slot)
+    hal0d = await start_hal0d_process(stub.url, slot=slot)
 
     async def slot_state() -> str:
         async with http.get(f"{hal0d.url}/api/slots") as response:
@@ -481,7 +299,7 @@ async def test_a_reloaded_slot_command_replaces_its_process_once_its_streams_are
     await task
     assert running.finished_normally(), running.data[-2:]
     await eventually(slot_ready, 15, "the slot process ready")
-    status, answer = await chat(http, hal0d.url, "chat")
+    status, answer = await chat(http, hal0d, "chat")
     assert status == 200, answer
     assert "start rid=" in new_log.read_text()  # served by the reloaded command
     assert await after_the_stream(http, hal0d, "slot.process_stopped", "proc")
@@ -497,22 +315,17 @@ def test_two_configs_in_one_folder_keep_two_histories(tmp_path: Path) -> None:
 
 
 async def test_a_second_hal0d_on_one_history_is_refused_with_one_clear_line(
-    stub: Stub, start_hal0d: Hal0dFactory, tmp_path: Path
+    stub: Stub, start_hal0d_process: Hal0dProcessFactory, tmp_path: Path
 ) -> None:
-    first = await start_hal0d(stub)
+    first = await start_hal0d_process(stub.url)
     other = tmp_path / "other"
     other.mkdir()
     config = other / "hal0d.toml"
     config.write_text(config_text(stub.url, free_port(), tmp_path))  # the same database
-    log = other / "hal0d.log"
-    with log.open("wb") as out:
-        second = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "hal0d", "serve", "--config", str(config),
-            stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
-        )
-    assert await asyncio.wait_for(second.wait(), 20) == 1
-    refused = Hal0d(second, 0, config, log).named("server.start_failed")
-    assert len(refused) == 1, log.read_text()
+    second = await spawn(config, 0, other / "hal0d.log")
+    assert await asyncio.wait_for(second.process.wait(), 20) == 1
+    refused = second.named("server.start_failed")
+    assert len(refused) == 1, second.log.read_text()
     assert f"in use by another hal0d (pid {first.process.pid})" in refused[0]["error"]
     assert "exception" not in refused[0]  # one line, no traceback
     assert first.process.returncode is None  # the first one serves on

@@ -19,8 +19,10 @@ from aiohttp import hdrs, web
 from hal0d import config
 from hal0d.protocol.sse import Decoder
 from hal0d.server import DRAIN_UNBOUNDED_S, drain_time
-from tests.conftest import ROLE_CHUNK, chat_body, content_chunk, make_config
-from tests.test_config import SLOT, hal0d_cli, write
+from tests.harness.cli import hal0d_cli
+from tests.harness.client import chat_body
+from tests.harness.config import SLOT, make_config, write
+from tests.harness.stubs import ROLE_CHUNK, content_chunk
 
 # How late after its bound a trip may be seen by the client on a busy two-core machine.
 SLACK = 0.5

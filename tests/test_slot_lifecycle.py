@@ -14,14 +14,10 @@ from aiohttp import hdrs, web
 from aiohttp.test_utils import TestServer
 
 from hal0d.config import SlotConfig
-from tests.conftest import (
-    ROLE_CHUNK,
-    STUB_MODELS,
-    chat_body,
-    content_chunk,
-    eventually,
-    free_port,
-)
+from tests.harness.client import chat_body
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
+from tests.harness.stubs import ROLE_CHUNK, STUB_MODELS, content_chunk
 
 CHAT = "/v1/chat/completions"
 

@@ -14,8 +14,9 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import Stub, chat_body
-from tests.test_server import Hal0d, launch, stop
+from tests.harness.client import chat_body
+from tests.harness.daemons import Hal0dProcess, launch, stop
+from tests.harness.stubs import Stub
 
 HALF_SENT = 800
 HEADER_TIMEOUT_S = 2.0
@@ -27,7 +28,7 @@ SERVER = f"""
 
 
 @pytest.fixture
-async def hal0d(stub: Stub, tmp_path: Path) -> AsyncIterator[Hal0d]:
+async def hal0d(stub: Stub, tmp_path: Path) -> AsyncIterator[Hal0dProcess]:
     """A real `hal0d serve` (its own runner and keep-alive, as in production) with the bounds."""
     served = await launch(tmp_path, stub.url, server=SERVER)
     yield served
@@ -52,7 +53,7 @@ def closed_total(metrics: str) -> float:
 
 
 async def test_half_sent_request_heads_are_closed_after_header_timeout_s_while_others_are_served(
-    hal0d: Hal0d, http: aiohttp.ClientSession
+    hal0d: Hal0dProcess, http: aiohttp.ClientSession
 ) -> None:
     head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{hal0d.port}\r\n".encode()
     connections = []
@@ -86,7 +87,7 @@ async def test_half_sent_request_heads_are_closed_after_header_timeout_s_while_o
 
 
 async def test_an_idle_keep_alive_connection_lasts_keepalive_timeout_s_not_the_head_bound(
-    hal0d: Hal0d, http: aiohttp.ClientSession
+    hal0d: Hal0dProcess, http: aiohttp.ClientSession
 ) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", hal0d.port)
     try:

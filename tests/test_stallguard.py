@@ -17,7 +17,8 @@ import structlog
 from aiohttp import hdrs, web
 
 from hal0d.protocol.sse import Decoder
-from tests.conftest import chat_body, eventually
+from tests.harness.client import chat_body
+from tests.harness.poll import eventually
 
 NOTICE = "\n\n[hal0] stall guard:"
 TRIPPED = "dispatch.stream_stall_guard_tripped"

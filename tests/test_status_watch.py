@@ -14,18 +14,19 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.conftest import eventually, free_port
-from tests.test_cli import ROOT, env_without
-from tests.test_cli_client import DEADLINE_S, KEY, QUIT_S, daemon_toml, hal0d, row_of, serving
-from tests.test_server import Hal0d
+from tests.harness.cli import CLI_DEADLINE_S, QUIT_S, ROOT, cli, cli_daemon, env_without, row_of
+from tests.harness.config import CLI_KEY, daemon_toml
+from tests.harness.daemons import Hal0dProcess
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
 
 CLEAR = "\x1b[H\x1b[2J"
-AUTH = {"Authorization": f"Bearer {KEY}"}
+AUTH = {"Authorization": f"Bearer {CLI_KEY}"}
 
 
 @contextlib.asynccontextmanager
-async def watching(daemon: Hal0d) -> AsyncIterator[asyncio.subprocess.Process]:
-    env = {**env_without("HAL0D_API_KEY"), "HAL0D_API_KEY": KEY}
+async def watching(daemon: Hal0dProcess) -> AsyncIterator[asyncio.subprocess.Process]:
+    env = {**env_without("HAL0D_API_KEY"), "HAL0D_API_KEY": CLI_KEY}
     watcher = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "hal0d", "status", "--watch", "--url", daemon.url, cwd=ROOT,
         env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
@@ -39,20 +40,20 @@ async def watching(daemon: Hal0d) -> AsyncIterator[asyncio.subprocess.Process]:
 
 
 @pytest.fixture
-async def daemon(tmp_path: Path) -> AsyncIterator[Hal0d]:
+async def daemon(tmp_path: Path) -> AsyncIterator[Hal0dProcess]:
     """test_cli_client's daemon, its on-demand slot `a` also serving the stub's `chatty`."""
     port = free_port()
     config = tmp_path / "hal0d.toml"
     config.write_text(daemon_toml(tmp_path, port).replace('models = ["chat"]',
                                                           'models = ["chat", "chatty"]'))
-    async for served in serving(config, port):
+    async with cli_daemon(config, port) as served:
         yield served
 
 
 async def test_status_watch_shows_a_second_request_in_flight_without_a_state_change(
-    daemon: Hal0d, http: aiohttp.ClientSession
+    daemon: Hal0dProcess, http: aiohttp.ClientSession
 ) -> None:
-    code, _, err = await hal0d("load", "a", "--config", str(daemon.config))
+    code, _, err = await cli("load", "a", "--config", str(daemon.config))
     assert code == 0, err
     streams: list[aiohttp.ClientResponse] = []
     async with watching(daemon) as watcher:
@@ -66,7 +67,7 @@ async def test_status_watch_shows_a_second_request_in_flight_without_a_state_cha
             screens = seen.decode(errors="replace").split(CLEAR)
             return len(screens) > 1 and row_of(screens[-1], "a")[3] == count
 
-        await eventually(lambda: in_flight("0"), DEADLINE_S, "the first screen")
+        await eventually(lambda: in_flight("0"), CLI_DEADLINE_S, "the first screen")
         # `chatty` streams for ever: each request stays in flight until it is closed here.
         body = {"model": "chatty", "stream": True,
                 "messages": [{"role": "user", "content": "hi"}]}
@@ -77,13 +78,13 @@ async def test_status_watch_shows_a_second_request_in_flight_without_a_state_cha
                 streams.append(resp)
                 assert resp.status == 200
                 await resp.content.readany()
-                await eventually(lambda c=count: in_flight(c), DEADLINE_S,  # type: ignore[misc]
+                await eventually(lambda c=count: in_flight(c), CLI_DEADLINE_S,  # type: ignore[misc]
                                  f"{count} in flight on the screen")
             async with http.get(f"{daemon.url}/api/slots", headers=AUTH) as slots:
                 assert (await slots.json())["slots"][0]["in_flight"] == 2
         finally:
             for resp in streams:
                 resp.close()
-        await eventually(lambda: in_flight("0"), DEADLINE_S, "none in flight again")
+        await eventually(lambda: in_flight("0"), CLI_DEADLINE_S, "none in flight again")
         watcher.send_signal(signal.SIGINT)
         assert await asyncio.wait_for(watcher.wait(), QUIT_S) == 0

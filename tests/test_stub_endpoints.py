@@ -14,7 +14,7 @@ import pytest
 
 from hal0d.config import ConfigError, parse
 from hal0d_stub.app import MAX_BODY_BYTES
-from tests.conftest import chat_body
+from tests.harness.client import chat_body
 
 MIB = 1024 * 1024
 

@@ -18,11 +18,13 @@ import orjson
 import pytest
 
 from hal0d_stub.slots import SlotOptions
-from tests.conftest import Stub, StubFactory, eventually, free_port
 from tests.fixtures_util import fixture_path
+from tests.harness.cli import ROOT
+from tests.harness.daemons import stop
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
+from tests.harness.stubs import Stub, StubFactory
 from tests.llama_server_capture import PREFILL_PINGS, read_capture
-from tests.test_cli import ROOT
-from tests.test_server import stop
 
 MAX_TOKENS = 4  # as in the captures: "Hello! I am the"
 START_WITHIN_S = 15.0

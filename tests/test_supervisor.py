@@ -22,7 +22,9 @@ from structlog.testing import capture_logs
 from hal0d.appkeys import LIFECYCLE, SLOTS
 from hal0d.lifecycle.runner import Runner
 from hal0d_stub.app import make_stub_app
-from tests.conftest import chat_body, eventually, free_port
+from tests.harness.client import chat_body
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
 
 CHAT = "/v1/chat/completions"
 STARTUP_S = 15.0  # a Python process importing aiohttp, on a busy two-core box

@@ -20,7 +20,7 @@ from hal0d.config import OllamaConfig
 from hal0d.errors import NoRoute
 from hal0d.front.surfaces import Surface
 from hal0d.keys import INFERENCE, READ
-from tests.conftest import make_config
+from tests.harness.config import make_config
 
 SERVER_PORT, OLLAMA_PORT = 8080, 11434
 

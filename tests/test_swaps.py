@@ -21,21 +21,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
 from hal0d.config import GroupConfig, SlotConfig
-from tests.test_events import Reader
-from tests.test_loader import (
-    CHAT,
-    ProcessSampler,
-    Start,
-    alive,
-    body,
-    chat,
-    lifecycle_config,
-    on_demand,
-    start,
-    stub_pids,
-    until,
-    views,
-)
+from tests.harness.client import CHAT, Reader, body, chat, views
+from tests.harness.config import build_config, on_demand
+from tests.harness.daemons import ServerFactory, start
+from tests.harness.poll import eventually
+from tests.harness.processes import ProcessSampler, alive, stub_pids
 
 LOAD_S = "0.8"  # the stub's --startup-delay: a model that loads for 0.8 s
 
@@ -94,7 +84,7 @@ async def closed_loop(http: aiohttp.ClientSession, hal0d: TestServer, seconds: f
 
 
 async def test_the_closed_loop_makes_at_most_half_the_loads_under_batch_that_fifo_makes(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     """Two hal0d side by side, one per policy, each with two models loading for 0.8 s in one
     group of max_loaded = 1 and three clients per model: every request is answered, never are
@@ -103,7 +93,7 @@ async def test_the_closed_loop_makes_at_most_half_the_loads_under_batch_that_fif
     runs: dict[str, tuple[TestServer, PidLog]] = {}
     for policy in ("fifo", "batch"):
         where = tmp_path / policy
-        hal0d = await start(start_hal0d, lifecycle_config(
+        hal0d = await start(start_hal0d, build_config(
             where, *two_models(where), groups=swap_group(policy, max_wait_s=5.0)))
         runs[policy] = (hal0d, PidLog(str(where)))
     for _, sampler in runs.values():
@@ -125,13 +115,13 @@ async def test_the_closed_loop_makes_at_most_half_the_loads_under_batch_that_fif
 
 
 async def test_one_request_for_b_in_a_constant_stream_for_a_is_answered_within_max_wait_s(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     """A keeps serving its stream while B waits, and B is answered within max_wait_s, one load
     and its own time (measured alone first), plus A's last requests draining and its process
     stopping."""
     max_wait_s = 1.5
-    hal0d = await start(start_hal0d, lifecycle_config(
+    hal0d = await start(start_hal0d, build_config(
         tmp_path, *two_models(tmp_path), groups=swap_group("batch", max_wait_s)))
     began = time.monotonic()
     assert await streamed(http, hal0d, "think-only") == 200
@@ -165,10 +155,10 @@ async def test_one_request_for_b_in_a_constant_stream_for_a_is_answered_within_m
 
 
 async def test_a_model_with_nothing_queued_is_swapped_out_at_once(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     max_wait_s = 20.0
-    hal0d = await start(start_hal0d, lifecycle_config(
+    hal0d = await start(start_hal0d, build_config(
         tmp_path, *two_models(tmp_path), groups=swap_group("batch", max_wait_s)))
     assert await streamed(http, hal0d, "chat") == 200
     pid = next(iter(stub_pids(str(tmp_path))))
@@ -186,10 +176,10 @@ async def test_a_model_with_nothing_queued_is_swapped_out_at_once(
 
 
 async def test_a_waiting_swap_shows_in_api_slots_the_event_feed_the_metrics_and_the_history(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     max_wait_s = 1.5
-    hal0d = await start(start_hal0d, lifecycle_config(
+    hal0d = await start(start_hal0d, build_config(
         tmp_path, *two_models(tmp_path), groups=swap_group("batch", max_wait_s)))
     assert await streamed(http, hal0d, "chat") == 200
     reader = Reader(http, hal0d)
@@ -210,7 +200,7 @@ async def test_a_waiting_swap_shows_in_api_slots_the_event_feed_the_metrics_and_
     async def seen() -> bool:
         return await pending() is not None
 
-    await until(seen, 5, "b's pending swap in /api/slots")
+    await eventually(seen, 5, "b's pending swap in /api/slots")
     await asyncio.sleep(0.6)
     swap = await pending()
     assert swap is not None
@@ -250,9 +240,9 @@ async def test_a_waiting_swap_shows_in_api_slots_the_event_feed_the_metrics_and_
 
 
 async def test_a_load_whose_requests_left_while_it_waited_is_withdrawn_and_unloads_nothing(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
-    hal0d = await start(start_hal0d, lifecycle_config(
+    hal0d = await start(start_hal0d, build_config(
         tmp_path, *two_models(tmp_path), groups=swap_group("batch", 30.0)))
     assert await streamed(http, hal0d, "chat") == 200
     [pid_a] = stub_pids(str(tmp_path))
@@ -270,13 +260,13 @@ async def test_a_load_whose_requests_left_while_it_waited_is_withdrawn_and_unloa
         async def b_waits() -> bool:
             return (await views(http, hal0d))["b"]["pending_swap"] is not None
 
-        await until(b_waits, 5, "b waiting for its turn")
+        await eventually(b_waits, 5, "b waiting for its turn")
         leaving.cancel()  # its client leaves while b's load waits for a's batch to end
 
         async def b_at_rest() -> bool:
             return any(e["event"] == "slot.load_withdrawn" for e in logs)
 
-        await until(b_at_rest, 5, "b's load withdrawn")
+        await eventually(b_at_rest, 5, "b's load withdrawn")
         stop.set()
         await asyncio.gather(*streams)
     assert stub_pids(str(tmp_path)) == {pid_a}  # a kept its process; b never started one
@@ -288,9 +278,9 @@ async def test_a_load_whose_requests_left_while_it_waited_is_withdrawn_and_unloa
 
 
 async def test_a_load_through_the_api_waits_for_no_batch(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
-    hal0d = await start(start_hal0d, lifecycle_config(
+    hal0d = await start(start_hal0d, build_config(
         tmp_path, *two_models(tmp_path), groups=swap_group("batch", 30.0)))
     assert await streamed(http, hal0d, "chat") == 200
     stop = asyncio.Event()
@@ -338,7 +328,7 @@ async def timed_loop(http: aiohttp.ClientSession, hal0d: TestServer, seconds: fl
 
 
 async def test_three_models_whose_loads_outlast_max_wait_s_batch_with_turns_that_pay_for_them(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     """Three models loading for about 1 s, max_wait_s = 0.5 (below a load), three clients per
     model for 12 s, fifo and batch side by side: without a minimum turn every wait has passed
@@ -348,7 +338,7 @@ async def test_three_models_whose_loads_outlast_max_wait_s_batch_with_turns_that
     runs: dict[str, tuple[TestServer, PidLog]] = {}
     for policy in ("fifo", "batch"):
         where = tmp_path / policy
-        hal0d = await start(start_hal0d, lifecycle_config(
+        hal0d = await start(start_hal0d, build_config(
             where, *three_models(where),
             groups=swap_group(policy, max_wait_s=0.5, min_turn_loads=3.0)))
         runs[policy] = (hal0d, PidLog(str(where)))
@@ -381,12 +371,12 @@ async def test_three_models_whose_loads_outlast_max_wait_s_batch_with_turns_that
 
 
 async def test_a_busy_model_keeps_its_turn_for_min_turn_loads_of_its_own_load(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     """max_wait_s = 0.3 is long over when b's turn comes: a, busy, keeps the group until it
     has been loaded 3 times its measured load time; /api/slots shows the load time, when b's
     turn comes and the wait bound learned from the loads."""
-    hal0d = await start(start_hal0d, lifecycle_config(
+    hal0d = await start(start_hal0d, build_config(
         tmp_path, *two_models(tmp_path), groups=swap_group("batch", 0.3, min_turn_loads=3.0)))
     assert await streamed(http, hal0d, "chat") == 200
     stop = asyncio.Event()
@@ -408,7 +398,7 @@ async def test_a_busy_model_keeps_its_turn_for_min_turn_loads_of_its_own_load(
         async def seen() -> bool:
             return await pending() is not None
 
-        await until(seen, 5, "b's pending swap")
+        await eventually(seen, 5, "b's pending swap")
         swap = await pending()
         assert await for_b == 200
         waited_s = time.monotonic() - asked
@@ -431,11 +421,11 @@ async def test_a_busy_model_keeps_its_turn_for_min_turn_loads_of_its_own_load(
 
 
 async def test_a_model_with_no_work_is_swapped_out_at_once_whatever_its_minimum_turn(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     """No minimum turn for nobody: a model with nothing queued or in flight goes as soon as
     another is asked for, though its turn of 50 loads is far from over."""
-    hal0d = await start(start_hal0d, lifecycle_config(
+    hal0d = await start(start_hal0d, build_config(
         tmp_path, *two_models(tmp_path), groups=swap_group("batch", 0.3, min_turn_loads=50.0)))
     assert await streamed(http, hal0d, "chat") == 200
     load_s = (await views(http, hal0d))["a"]["load_s"]
@@ -449,7 +439,7 @@ async def test_a_model_with_no_work_is_swapped_out_at_once_whatever_its_minimum_
 
 
 async def test_a_turn_that_is_over_never_cuts_the_request_in_flight(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     """a's turn (one load, max_wait_s 0.2) ends while its 3 s stream runs: the stream ends
     whole, and b loads only after it."""
@@ -457,7 +447,7 @@ async def test_a_turn_that_is_over_never_cuts_the_request_in_flight(
     slots = [on_demand("a", tmp_path, "--startup-delay", LOAD_S, "--delay", "0.02",
                        group="gpu0", models=("reasoning",)),
              on_demand("b", tmp_path, "--startup-delay", LOAD_S, group="gpu0")]
-    hal0d = await start(start_hal0d, lifecycle_config(
+    hal0d = await start(start_hal0d, build_config(
         tmp_path, *slots, groups=swap_group("batch", 0.2, min_turn_loads=1.0)))
     assert await streamed(http, hal0d, "reasoning") == 200
     long = body("reasoning", "long", stream=True, max_tokens=150)

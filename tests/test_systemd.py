@@ -47,7 +47,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
+from tests.harness.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 UNIT = REPO / "systemd" / "hal0d.service"

@@ -19,18 +19,13 @@ from hal0d.lifecycle.slots import SlotState
 from hal0d.lifecycle.vocabulary import LoadPhase, SwapPhase, UnloadReason
 from hal0d.observability.history import HistoryWriter, RequestRecord, percentile
 from hal0d.observability.timeline import LifecycleLog
-from tests.conftest import eventually, free_port, kill_with_its_group
-from tests.test_loader import (
-    Start,
-    chat,
-    lifecycle_config,
-    on_demand,
-    start,
-    state_is,
-    stub_command,
-    stub_pids,
-)
-from tests.test_server import launch, stop
+from tests.harness.client import chat, state_is
+from tests.harness.config import build_config, on_demand
+from tests.harness.daemons import ServerFactory, launch, start, stop
+from tests.harness.poll import eventually
+from tests.harness.ports import free_port
+from tests.harness.processes import kill_with_its_group, stub_pids
+from tests.harness.stubs import stub_command
 
 
 def row(ts: float, slot: str, *, ok: bool = True, ttft_ms: float | None = None,
@@ -154,14 +149,14 @@ async def timeline(http: aiohttp.ClientSession, url: Any, query: str = "") -> di
 
 
 async def test_the_timeline_shows_two_swaps_a_failed_load_and_the_api_unload_with_reasons(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     group = {"gpu0": GroupConfig("gpu0", max_loaded=1, memory_mib=24000,
                                  free_memory_command=("echo", "20480"))}
     slots = [on_demand("a", tmp_path, group="gpu0", memory_mib=9000),
              on_demand("b", tmp_path, group="gpu0", memory_mib=12000),
              on_demand("c", tmp_path, "--fail-start", "error: out of memory")]
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, *slots, groups=group))
+    hal0d = await start(start_hal0d, build_config(tmp_path, *slots, groups=group))
     began = time.time()
     for model in ("chat", "think-only", "chat"):  # a, then b (a evicted), then a (b evicted)
         status, answer = await chat(http, hal0d, model)
@@ -204,9 +199,9 @@ async def test_the_timeline_shows_two_swaps_a_failed_load_and_the_api_unload_wit
 
 
 async def test_since_must_be_a_unix_time(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, on_demand("a", tmp_path)))
+    hal0d = await start(start_hal0d, build_config(tmp_path, on_demand("a", tmp_path)))
     for bad in ("yesterday", "nan", "inf"):
         async with http.get(hal0d.make_url("/api/timeline").with_query(since=bad)) as resp:
             assert resp.status == 400

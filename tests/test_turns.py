@@ -12,18 +12,10 @@ import aiohttp
 from aiohttp.test_utils import TestServer
 
 from hal0d.observability.requestinfo import RequestInfo, client_of
-from tests.test_loader import (
-    CHAT,
-    STARTUP_S,
-    Start,
-    body,
-    chat,
-    lifecycle_config,
-    on_demand,
-    start,
-    until,
-    views,
-)
+from tests.harness.client import CHAT, body, chat, views
+from tests.harness.config import build_config, on_demand
+from tests.harness.daemons import STARTUP_S, ServerFactory, start
+from tests.harness.poll import eventually
 
 
 def long(**extra: Any) -> dict[str, Any]:
@@ -70,7 +62,7 @@ async def answer_order(http: aiohttp.ClientSession, hal0d: TestServer,
         view = (await views(http, hal0d))["a"]
         return view["queued"] + view["in_flight"] + len(answered) >= 12
 
-    await until(all_queued, STARTUP_S, "the burst queued")
+    await eventually(all_queued, STARTUP_S, "the burst queued")
     assert len(answered) <= 2, answered
     tasks.append(asyncio.create_task(ask("y", one)))
     await asyncio.gather(*tasks)
@@ -78,10 +70,10 @@ async def answer_order(http: aiohttp.ClientSession, hal0d: TestServer,
 
 
 async def test_one_clients_request_behind_anothers_burst_of_12_is_answered_no_later_than_3rd(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     slot = on_demand("a", tmp_path, models=("reasoning",), max_concurrent=1)
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, slot))
+    hal0d = await start(start_hal0d, build_config(tmp_path, slot))
     assert (await chat(http, hal0d, "reasoning"))[0] == 200  # loaded before the burst
 
     openai = await answer_order(http, hal0d, long(user="x"), long(user="y"))
@@ -93,10 +85,10 @@ async def test_one_clients_request_behind_anothers_burst_of_12_is_answered_no_la
 
 
 async def test_requests_that_name_no_client_are_served_first_come_first_served(
-    start_hal0d: Start, tmp_path: Path, http: aiohttp.ClientSession
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     slot = on_demand("a", tmp_path, models=("reasoning",), max_concurrent=1)
-    hal0d = await start(start_hal0d, lifecycle_config(tmp_path, slot))
+    hal0d = await start(start_hal0d, build_config(tmp_path, slot))
     assert (await chat(http, hal0d, "reasoning"))[0] == 200
     order = await answer_order(http, hal0d, long(), long())
     assert order == ["x"] * 12 + ["y"], order

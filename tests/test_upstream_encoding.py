@@ -15,7 +15,9 @@ import aiohttp
 import orjson
 from aiohttp import hdrs, web
 
-from tests.conftest import chat_body, content_chunk, eventually
+from tests.harness.client import chat_body
+from tests.harness.poll import eventually
+from tests.harness.stubs import content_chunk
 
 ANSWER = {
     "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "chat",

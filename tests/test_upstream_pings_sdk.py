@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx2
 import pytest
 from aiohttp import web
 
+from tests.harness.client import Recording
 from tests.llama_server_capture import (
     PREFILL_COMPLETION_TOKENS,
     PREFILL_PINGS,
@@ -48,49 +49,6 @@ async def replay_prefill(request: web.Request) -> web.StreamResponse:
         await response.write(chunk)
     await response.write_eof()
     return response
-
-
-class Recording(httpx2.AsyncBaseTransport):
-    """The SDK's transport, with every read of a response body kept as (seconds since the
-    request was sent, bytes)."""
-
-    def __init__(self) -> None:
-        self._inner = httpx2.AsyncHTTPTransport()
-        self.reads: list[tuple[float, bytes]] = []
-
-    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        started = time.monotonic()
-        response = await self._inner.handle_async_request(request)
-        reads = self.reads
-        assert isinstance(response.stream, httpx2.AsyncByteStream)
-        inner: httpx2.AsyncByteStream = response.stream
-
-        class Tee(httpx2.AsyncByteStream):
-            async def __aiter__(self) -> AsyncIterator[bytes]:
-                async for piece in inner:
-                    reads.append((time.monotonic() - started, piece))
-                    yield piece
-
-            async def aclose(self) -> None:
-                await inner.aclose()
-
-        return httpx2.Response(response.status_code, headers=response.headers, stream=Tee(),
-                               extensions=response.extensions)
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-    def frames(self) -> list[tuple[float, bytes]]:
-        """Each SSE frame the client read (its lines, without the blank line), with the time
-        of the read that completed it."""
-        out: list[tuple[float, bytes]] = []
-        pending = b""
-        for at, piece in self.reads:
-            pending += piece
-            *complete, pending = pending.split(b"\n\n")
-            out += [(at, frame) for frame in complete]
-        assert pending == b"", f"the body ended inside a frame: {pending[-80:]!r}"
-        return out
 
 
 def name_of(frame: bytes) -> str:

@@ -15,7 +15,7 @@ import orjson
 import pytest
 from structlog.testing import capture_logs
 
-from tests.conftest import chat_body
+from tests.harness.client import chat_body
 
 ANSWER = orjson.dumps({
     "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "chat",

@@ -1,0 +1,17 @@
+"""What the tests share, by concern; tests/conftest.py holds only the fixtures, built on these, and
+no test module imports another (tests/test_imports.py holds that).
+
+- poll: the one poller, `eventually` (and `eventually_sync` without an event loop).
+- ports: free loopback ports.
+- processes: /proc: whether a process runs, the stub processes of a test, leftovers.
+- stubs: what stands in for a model server: the stub, purpose-built upstreams, stream pieces.
+- config: the one Config builder (`build_config`, `make_config`) and the TOML of a `hal0d serve`.
+- daemons: hal0d in process (a TestServer), as a process with asyncio (`Hal0dProcess`), and as
+  one for a test without an event loop (`Hal0dPopen`).
+- client: asking a daemon as its clients do: bodies, chats, slot views and states, streams, the
+  event feed.
+- observe: what a daemon reports: /metrics, the history, the per-slot figures.
+- logs: hal0d's own logging pipeline into a buffer.
+- cli: hal0d's command line, run for real.
+- page: the status page's browser and daemon.
+"""
