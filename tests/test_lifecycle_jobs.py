@@ -268,3 +268,50 @@ async def test_an_event_from_a_superseded_job_changes_no_slots_state(
     assert stale["told"] == "answered" and stale["generation"] == loaded_by
     no_task_failed(logs)
 
+
+
+async def test_a_swap_is_measured_whole_and_the_group_shows_its_cost_its_turns_and_waits(
+    start_hal0d: Any, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """A swap costs the victim's drain and save, the load and the restore: /api/slots shows
+    each group's measured swap cost and its share of the time, the loads waiting for their
+    turn in order, and how long each model's oldest request has waited."""
+    config = config_of(
+        tmp_path,
+        stub_slot(tmp_path, "a", "chat", "--slot-restore-delay", "1.0", group="gpu"),
+        stub_slot(tmp_path, "b", "tool", "--startup-delay", "0.5", group="gpu"),
+        gpu={"max_loaded": 1, "policy": "fifo"})
+    with capture_logs() as logs:
+        hal0d = await start_hal0d("http://unused", config=config)
+        await saved_once(http, hal0d, "chat", "a")
+        status, body = await turn(http, hal0d, "tool")  # a's cache is saved; b loads
+        assert status == 200, body
+        first = asyncio.create_task(turn(http, hal0d, "chat", 2))  # b goes, a restores
+        await restore_hangs(tmp_path / "a.log")
+        other = asyncio.create_task(turn(http, hal0d, "tool", 2))
+
+        async def waiting() -> dict[str, Any]:
+            [group] = await groups(http, hal0d)
+            assert group["turn_order"] == ["b"], group
+            return dict(group)
+
+        during = await eventually(waiting, STARTUP_S, "b's load waiting for its turn")
+        assert during["loaded"] == ["a"] and set(during["longest_wait_s"]) == {"a", "b"}
+        for task in (first, other):
+            status, body = await asyncio.wait_for(task, LOAD_TIMEOUT_S)
+            assert status == 200, body
+        [group] = await groups(http, hal0d)
+    # b's first load found the room free (a was unloaded): no swap. Then a for b (a's restore
+    # in it), and b for a (b's slow start in it).
+    measured = named(logs, "swap.measured")
+    assert [line["slot"] for line in measured] == ["a", "b"], measured
+    assert measured[0]["cost_s"] >= 1.0 and measured[1]["cost_s"] >= 0.5
+    assert group["swaps"] == 2 and group["swap_cost_s"] == measured[-1]["median_s"]
+    assert 0 < group["swap_share"] <= 1 and group["turn_order"] == []
+    assert group["loaded"] == ["b"] and group["longest_wait_s"] == {}
+    no_task_failed(logs)
+
+
+async def groups(http: aiohttp.ClientSession, hal0d: TestServer) -> list[dict[str, Any]]:
+    async with http.get(hal0d.make_url("/api/slots")) as resp:
+        return list((await resp.json())["groups"])

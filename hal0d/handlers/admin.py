@@ -73,7 +73,8 @@ def loadable(slot: Slot) -> bool:
 
 async def slots(request: web.Request) -> web.Response:
     return json({"slots": [request.app[VIEWS](slot) for slot in request.app[SLOTS]],
-                 "routes": route_views(request.app[DISPATCH])})
+                 "routes": route_views(request.app[DISPATCH]),
+                 "groups": request.app[LIFECYCLE].group_views()})
 
 
 def route_views(dispatch: Dispatch) -> list[dict[str, Any]]:

@@ -33,8 +33,10 @@ batch.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import re
+import statistics
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -49,6 +51,42 @@ from hal0d.logs import get_logger
 log = get_logger()
 
 FREE_MEMORY_TIMEOUT_S: Final = 10.0
+# The share of time spent swapping is shown over the last hour; the cost of a swap is the median
+# of the group's last few, so one cold disk does not stand for every swap.
+SWAP_WINDOW_S: Final = 3600.0
+SWAP_HISTORY: Final = 5
+
+
+@dataclass(eq=False)
+class SwapClock:
+    """A group's swaps, each measured whole: from the moment a victim is unloaded for a load (its
+    drain and its save included) to the loading model answering with its caches restored."""
+
+    costs: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=SWAP_HISTORY))
+    spans: collections.deque[tuple[float, float]] = field(default_factory=collections.deque)
+    started: float = field(default_factory=time.monotonic)  # when the group was first seen
+
+    def swapped(self, began: float, ended: float) -> None:
+        self.costs.append(ended - began)
+        self.spans.append((began, ended))
+        while self.spans and self.spans[0][1] < ended - SWAP_WINDOW_S:
+            self.spans.popleft()
+
+    def cost_s(self) -> float | None:
+        """What a swap costs the group: the median of its last swaps; None before the first."""
+        return round(statistics.median(self.costs), 3) if self.costs else None
+
+    def share(self, now: float) -> float:
+        """The share of the last hour (or of the time since the group was first seen, when
+        shorter) that a swap was under way."""
+        window = min(SWAP_WINDOW_S, now - self.started)
+        if window <= 0:
+            return 0.0
+        since = now - window
+        swapping = sum(max(0.0, min(ended, now) - max(began, since))
+                       for began, ended in self.spans)
+        return round(min(1.0, swapping / window), 4)
 
 
 @dataclass(eq=False)
@@ -61,6 +99,7 @@ class Group:
     waiting: list[tuple[Slot, float, asyncio.Future[None]]] = field(default_factory=list)
     wake: asyncio.Future[None] | None = None  # the batch wait under way, if any
     pending: PendingSwap | None = None
+    clock: SwapClock = field(default_factory=SwapClock)
 
     async def take_turn(self, slot: Slot) -> None:
         if not self.held and not self.waiting:

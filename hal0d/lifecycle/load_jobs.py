@@ -109,6 +109,7 @@ class LoadJobs(Teller):
                 return runner.cannot_launch(problem)
             progress.enter(LoadPhase.WAITING_FOR_ROOM)
             slot.turn_wait(True)
+        swap_began: float | None = None
         async with self.groups.turn(slot, config.group) as group:
             if group is not None:
                 # An `always` slot starts even when no room can be made: the config check made
@@ -118,7 +119,8 @@ class LoadJobs(Teller):
                 pinned = not config.on_demand
                 failed = None if pinned or urgent else runner.load_error
                 try:
-                    await self._make_room(group, runner, urgent=urgent or pinned, failed=failed)
+                    swap_began = await self._make_room(group, runner, urgent=urgent or pinned,
+                                                       failed=failed)
                 except NoRoom:
                     if not pinned:
                         raise
@@ -126,18 +128,32 @@ class LoadJobs(Teller):
             # A new run of the slot's process: what was learnt of the last one is asked anew.
             slot.generation += 1
             self.report(runner, generation, Event.LAUNCH, runner.launch_words())
-            return await runner.bring_up(self.client, progress)
+            cause = await runner.bring_up(self.client, progress)
+            if cause is None and group is not None and swap_began is not None:
+                self._swapped(group, slot, swap_began)
+            return cause
+
+    @staticmethod
+    def _swapped(group: Group, slot: Slot, began: float) -> None:
+        """A swap is over once its model answers with its caches back: what it cost, whole."""
+        now = time.monotonic()
+        group.clock.swapped(began, now)
+        log.info("swap.measured", group=group.config.name, slot=slot.name,
+                 cost_s=round(now - began, 3), median_s=group.clock.cost_s(),
+                 share=group.clock.share(now))
 
     # -- room in the load's turn (room.py decides, this carries it out) -----------------------
 
     async def _make_room(self, group: Group, runner: Runner, *, urgent: bool,
-                         failed: str | None) -> None:
+                         failed: str | None) -> float | None:
         """Room for `runner`'s load in `group`, made in its turn: room.decide asked again after
-        each step it asks for. NoRoom when none can be made; Withdrawn (batch) when nobody
-        waits for the load any more."""
+        each step it asks for; returns when its first victim began to go (monotonic), None
+        when nothing was unloaded for it. NoRoom when none can be made; Withdrawn (batch) when
+        nobody waits for the load any more."""
         limits, me, config = group.config, runner.slot, runner.config
         need = config.memory_mib or 0
         swapped: Member | None = None
+        began: float | None = None
         planned = False
         while True:
             occupying = [m for m in self._members(limits.name)
@@ -157,7 +173,7 @@ class LoadJobs(Teller):
             if isinstance(decision, Room):
                 if swapped is not None:
                     self._tell_swap(group, SwapPhase.DONE, me, swapped, "room made")
-                return
+                return began
             if isinstance(decision, Settle):
                 await self._settled(decision.slot)
                 continue
@@ -173,6 +189,7 @@ class LoadJobs(Teller):
                     await self._wait_turn(group, me, victim.slot.name, wake)
                     continue
                 group.pending = None
+            began = began or time.monotonic()
             await self._evict(group, me, decision, planned=planned, urgent=urgent)
             swapped = victim
 

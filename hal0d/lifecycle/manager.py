@@ -161,6 +161,12 @@ class LifecycleManager(LoadJobs, Reloads):
         """Seconds until the slot's idle timer unloads it; None when nothing will."""
         return views.unloads_in(self.runners.get(name), time.monotonic())
 
+    def group_views(self) -> list[dict[str, Any]]:
+        """Each group as /api/slots shows it (views.group_view)."""
+        now = time.monotonic()
+        return [views.group_view(group, list(self._members(name)), now)
+                for name, group in self.groups.groups.items()]
+
     def slot_view(self, slot: Slot) -> dict[str, Any]:
         """A slot as /api/slots and the event feed show it."""
         config = self.configs.get(slot.name)

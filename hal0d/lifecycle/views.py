@@ -1,6 +1,7 @@
 """What /api/slots and the event feed show of a slot beyond its admission snapshot: its group's
 limits and the swap it may wait for, and for an on-demand slot its load (loaded and idle for how
-long, when the idle timer unloads it, its process, how long its loads take).
+long, when the idle timer unloads it, its process, how long its loads take); and of each group,
+whose turn it is and what its swaps cost.
 
 Read only: each function is handed the parts of the lifecycle manager's state it shows (the
 slot's config, its group, its runner), so a view never changes what it looks at.
@@ -12,7 +13,9 @@ import time
 from typing import Any
 
 from hal0d.config import SlotConfig
+from hal0d.lifecycle import room
 from hal0d.lifecycle.groups import Group
+from hal0d.lifecycle.room import Member
 from hal0d.lifecycle.runner import Runner
 from hal0d.lifecycle.slots import Slot, SlotState
 
@@ -56,6 +59,32 @@ def slot_view(slot: Slot, config: SlotConfig | None, group: Group | None,
     cache = runner.prompt_cache() if runner is not None else None
     view["prompt_cache"] = cache.status.view() if cache is not None else None
     return view
+
+
+def group_view(group: Group, members: list[Member], now: float) -> dict[str, Any]:
+    """A group as /api/slots shows it: what is loaded and until when its turn holds (the
+    min_turn_loads rule), the loads waiting for their turn in the order they get it, the swap
+    that waits for a busy model, what a swap costs (measured whole: the victim's drain and save,
+    the load, the restore) and the share of the last hour spent swapping, and how long each
+    model's oldest request has waited."""
+    limits, clock = group.config, group.clock
+    loaded = [m for m in members if m.occupies()]
+    turn_ends = {m.slot.name: round(max(0.0, ends - now), 1) for m in loaded
+                 if (ends := room.turn_ends(limits, m)) is not None}
+    waits = {m.slot.name: round(now - since, 1) for m in members
+             if (since := m.slot.oldest_waiting_since()) is not None}
+    return {
+        "name": limits.name, "policy": limits.policy, "max_loaded": limits.max_loaded,
+        "memory_mib": limits.memory_mib, "max_wait_s": limits.max_wait_s,
+        "min_turn_loads": limits.min_turn_loads,
+        "loaded": [m.slot.name for m in loaded],
+        "turn_ends_in_s": turn_ends,
+        "turn_order": [slot.name for slot, _, grant in group.waiting if not grant.done()],
+        "pending_swap": group.pending.view(now) if group.pending is not None else None,
+        "swaps": len(clock.costs), "swap_cost_s": clock.cost_s(),
+        "swap_share": clock.share(now),
+        "longest_wait_s": waits,
+    }
 
 
 def _load_view(runner: Runner, now: float) -> dict[str, object]:
