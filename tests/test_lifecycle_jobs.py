@@ -303,7 +303,7 @@ async def test_a_swap_is_measured_whole_and_the_group_shows_its_cost_its_turns_a
         [group] = await groups(http, hal0d)
     # b's first load found the room free (a was unloaded): no swap. Then a for b (a's restore
     # in it), and b for a (b's slow start in it).
-    measured = named(logs, "swap.measured")
+    measured = named(logs, "group.swap_measured")
     assert [line["slot"] for line in measured] == ["a", "b"], measured
     assert measured[0]["cost_s"] >= 1.0 and measured[1]["cost_s"] >= 0.5
     assert group["swaps"] == 2 and group["swap_cost_s"] == measured[-1]["median_s"]

@@ -138,7 +138,7 @@ class LoadJobs(Teller):
         """A swap is over once its model answers with its caches back: what it cost, whole."""
         now = time.monotonic()
         group.clock.swapped(began, now)
-        log.info("swap.measured", group=group.config.name, slot=slot.name,
+        log.info("group.swap_measured", group=group.config.name, slot=slot.name,
                  cost_s=round(now - began, 3), median_s=group.clock.cost_s(),
                  share=group.clock.share(now))
 
