@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 import tomli_w
 
@@ -91,3 +93,46 @@ def running_hal0d(folder: Path, config: dict[str, Any],
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=10)
+
+
+# -- conversations, as an agent holds them -------------------------------------------------------
+
+NOTE_WORDS = 1220
+WORDS = ("river", "stone", "light", "garden", "window", "morning", "paper", "music", "winter",
+         "forest", "engine", "market", "silver", "letter", "harbor", "candle", "mountain",
+         "bridge", "orchard", "lantern", "meadow", "copper", "valley", "thunder", "pocket",
+         "island", "ribbon", "castle", "shadow", "feather")
+
+
+class Conversation:
+    """Seeded notes as the system prompt, then a question a turn; each answer is kept."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        notes = " ".join(self.rng.choice(WORDS) for _ in range(NOTE_WORDS))
+        self.messages: list[dict[str, str]] = [
+            {"role": "system", "content": f"You answer in one short sentence. Notes {seed}: "
+                                          + notes}]
+        self.turns = 0
+
+    def turn(self, base: str, model: str, request_id: str | None = None) -> Any:
+        """The next turn, answered; returns its usage."""
+        self.turns += 1
+        self.messages.append({"role": "user", "content": f"Question {self.turns}: where do "
+                                                         f"the notes name the "
+                                                         f"{self.rng.choice(WORDS)}?"})
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0,
+                               timeout=300)
+        answer = client.chat.completions.create(
+            model=model, messages=self.messages, max_tokens=24, temperature=0,
+            extra_headers={"X-Request-Id": request_id} if request_id else None)
+        self.messages.append({"role": "assistant",
+                              "content": answer.choices[0].message.content or "I do not know."})
+        assert answer.usage is not None
+        return answer.usage
+
+
+def cached_share(usage: Any) -> float:
+    details = usage.prompt_tokens_details
+    cached = (details.cached_tokens if details is not None else None) or 0
+    return cached / usage.prompt_tokens

@@ -91,7 +91,7 @@ class LoadJobs(Teller):
             self.report(runner, generation, Event.LOAD_FAILED, f"load failed: {runner.cause}")
         else:
             if started is Started.NO_ROOM:  # restarting under leases in flight: retried later
-                runner.retry_in_s = runner.backoff.take()
+                runner.take_backoff()
             # An `always` slot's start, or the restart that requests in flight waited for (their
             # connect was refused as the process died): retried after the backoff while wanted.
             # Before the state is ERROR (where leases are granted): nothing of ours listens.

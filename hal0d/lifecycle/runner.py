@@ -199,6 +199,11 @@ class Runner:
         """Its group could not make room: the cause its waiters get (no backoff taken)."""
         self.cause = cause
 
+    def take_backoff(self) -> None:
+        """The pause before its start is tried again, without a failure of its own (a restart
+        that leases in flight wait for found no room)."""
+        self.retry_in_s = self.backoff.take()
+
     def cannot_launch(self, problem: str) -> str:
         """Its command cannot be launched: said before any model is unloaded for it."""
         self.load_error = problem
