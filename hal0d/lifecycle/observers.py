@@ -76,9 +76,18 @@ class Observers(LifecycleObserver):
     def __init__(self, own: SlotReactions) -> None:
         self.own = own
         self.subscribers: list[LifecycleObserver] = []
+        # Of them, those that listen to each state change and each change of counts: a request
+        # changes both a few times, so the ones that would do nothing are not called at all.
+        self._state_listeners: list[LifecycleObserver] = []
+        self._count_listeners: list[LifecycleObserver] = []
 
     def subscribe(self, observer: LifecycleObserver, slots: Iterable[Slot]) -> None:
         self.subscribers.append(observer)
+        kind = type(observer)
+        if kind.state_changed is not LifecycleObserver.state_changed:
+            self._state_listeners.append(observer)
+        if kind.counts_changed is not LifecycleObserver.counts_changed:
+            self._count_listeners.append(observer)
         for slot in slots:
             observer.slot_added(slot)
 
@@ -97,7 +106,7 @@ class Observers(LifecycleObserver):
         except Exception:
             log.exception("slot.listener_failed", slot=slot.name, old=old, new=new)
         log_state_change(slot, old, new, reason)
-        for observer in self.subscribers:  # twice a request: no lookup by name here
+        for observer in self._state_listeners:  # twice a request: no lookup by name here
             try:
                 observer.state_changed(slot, old, new, reason)
             except Exception:
@@ -106,7 +115,7 @@ class Observers(LifecycleObserver):
 
     def counts_changed(self, slot: Slot) -> None:
         self.own.counts_changed(slot)
-        for observer in self.subscribers:
+        for observer in self._count_listeners:
             observer.counts_changed(slot)
 
     def slot_added(self, slot: Slot) -> None:
