@@ -107,9 +107,9 @@ WORDS = ("river", "stone", "light", "garden", "window", "morning", "paper", "mus
 class Conversation:
     """Seeded notes as the system prompt, then a question a turn; each answer is kept."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, words: int = NOTE_WORDS) -> None:
         self.rng = random.Random(seed)
-        notes = " ".join(self.rng.choice(WORDS) for _ in range(NOTE_WORDS))
+        notes = " ".join(self.rng.choice(WORDS) for _ in range(words))
         self.messages: list[dict[str, str]] = [
             {"role": "system", "content": f"You answer in one short sentence. Notes {seed}: "
                                           + notes}]
