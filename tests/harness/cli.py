@@ -12,7 +12,8 @@ from pathlib import Path
 
 from tests.harness.daemons import Hal0dProcess, serving
 
-ROOT = Path(__file__).resolve().parents[2]
+# The repository: tests/harness/ is two folders below it.
+ROOT = Path(__file__).resolve().parent.parent.parent
 CLI_DEADLINE_S = 20.0  # for a client command, and for the daemon it asks to start
 # Ctrl-C ends --watch at once: well under the feed's 15 s heartbeat, which a quit that waits
 # for the reader's next read would wait for.
