@@ -70,6 +70,10 @@ GPU = '[groups.gpu0]\nmax_loaded = 1\nmemory_mib = 10240\n'
          "groups.gpu0.max_wait_s: 7200.0 is outside 0.1-3600"),
         ('[groups.gpu0]\nmax_loaded = 1\nmin_turn_loads = -1\n' + slot("a", group="gpu0"),
          "groups.gpu0.min_turn_loads: -1.0 is outside 0.0-100.0"),
+        ('[groups.gpu0]\nmax_loaded = 1\nmax_swap_share = 0\n' + slot("a", group="gpu0"),
+         "groups.gpu0.max_swap_share: 0.0 is outside 0.01-0.9"),
+        ('[groups.gpu0]\nmax_loaded = 1\nmax_swap_share = 1\n' + slot("a", group="gpu0"),
+         "groups.gpu0.max_swap_share: 1.0 is outside 0.01-0.9"),
     ],
 )
 def test_impossible_lifecycle_settings_are_named_by_key_path(
@@ -100,8 +104,10 @@ def test_a_one_gpu_config_loads_with_its_defaults(tmp_path: Path) -> None:
     assert loaded.groups["gpu0"] == config.GroupConfig(
         "gpu0", 2, 10240, ("nvidia-smi", "--query-gpu=memory.free")
     )
-    assert (loaded.groups["gpu0"].policy, loaded.groups["gpu0"].max_wait_s) == ("batch", 30.0)
-    assert loaded.groups["gpu0"].min_turn_loads == 3.0
+    # Turns priced by the measured swaps, at most a fifth of the time; no wait bound unless set.
+    gpu0 = loaded.groups["gpu0"]
+    assert (gpu0.policy, gpu0.max_swap_share, gpu0.max_wait_s) == ("batch", 0.2, None)
+    assert gpu0.min_turn_loads == 3.0
 
 
 def test_a_groups_policy_and_max_wait_s_load_and_check_config_names_a_bad_one(
@@ -113,6 +119,9 @@ def test_a_groups_policy_and_max_wait_s_load_and_check_config_names_a_bad_one(
     off = config.load(write(tmp_path, fifo + "min_turn_loads = 0\n"
                             + slot("a", group="gpu0", start="on_demand")))
     assert off.groups["gpu0"].min_turn_loads == 0.0
+    share = config.load(write(tmp_path, fifo + "max_swap_share = 0.1\n"
+                              + slot("a", group="gpu0", start="on_demand")))
+    assert share.groups["gpu0"].max_swap_share == 0.1
     path = write(tmp_path, fifo.replace('"fifo"', '"batched"')
                  + slot("a", group="gpu0", start="on_demand"))
     result = hal0d_cli("check-config", "--config", str(path))

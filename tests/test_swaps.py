@@ -1,10 +1,11 @@
 """Swaps that do not thrash, over real sockets with the stub as each slot's command: a group of
 `max_loaded = 1` under `policy = "batch"` serves a loaded model's burst before it swaps, under
-`"fifo"` it swaps for every request of the other model; a request for the other model still
-gets its turn within `max_wait_s`, and a model with no work is swapped out at once. A swap
-that waits shows in /api/slots, on /api/events, in /metrics and in the history's turn_ms.
-With `min_turn_loads`, a busy model's turn lasts that many of its own measured loads: three
-models whose loads outlast `max_wait_s` still batch, within the wait bound /api/slots shows."""
+`"fifo"` it swaps for every request of the other model. A busy model's turn is priced by what a
+swap of its group measurably costs (slower loads, longer turns); `max_wait_s`, when set, ends a
+turn early for a request that waited that long; a model with no work is swapped out at once.
+Three busy models each get their turns, no request is refused while it waits for one, and none
+waits past the bound /api/slots gives. A swap that waits shows in /api/slots, on /api/events, in
+/metrics and in the history's turn_ms."""
 
 from __future__ import annotations
 
@@ -30,12 +31,15 @@ from tests.harness.processes import ProcessSampler, alive, stub_pids
 LOAD_S = "0.8"  # the stub's --startup-delay: a model that loads for 0.8 s
 
 
-def swap_group(policy: str, max_wait_s: float = 30.0,
-               min_turn_loads: float = 0.0) -> dict[str, GroupConfig]:
-    """A group of max_loaded = 1; by default max_wait_s alone ends a turn (min_turn_loads = 0),
-    the rule most tests here are about."""
+# A turn of 50 loads (40 s here): what ends it in a test of max_wait_s is that bound.
+LONG_TURN_LOADS = 50.0
+
+
+def swap_group(policy: str, max_wait_s: float | None = None, min_turn_loads: float = 3.0,
+               max_swap_share: float = 0.2) -> dict[str, GroupConfig]:
+    """A group of max_loaded = 1, its turns priced as by default unless a test says."""
     return {"gpu0": GroupConfig("gpu0", max_loaded=1, policy=policy, max_wait_s=max_wait_s,
-                                min_turn_loads=min_turn_loads)}
+                                min_turn_loads=min_turn_loads, max_swap_share=max_swap_share)}
 
 
 def two_models(where: Path, **keys: Any) -> list[SlotConfig]:
@@ -89,12 +93,12 @@ async def test_the_closed_loop_makes_at_most_half_the_loads_under_batch_that_fif
     """Two hal0d side by side, one per policy, each with two models loading for 0.8 s in one
     group of max_loaded = 1 and three clients per model: every request is answered, never are
     two processes of a group alive, and batch loads at most half as often (fifo swaps for about
-    every third request; batch serves a model's stream for max_wait_s = 5 s)."""
+    every third request; batch serves a model's stream for its turn, about 4 s here)."""
     runs: dict[str, tuple[TestServer, PidLog]] = {}
     for policy in ("fifo", "batch"):
         where = tmp_path / policy
         hal0d = await start(start_hal0d, build_config(
-            where, *two_models(where), groups=swap_group(policy, max_wait_s=5.0)))
+            where, *two_models(where), groups=swap_group(policy)))
         runs[policy] = (hal0d, PidLog(str(where)))
     for _, sampler in runs.values():
         sampler.start()
@@ -114,15 +118,16 @@ async def test_the_closed_loop_makes_at_most_half_the_loads_under_batch_that_fif
     assert loads["batch"] * 2 <= loads["fifo"], loads
 
 
-async def test_one_request_for_b_in_a_constant_stream_for_a_is_answered_within_max_wait_s(
+async def test_max_wait_s_ends_a_long_turn_for_a_request_that_waited_that_long(
     start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
-    """A keeps serving its stream while B waits, and B is answered within max_wait_s, one load
-    and its own time (measured alone first), plus A's last requests draining and its process
-    stopping."""
+    """A keeps serving its stream while B waits, though its turn (50 loads) is far from over:
+    B is answered within max_wait_s, one load and its own time (measured alone first), plus
+    A's last requests draining and its process stopping."""
     max_wait_s = 1.5
     hal0d = await start(start_hal0d, build_config(
-        tmp_path, *two_models(tmp_path), groups=swap_group("batch", max_wait_s)))
+        tmp_path, *two_models(tmp_path),
+        groups=swap_group("batch", max_wait_s, min_turn_loads=LONG_TURN_LOADS)))
     began = time.monotonic()
     assert await streamed(http, hal0d, "think-only") == 200
     load_and_own_s = time.monotonic() - began  # b's load and its own time, alone
@@ -159,7 +164,8 @@ async def test_a_model_with_nothing_queued_is_swapped_out_at_once(
 ) -> None:
     max_wait_s = 20.0
     hal0d = await start(start_hal0d, build_config(
-        tmp_path, *two_models(tmp_path), groups=swap_group("batch", max_wait_s)))
+        tmp_path, *two_models(tmp_path),
+        groups=swap_group("batch", max_wait_s, min_turn_loads=LONG_TURN_LOADS)))
     assert await streamed(http, hal0d, "chat") == 200
     pid = next(iter(stub_pids(str(tmp_path))))
     with capture_logs() as logs:
@@ -180,7 +186,8 @@ async def test_a_waiting_swap_shows_in_api_slots_the_event_feed_the_metrics_and_
 ) -> None:
     max_wait_s = 1.5
     hal0d = await start(start_hal0d, build_config(
-        tmp_path, *two_models(tmp_path), groups=swap_group("batch", max_wait_s)))
+        tmp_path, *two_models(tmp_path),
+        groups=swap_group("batch", max_wait_s, min_turn_loads=LONG_TURN_LOADS)))
     assert await streamed(http, hal0d, "chat") == 200
     reader = Reader(http, hal0d)
     await reader.wait_for("hello", "the feed's hello")
@@ -243,7 +250,8 @@ async def test_a_load_whose_requests_left_while_it_waited_is_withdrawn_and_unloa
     start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     hal0d = await start(start_hal0d, build_config(
-        tmp_path, *two_models(tmp_path), groups=swap_group("batch", 30.0)))
+        tmp_path, *two_models(tmp_path),
+        groups=swap_group("batch", min_turn_loads=LONG_TURN_LOADS)))
     assert await streamed(http, hal0d, "chat") == 200
     [pid_a] = stub_pids(str(tmp_path))
     stop = asyncio.Event()
@@ -281,7 +289,8 @@ async def test_a_load_through_the_api_waits_for_no_batch(
     start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     hal0d = await start(start_hal0d, build_config(
-        tmp_path, *two_models(tmp_path), groups=swap_group("batch", 30.0)))
+        tmp_path, *two_models(tmp_path),
+        groups=swap_group("batch", min_turn_loads=LONG_TURN_LOADS)))
     assert await streamed(http, hal0d, "chat") == 200
     stop = asyncio.Event()
 
@@ -297,55 +306,64 @@ async def test_a_load_through_the_api_waits_for_no_batch(
     took_s = time.monotonic() - began
     stop.set()
     await asyncio.gather(*streams)
-    assert took_s < 10, took_s  # a's batch would have held it for 30 s
+    assert took_s < 10, took_s  # a's turn of 50 loads would have held it for 40 s
 
 
-# -- turns that pay for their load (min_turn_loads) -----------------------------------------------
+# -- turns priced by what a swap costs ---------------------------------------------------------
 
 THREE = {"a": "chat", "b": "think-only", "c": "tool"}
 
 
-def three_models(where: Path) -> list[SlotConfig]:
+def three_models(where: Path, **keys: Any) -> list[SlotConfig]:
     where.mkdir(exist_ok=True)
-    return [on_demand(name, where, "--startup-delay", "1", group="gpu0") for name in THREE]
+    return [on_demand(name, where, "--startup-delay", "1", group="gpu0", **keys)
+            for name in THREE]
 
 
 async def timed_loop(http: aiohttp.ClientSession, hal0d: TestServer, seconds: float,
-                     clients_per_model: int = 3) -> list[tuple[int, float]]:
-    """Closed-loop clients on the three models: each request's status and latency."""
-    answers: list[tuple[int, float]] = []
+                     clients_per_model: int = 3) -> list[tuple[str, int, float]]:
+    """Closed-loop clients on the three models: each request's model, status and latency."""
+    answers: list[tuple[str, int, float]] = []
     until = time.monotonic() + seconds
 
     async def client(model: str) -> None:
         while time.monotonic() < until:
             began = time.monotonic()
             status = await streamed(http, hal0d, model)
-            answers.append((status, time.monotonic() - began))
+            answers.append((model, status, time.monotonic() - began))
 
     await asyncio.gather(*(client(model) for model in THREE.values()
                            for _ in range(clients_per_model)))
     return answers
 
 
-async def test_three_models_whose_loads_outlast_max_wait_s_batch_with_turns_that_pay_for_them(
+async def group_view(http: aiohttp.ClientSession, hal0d: TestServer) -> dict[str, Any]:
+    async with http.get(hal0d.make_url("/api/slots")) as resp:
+        [group] = (await resp.json())["groups"]
+        return dict(group)
+
+
+async def test_three_busy_models_each_get_turns_none_refused_none_past_the_bound(
     start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
-    """Three models loading for about 1 s, max_wait_s = 0.5 (below a load), three clients per
-    model for 12 s, fifo and batch side by side: without a minimum turn every wait has passed
-    max_wait_s by the time a load is done, and batch swaps as often as fifo; with
-    min_turn_loads = 3 a turn pays for its load, so batch makes at most half fifo's loads.
-    Every request is answered, none waits past the learned bound, never are two loaded."""
+    """Three models loading for about 1 s, three clients each for 14 s, fifo and batch side by
+    side; batch's turns are priced by the swaps it measures (swapping at most half the time, so
+    that each model has turns in 14 s), so it is
+    answered at least twice as often, every model many times; no request is refused while its
+    model waits for a turn though each slot's queue_timeout_s is 1 s and its load_timeout_s 5 s
+    (the wait for a turn grows its queue's bound: fifo's too); and none waits past the bound
+    /api/slots gives (wait_bound_s), plus its own load. Never are two loaded."""
     runs: dict[str, tuple[TestServer, PidLog]] = {}
     for policy in ("fifo", "batch"):
         where = tmp_path / policy
         hal0d = await start(start_hal0d, build_config(
-            where, *three_models(where),
-            groups=swap_group(policy, max_wait_s=0.5, min_turn_loads=3.0)))
+            where, *three_models(where, queue_timeout_s=1.0, load_timeout_s=5.0),
+            groups=swap_group(policy, min_turn_loads=0.0, max_swap_share=0.5)))
         runs[policy] = (hal0d, PidLog(str(where)))
     for _, sampler in runs.values():
         sampler.start()
     try:
-        results = await asyncio.gather(*(timed_loop(http, hal0d, 12.0)
+        results = await asyncio.gather(*(timed_loop(http, hal0d, 14.0)
                                          for hal0d, _ in runs.values()))
     finally:
         for _, sampler in runs.values():
@@ -353,71 +371,101 @@ async def test_three_models_whose_loads_outlast_max_wait_s_batch_with_turns_that
     loads = {policy: len(sampler.pids) for policy, (_, sampler) in runs.items()}
     answered = {policy: len(answers) for policy, answers in zip(runs, results, strict=True)}
     batch = await views(http, runs["batch"][0])
+    group = await group_view(http, runs["batch"][0])
     load_s = max(view["load_s"] for view in batch.values() if view["load_s"] is not None)
-    bound_s = batch["a"]["turn_wait_s"]  # the learned wait for a turn, the same for all three
-    slowest = max(latency for _, latency in results[1])
-    print(f"\nthree models, 12 s: loads {loads}, answered {answered}; batch: slowest "
-          f"{slowest:.2f} s, turn_wait_s {bound_s} s, load {load_s} s")
+    bound_s = group["wait_bound_s"]  # about the longest wait for a turn, by the measured swaps
+    slowest = max(latency for _, _, latency in results[1])
+    per_model = {model: sum(1 for m, _, _ in results[1] if m == model) for model in THREE.values()}
+    print(f"\nthree models, 14 s: loads {loads}, answered {answered}; batch: per model "
+          f"{per_model}, slowest {slowest:.2f} s, wait_bound_s {bound_s} s, load {load_s} s, "
+          f"turn {group['turn_s']} s, swap {group['swap_cost_s']} s, share "
+          f"{group['swap_share']}")
     for answers in results:
-        assert answers and {status for status, _ in answers} == {200}
+        assert answers and {status for _, status, _ in answers} == {200}
     for _, sampler in runs.values():
         assert sampler.samples > 100 and sampler.most_alive == 1
-    assert loads["batch"] * 2 <= loads["fifo"], loads
-    assert bound_s == pytest.approx(2 * (3 * load_s + load_s), abs=0.2)  # (n - 1)(turn + load)
-    # The documented bound: the turns and loads of the two others, then its own load, plus
-    # each of those three swaps' victim draining its requests (a few ms here) and its process
-    # exiting, and the spread of loads that run beside the other hal0d's: 2 s in all.
+    assert answered["batch"] >= 2 * answered["fifo"], answered
+    assert min(per_model.values()) >= 10, per_model  # each model had turns, not one
+    # A queue's bound for a turn counts every load ahead as long as load_timeout_s allows.
+    turn = group["turn_s"]
+    assert all(view["turn_wait_s"] >= 2 * (5.0 + turn) - 0.2 for view in batch.values())
+    # The turn a swap's measured cost prices, at most half the time swapping: 1 to 2 swaps
+    # long (its part before the model answered is the cycle's, not the turn's).
+    cost = group["swap_cost_s"]
+    assert group["swaps"] >= 2 and cost - 0.2 <= turn <= 2 * cost + 0.2, group
+    # The documented bound: the turns and swaps of the two others, then its own load, plus
+    # the spread of loads that run beside the other hal0d's: 2 s in all.
     assert slowest <= bound_s + load_s + 2.0, (slowest, bound_s, load_s)
 
 
-async def test_a_busy_model_keeps_its_turn_for_min_turn_loads_of_its_own_load(
-    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
-) -> None:
-    """max_wait_s = 0.3 is long over when b's turn comes: a, busy, keeps the group until it
-    has been loaded 3 times its measured load time; /api/slots shows the load time, when b's
-    turn comes and the wait bound learned from the loads."""
-    hal0d = await start(start_hal0d, build_config(
-        tmp_path, *two_models(tmp_path), groups=swap_group("batch", 0.3, min_turn_loads=3.0)))
-    assert await streamed(http, hal0d, "chat") == 200
+async def busy_then_other(http: aiohttp.ClientSession, hal0d: TestServer,
+                          ) -> tuple[float, float, dict[str, Any], dict[str, Any]]:
+    """a loaded, b swapped in and out (a swap measured each way), then a busy with three
+    streams when b is asked for: what was left of a's turn as b asked, how long b waited, the
+    swap that waited as /api/slots showed it, and the group's view as b asked."""
+    for model in ("chat", "think-only", "chat"):
+        assert await streamed(http, hal0d, model) == 200
     stop = asyncio.Event()
 
     async def stream_for_a() -> None:
         while not stop.is_set():
             assert await streamed(http, hal0d, "chat") == 200
 
+    streams = [asyncio.create_task(stream_for_a()) for _ in range(3)]
+    group = await group_view(http, hal0d)
+    asked = time.monotonic()
+    turn_left_s = group["turn_ends_in_s"]["a"]
+    for_b = asyncio.create_task(streamed(http, hal0d, "think-only"))
+
+    swap: dict[str, Any] = {}
+
+    async def pending() -> bool:
+        swap.update((await views(http, hal0d))["b"]["pending_swap"] or {})
+        return bool(swap)
+
+    await eventually(pending, 5, "b's pending swap")
+    assert await for_b == 200
+    waited_s = time.monotonic() - asked
+    stop.set()
+    await asyncio.gather(*streams)
+    return turn_left_s, waited_s, swap, group
+
+
+async def test_a_busy_model_keeps_its_turn_for_as_long_as_a_measured_swap_prices_it(
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """Two groups side by side, one whose models load in 0.3 s and one in 1.5 s: after a swap
+    each way, the slower group's turn is the longer by what its swaps measurably cost, and in
+    each a busy a keeps the group until its turn is over while b waits, as /api/slots said
+    (turn_ends_in_s, the pending swap's turn_at_s); the history's turn_ms says b waited."""
+    servers: dict[str, TestServer] = {}
+    for label, load_s in (("fast", "0.3"), ("slow", "1.5")):
+        where = tmp_path / label
+        where.mkdir()
+        slots = [on_demand(name, where, "--startup-delay", load_s, group="gpu0")
+                 for name in ("a", "b")]
+        servers[label] = await start(start_hal0d, build_config(
+            where, *slots, groups=swap_group("batch", min_turn_loads=0.0)))
     with capture_logs() as logs:
-        streams = [asyncio.create_task(stream_for_a()) for _ in range(3)]
-        a = (await views(http, hal0d))["a"]
-        asked = time.monotonic()
-        turn_left_s = 3 * a["load_s"] - a["loaded_for_s"]  # of a's turn, as b asks
-        for_b = asyncio.create_task(streamed(http, hal0d, "think-only"))
-
-        async def pending() -> dict[str, Any] | None:
-            return (await views(http, hal0d))["b"]["pending_swap"]
-
-        async def seen() -> bool:
-            return await pending() is not None
-
-        await eventually(seen, 5, "b's pending swap")
-        swap = await pending()
-        assert await for_b == 200
-        waited_s = time.monotonic() - asked
-        stop.set()
-        await asyncio.gather(*streams)
-    print(f"\na's load {a['load_s']} s, its turn left {turn_left_s:.2f} s; b waited "
-          f"{waited_s:.2f} s; {swap}")
-    assert turn_left_s > 1.0 and waited_s >= turn_left_s - 0.15, (turn_left_s, waited_s)
-    assert swap is not None and swap["turn_at_s"] == pytest.approx(turn_left_s, abs=0.3)
-    assert swap["max_wait_s"] == 0.3 and f"of {swap['turn_at_s']:g}" in swap["why"]
-    [started] = [e for e in logs if e["event"] == "swap.started" and e["slot"] == "b"]
-    assert "a's turn paid for its load (3 x" in started["why"], started
-    # The bound as the loads measured by now say (a loaded again for its last streams).
-    final = await views(http, hal0d)
-    b = final["b"]
-    loads = [final["a"]["load_s"], b["load_s"]]
-    assert b["turn_wait_s"] == pytest.approx(3 * max(loads) + max(loads), abs=0.15), (b, loads)
-    [loaded] = [e for e in logs if e["event"] == "slot.loaded" and e["slot"] == "b"]
-    assert loaded["load_s"] == b["load_s"] and 0.8 <= loaded["measured_s"] < loaded["elapsed_s"]
+        fast, slow = await asyncio.gather(*(busy_then_other(http, hal0d)
+                                            for hal0d in servers.values()))
+    print(f"\nfast: {fast}\nslow: {slow}")
+    for turn_left_s, waited_s, swap, group in (fast, slow):
+        cost = group["swap_cost_s"]
+        assert group["swaps"] == 2 and 4 * cost - 0.2 <= group["turn_s"] <= 5 * cost + 0.2
+        assert turn_left_s > 0.5 and waited_s >= turn_left_s - 0.15, (turn_left_s, waited_s)
+        assert swap["turn_at_s"] == pytest.approx(turn_left_s, abs=0.4)
+        assert swap["max_wait_s"] is None
+    assert slow[3]["swap_cost_s"] > fast[3]["swap_cost_s"] + 1.0
+    assert slow[3]["turn_s"] > fast[3]["turn_s"] + 4.0, (fast[3], slow[3])
+    started = [e for e in logs if e["event"] == "swap.started" and e["slot"] == "b"]
+    # In each: b for an idle a, then b once a's turn was over.
+    assert sorted("a's turn is over (" in e["why"] for e in started) == [False, False, True, True]
+    for label, (turn_left_s, _, _, _) in zip(servers, (fast, slow), strict=True):
+        async with http.get(servers[label].make_url("/api/requests?limit=1000")) as resp:
+            rows = (await resp.json())["requests"]
+        last_b = next(r for r in rows if r["model"] == "think-only")  # newest first
+        assert last_b["turn_ms"] >= (turn_left_s - 0.2) * 1000, (last_b, turn_left_s)
 
 
 async def test_a_model_with_no_work_is_swapped_out_at_once_whatever_its_minimum_turn(
@@ -426,7 +474,8 @@ async def test_a_model_with_no_work_is_swapped_out_at_once_whatever_its_minimum_
     """No minimum turn for nobody: a model with nothing queued or in flight goes as soon as
     another is asked for, though its turn of 50 loads is far from over."""
     hal0d = await start(start_hal0d, build_config(
-        tmp_path, *two_models(tmp_path), groups=swap_group("batch", 0.3, min_turn_loads=50.0)))
+        tmp_path, *two_models(tmp_path),
+        groups=swap_group("batch", min_turn_loads=LONG_TURN_LOADS)))
     assert await streamed(http, hal0d, "chat") == 200
     load_s = (await views(http, hal0d))["a"]["load_s"]
     with capture_logs() as logs:

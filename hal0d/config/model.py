@@ -186,17 +186,19 @@ POLICY_FIFO = "fifo"
 class GroupConfig:
     """Slots that share a device: at most `max_loaded` of them loaded at once, the sum of their
     `memory_mib` within `memory_mib`, and each load only when `free_memory_command` reports room.
-    `policy` says when a model waiting for room may unload a busy one: `batch` once it has
-    waited `max_wait_s` and the busy one has been loaded `min_turn_loads` times its own measured
-    load time (a loaded model serves its queue first, long enough to pay for its load; 0: the
-    wait alone counts), `fifo` at once."""
+    `policy` says when a model waiting for room may unload a busy one: `batch` once the busy
+    one's turn is over, a turn priced by what a swap measurably costs so that swapping takes at
+    most `max_swap_share` of the group's time (at least `min_turn_loads` times its own measured
+    load; `max_wait_s`, when set, ends a turn once another model's request waited that long),
+    `fifo` at once (room.py)."""
 
     name: str
     max_loaded: int | None = None
     memory_mib: int | None = None
     free_memory_command: tuple[str, ...] | None = None
     policy: str = "batch"
-    max_wait_s: float = 30.0
+    max_swap_share: float = 0.2
+    max_wait_s: float | None = None
     min_turn_loads: float = 3.0
 
     @property

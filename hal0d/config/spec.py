@@ -85,6 +85,7 @@ GROUP_SPEC: dict[str, Range] = {
     "memory_mib": (int, 1, 1 << 30),
     "free_memory_command": (list, None, None),
     "policy": (str, None, None),
+    "max_swap_share": (float, 0.01, 0.9),
     "max_wait_s": (float, 0.1, 3600.0),
     "min_turn_loads": (float, 0.0, 100.0),
 }

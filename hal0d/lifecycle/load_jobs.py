@@ -130,17 +130,8 @@ class LoadJobs(Teller):
             self.report(runner, generation, Event.LAUNCH, runner.launch_words())
             cause = await runner.bring_up(self.client, progress)
             if cause is None and group is not None and swap_began is not None:
-                self._swapped(group, slot, swap_began)
+                group.clock.ready(slot, swap_began, time.monotonic())
             return cause
-
-    @staticmethod
-    def _swapped(group: Group, slot: Slot, began: float) -> None:
-        """A swap is over once its model answers with its caches back: what it cost, whole."""
-        now = time.monotonic()
-        group.clock.swapped(began, now)
-        log.info("group.swap_measured", group=group.config.name, slot=slot.name,
-                 cost_s=round(now - began, 3), median_s=group.clock.cost_s(),
-                 share=group.clock.share(now))
 
     # -- room in the load's turn (room.py decides, this carries it out) -----------------------
 
@@ -179,24 +170,27 @@ class LoadJobs(Teller):
                 continue
             victim = decision.victim
             if limits.batch and not urgent:
-                wake = room.not_yet(limits, me, victim, time.monotonic())
+                pricing = group.pricing()
+                wake = room.not_yet(pricing, me, victim, time.monotonic())
                 if wake is not None:
-                    pending = group.pending = room.pending(limits, me, victim, time.monotonic())
+                    pending = group.pending = room.pending(pricing, me, victim, time.monotonic())
                     if not planned:
                         planned = True
                         self._tell_swap(group, SwapPhase.PLANNED, me, victim,
-                                        room.planned_why(limits, me, victim, pending.turn_at_s))
+                                        room.planned_why(pricing, me, victim, pending.turn_at_s))
                     await self._wait_turn(group, me, victim.slot.name, wake)
                     continue
                 group.pending = None
-            began = began or time.monotonic()
+            if began is None:
+                began = time.monotonic()
+                self.swap_measured(group, group.clock.give_up(began))
             await self._evict(group, me, decision, planned=planned, urgent=urgent)
             swapped = victim
 
     async def _evict(self, group: Group, me: Slot, decision: Evict, *, planned: bool,
                      urgent: bool) -> None:
         limits, victim = group.config, decision.victim
-        why = decision.short + (room.batch_why(limits, me, victim, time.monotonic())
+        why = decision.short + (room.batch_why(group.pricing(), me, victim, time.monotonic())
                                 if limits.batch and not urgent else "")
         if not planned:
             self._tell_swap(group, SwapPhase.PLANNED, me, victim, why)
@@ -217,10 +211,10 @@ class LoadJobs(Teller):
             member = next((m for m in self._members(limits.name) if m.slot.name == victim), None)
             if member is None or member.slot.state not in EVICTABLE:
                 return
-            now = time.monotonic()
-            next_wake = room.not_yet(limits, me, member, now)
+            now, pricing = time.monotonic(), group.pricing()
+            next_wake = room.not_yet(pricing, me, member, now)
             if next_wake is not None:
-                group.pending = room.pending(limits, me, member, now)
+                group.pending = room.pending(pricing, me, member, now)
 
     def _tell_swap(self, group: Group, phase: SwapPhase, me: Slot, victim: Member,
                    why: str) -> None:

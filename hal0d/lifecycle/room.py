@@ -12,8 +12,9 @@ The rules (groups.py's docstring tells them as a user sees them):
     evict        a victim (the least recently used idle on-demand member first); with batch,
                  once its turn is over (`not_yet`)
 
-A load's measured time is the median of its slot's last loads (runner.py measures them); before
-a slot's first, its turn is `max_wait_s` alone.
+A busy model's turn is priced by what a swap of its group costs, measured whole (`Pricing`):
+long enough that swapping takes at most the group's `max_swap_share` of its time. A load's
+measured time is the median of its slot's last loads (runner.py measures them).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class Swap:
     waited_s: float  # the waiting model's oldest request, so far
     why: str
     policy: str
-    max_wait_s: float
+    max_wait_s: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +84,7 @@ class PendingSwap:
     slot: str
     victim: str
     since: float  # monotonic: when the oldest waiting request came
-    max_wait_s: float
+    max_wait_s: float | None
     turn_at_s: float  # how long that request will have waited when the victim's turn ends
 
     def view(self, now: float) -> dict[str, object]:
@@ -160,18 +161,53 @@ def shortfall(limits: GroupConfig, occupying: list[Member], need: int) -> str | 
 def choose_victim(occupying: list[Member], limits: GroupConfig) -> Member | None:
     """The least recently used loaded on-demand slot, one with nothing in flight first
     (batch: one with no work, nothing queued or in flight, first; of those with work, the
-    one whose turn ends first)."""
+    one that answered first: its turn ends first)."""
     candidates = [m for m in occupying if m.evictable and m.slot.state in EVICTABLE]
     if not candidates:
         return None
     if limits.batch:
         return min(candidates, key=lambda m: (
-            busy(m.slot), (turn_ends(limits, m) or 0.0) if busy(m.slot) else 0.0,
-            m.last_used))
+            busy(m.slot), (m.loaded_at or 0.0) if busy(m.slot) else 0.0, m.last_used))
     return min(candidates, key=lambda m: (m.slot.in_flight > 0, m.last_used))
 
 
 # -- batch: when a busy victim's turn is over --------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Pricing:
+    """What a busy model's turn is in a group: long enough that the swaps it pays for take at
+    most `max_swap_share` of the group's time. A swap costs `cost_s` whole (the victim's drain
+    and save, the load, the restore, the first answers: groups.SwapClock), `ready_s` of it
+    before the loading model answered; its turn counts from then. So a cycle of one model,
+    ready_s + turn, lasts cost_s / share, and a swap is `share` of it. Before a swap of the
+    group was measured, a swap is taken to cost a load."""
+
+    limits: GroupConfig
+    cost_s: float | None = None  # the group's measured swap cost; None before the first
+    ready_s: float | None = None  # of it, until the loading model answered
+
+    def swap_s(self, load_s: float | None) -> tuple[float, float]:
+        """(what a swap costs, the part of it until the model answered), for a model that loads
+        in `load_s` (None: not measured yet)."""
+        if self.cost_s is not None:
+            return self.cost_s, min(self.cost_s, self.ready_s or 0.0)
+        guess = load_s if load_s is not None else UNMEASURED_SWAP_S
+        return guess, guess
+
+    def turn_s(self, load_s: float | None) -> float:
+        """How long a busy model that loads in `load_s` keeps the group once it answered: the
+        swap's price, and at least `min_turn_loads` of its own load."""
+        cost, ready = self.swap_s(load_s)
+        turn = max(0.0, cost / self.limits.max_swap_share - ready)
+        if load_s is not None:
+            turn = max(turn, self.limits.min_turn_loads * load_s)
+        return turn
+
+
+# A swap's cost before anything of the group was measured (a model's first load is measured
+# before any swap, so this prices only a turn of a model hal0d did not load itself).
+UNMEASURED_SWAP_S: Final = 1.0
 
 
 def busy(slot: Slot) -> bool:
@@ -179,74 +215,109 @@ def busy(slot: Slot) -> bool:
     return bool(slot.queued or slot.in_flight)
 
 
-def turn_ends(limits: GroupConfig, member: Member) -> float | None:
-    """When a loaded member's turn has paid for its load (monotonic): `min_turn_loads` times its
-    measured load time after it loaded; None when no such turn holds it (the rule is off, it is
-    not loaded, or no load of it was measured yet)."""
-    if not limits.min_turn_loads or member.loaded_at is None or member.load_s is None:
+def turn_ends(pricing: Pricing, member: Member) -> float | None:
+    """When a loaded member's turn is over (monotonic): its priced turn after it answered; None
+    when it is not loaded."""
+    if member.loaded_at is None:
         return None
-    return member.loaded_at + limits.min_turn_loads * member.load_s
+    return member.loaded_at + pricing.turn_s(member.load_s)
 
 
-def turn_over(limits: GroupConfig, since: float, victim: Member) -> float:
+def turn_over(pricing: Pricing, since: float, victim: Member) -> float:
     """When a busy `victim` is to go for a model whose oldest request came at `since`
-    (monotonic): once that request waited max_wait_s and the victim's turn paid for its load."""
-    ends = turn_ends(limits, victim)
-    return max(since + limits.max_wait_s, ends if ends is not None else since)
+    (monotonic): once its turn is over, or once that request waited `max_wait_s` when it is
+    set, whichever comes first."""
+    ends = turn_ends(pricing, victim)
+    deadline = since if ends is None else ends
+    if pricing.limits.max_wait_s is not None:
+        deadline = min(deadline, since + pricing.limits.max_wait_s)
+    return deadline
 
 
-def not_yet(limits: GroupConfig, me: Slot, victim: Member, now: float) -> float | None:
+def not_yet(pricing: Pricing, me: Slot, victim: Member, now: float) -> float | None:
     """Batch: None when `victim` is to go now for `me`; else when to look again (monotonic).
-    With work it goes once the oldest request for `me` has waited max_wait_s and its own
-    turn paid for its load (turn_ends); with no work at once (IDLE_GRACE_S after its last
-    request ended). Withdrawn when nothing waits for `me`."""
+    With work it goes once its turn is over (turn_over); with no work at once (IDLE_GRACE_S
+    after its last request ended). Withdrawn when nothing waits for `me`."""
     since = me.oldest_waiting_since()
     if since is None and not me.in_flight:
         raise Withdrawn(f"no request waits for slot {me.name!r} any more")
-    deadline = turn_over(limits, since or now, victim)
+    deadline = turn_over(pricing, since or now, victim)
     if not busy(victim.slot):  # a gap between two requests of its turn is not the end
         deadline = min(deadline, victim.last_used + IDLE_GRACE_S)
     return deadline if now < deadline else None
 
 
-def pending(limits: GroupConfig, me: Slot, victim: Member, now: float) -> PendingSwap:
+def pending(pricing: Pricing, me: Slot, victim: Member, now: float) -> PendingSwap:
     """The swap that waits, as /api/slots shows it: when `me`'s turn comes if `victim` keeps
     its work."""
     since = me.oldest_waiting_since() or now
-    turn_at_s = turn_over(limits, since, victim) - since
-    return PendingSwap(me.name, victim.slot.name, since, limits.max_wait_s,
+    turn_at_s = turn_over(pricing, since, victim) - since
+    return PendingSwap(me.name, victim.slot.name, since, pricing.limits.max_wait_s,
                        round(max(0.0, turn_at_s), 1))
 
 
-def batch_why(limits: GroupConfig, me: Slot, victim: Member, now: float) -> str:
-    """Why batch lets `victim` go for `me` now: its turn is over, or it has no work. A victim
-    whose turn is over may be between two requests at this instant: its turn ended it, not
-    that gap."""
+def batch_why(pricing: Pricing, me: Slot, victim: Member, now: float) -> str:
+    """Why batch lets `victim` go for `me` now: its turn is over, `me`'s oldest request waited
+    max_wait_s, or it has no work. A victim whose turn is over may be between two requests at
+    this instant: its turn ended it, not that gap."""
     since = me.oldest_waiting_since()
-    over = busy(victim.slot) or (since is not None and now >= turn_over(limits, since, victim))
-    if not over:
+    ends = turn_ends(pricing, victim)
+    turn_done = ends is None or now >= ends
+    if not busy(victim.slot) and not (since is not None and turn_done):
         return f"; {victim.slot.name} has nothing queued or in flight"
-    why = f"; the oldest request for {me.name} waited max_wait_s"
-    if turn_ends(limits, victim) is not None:
-        why += (f" and {victim.slot.name}'s turn paid for its load "
-                f"({limits.min_turn_loads:g} x {victim.load_s:g} s)")
-    return why
+    if not turn_done:
+        return f"; the oldest request for {me.name} waited max_wait_s"
+    return f"; {victim.slot.name}'s turn is over ({turn_words(pricing, victim.load_s)})"
 
 
-def planned_why(limits: GroupConfig, me: Slot, victim: Member, turn_at_s: float) -> str:
-    return (f"{victim.slot.name} has work: swapping once {me.name}'s oldest request waited "
-            f"{turn_at_s:g} s (max_wait_s = {limits.max_wait_s:g} s, min_turn_loads = "
-            f"{limits.min_turn_loads:g})")
+def turn_words(pricing: Pricing, load_s: float | None) -> str:
+    """A turn's length and what priced it, for the log and the swap's why."""
+    cost, _ = pricing.swap_s(load_s)
+    measured = "measured" if pricing.cost_s is not None else "a load, none measured yet"
+    return (f"{pricing.turn_s(load_s):.1f} s, a swap costing {cost:.2f} s ({measured}) at "
+            f"most {pricing.limits.max_swap_share:.0%} of the time")
 
 
-def wait_bound_s(limits: GroupConfig, members: Iterable[Member]) -> float:
-    """The longest a request waits for its model's turn with every on-demand model of the group
-    busy: the n - 1 others' turns (`max_wait_s` or `min_turn_loads` loads, the longer) and
-    loads, by the slowest measured load; (n - 1) x `max_wait_s` before any load was measured."""
+def planned_why(pricing: Pricing, me: Slot, victim: Member, turn_at_s: float) -> str:
+    cap = pricing.limits.max_wait_s
+    return (f"{victim.slot.name} has work: swapping when its turn is over, once {me.name}'s "
+            f"oldest request waited {turn_at_s:g} s (a turn of "
+            f"{turn_words(pricing, victim.load_s)}"
+            + (f"; max_wait_s = {cap:g} s)" if cap is not None else ")"))
+
+
+def wait_bound_s(pricing: Pricing, members: Iterable[Member]) -> float:
+    """About the longest a request waits for its model's turn with every on-demand model of the
+    group busy: the n - 1 others' cycles, each a swap until the model answered and, with batch,
+    its turn (at most `max_wait_s` when set), by the slowest measured load. fifo has no turns:
+    the loads ahead of it."""
     on_demand = [m for m in members if m.evictable]
-    others = max(1, len(on_demand) - 1)
     loads = [m.load_s for m in on_demand if m.load_s is not None]
-    if not loads:
-        return others * limits.max_wait_s
-    load = max(loads)
-    return round(others * (max(limits.max_wait_s, limits.min_turn_loads * load) + load), 1)
+    load = max(loads) if loads else None
+    _, ready = pricing.swap_s(load)
+    return round(_others(on_demand) * (ready + _turn(pricing, load)), 1)
+
+
+def queue_bound_s(pricing: Pricing, members: Iterable[Member]) -> float:
+    """What a request waiting for its model's turn adds to its queue's bound (Slot.turn_wait_s):
+    the n - 1 others' cycles with each load as long as its load_timeout_s allows. wait_bound_s
+    is what the measured loads make likely; this is what a load may take before it fails, so
+    no request is refused because a load ahead of it was slow."""
+    on_demand = [m for m in members if m.evictable]
+    loads = [m.load_s for m in on_demand if m.load_s is not None]
+    longest = max((m.slot.config.load_timeout_s for m in on_demand), default=0.0)
+    cost, ready = pricing.swap_s(max(loads) if loads else None)
+    return round(_others(on_demand) * (longest + cost - ready + _turn(
+        pricing, max(loads) if loads else None)), 1)
+
+
+def _others(on_demand: list[Member]) -> int:
+    return max(1, len(on_demand) - 1)
+
+
+def _turn(pricing: Pricing, load: float | None) -> float:
+    """A busy model's turn as a bound counts it: none with fifo; at most max_wait_s."""
+    turn = pricing.turn_s(load) if pricing.limits.batch else 0.0
+    if pricing.limits.max_wait_s is not None:
+        turn = min(turn, pricing.limits.max_wait_s)
+    return turn

@@ -293,8 +293,9 @@ class Runner:
             launched = time.monotonic()
             child = await self.launch()
             progress.enter(LoadPhase.PROBING)
+            # load_timeout_s is the load's own: its wait for a turn in its group is not in it.
             failure = await until_answering(client, config, child,
-                                            config.load_timeout_s - progress.elapsed())
+                                            config.load_timeout_s - (time.monotonic() - launched))
         except LaunchFailed as exc:
             failure = str(exc)
         self.load_error = failure

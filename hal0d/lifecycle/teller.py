@@ -19,12 +19,12 @@ from typing import Any, Final
 
 from hal0d.config import GroupConfig, SlotConfig
 from hal0d.lifecycle import prompt_cache
-from hal0d.lifecycle.groups import Groups
+from hal0d.lifecycle.groups import Group, Groups
 from hal0d.lifecycle.machine import Action, Event, allows
 from hal0d.lifecycle.observers import LifecycleObserver, Observers
 from hal0d.lifecycle.probe import probe
 from hal0d.lifecycle.prompt_cache import Warmth
-from hal0d.lifecycle.room import Member, wait_bound_s
+from hal0d.lifecycle.room import Member, queue_bound_s
 from hal0d.lifecycle.runner import Runner
 from hal0d.lifecycle.slots import Slot
 from hal0d.lifecycle.table import SlotTable
@@ -176,21 +176,21 @@ class Teller:
                              without_process=runner is not None and runner.child is None)
 
     def turn_wait_s(self, config: SlotConfig) -> float:
-        """The longest a request for `config`'s slot may wait for its model's turn when its
-        group batches (room.wait_bound_s), on top of the load's own bound."""
+        """The longest a request for `config`'s slot may wait for its model's turn in its group
+        (room.queue_bound_s), on top of the load's own bound."""
         group = self.groups.get(config.group)
-        if group is None or not group.config.batch or not config.on_demand:
+        if group is None or not config.on_demand:
             return 0.0
-        return wait_bound_s(group.config, self._members(group.config.name))
+        return queue_bound_s(group.pricing(), self._members(group.config.name))
 
     def refresh_bounds(self, name: str | None) -> None:
-        """Every slot of the group given its wait bound anew: a member came, or a load of one
-        was measured."""
+        """Every slot of the group given its wait bound anew: a member came, or a load or a
+        swap of the group was measured."""
         group = self.groups.get(name)
         if group is None:
             return
         members = list(self._members(group.config.name))
-        bound = wait_bound_s(group.config, members) if group.config.batch else 0.0
+        bound = queue_bound_s(group.pricing(), members)
         for member in members:
             member.slot.turn_wait_s = bound if member.evictable else 0.0
 
@@ -201,7 +201,11 @@ class Teller:
         runner = self.runners.get(slot.name)
         if runner is None or runner.slot is not slot:
             return
-        self.groups.poke(runner.config.group)
+        group = self.groups.get(runner.config.group)
+        if group is not None:
+            if new not in UP and group.clock.open_for(slot):
+                self.swap_measured(group, group.clock.give_up(time.monotonic()))
+            group.poke()
         if new in UP:
             runner.last_used = time.monotonic()
         if new is SlotState.READY:
@@ -211,8 +215,26 @@ class Teller:
 
     def counts_changed(self, slot: Slot) -> None:
         runner = self.runners.get(slot.name)
-        if runner is not None and runner.slot is slot:
-            self.groups.poke(runner.config.group)
+        if runner is None or runner.slot is not slot:
+            return
+        group = self.groups.get(runner.config.group)
+        if group is not None:
+            if group.clock.open is not None:
+                self.swap_measured(group, group.clock.answered(slot, time.monotonic()))
+            group.poke()
+
+    def swap_measured(self, group: Group, measured: tuple[str, float] | None) -> None:
+        """A swap of `group` ended (SwapClock): logged, and its slots' wait bounds priced anew."""
+        if measured is None:
+            return
+        slot, cost_s = measured
+        clock = group.clock
+        log.info("group.swap_measured", group=group.config.name, slot=slot,
+                 cost_s=round(cost_s, 3),
+                 median_s=clock.cost_s(), ready_s=clock.ready_s(),
+                 share=clock.share(time.monotonic()),
+                 turn_s=round(group.pricing().turn_s(None), 1))
+        self.refresh_bounds(group.config.name)
 
     def _idle(self, runner: Runner) -> None:
         slot = runner.slot

@@ -47,8 +47,8 @@ def slot_view(slot: Slot, config: SlotConfig | None, group: Group | None,
         view["group_policy"] = group.config.policy
         view["group_max_wait_s"] = group.config.max_wait_s
         view["group_min_turn_loads"] = group.config.min_turn_loads
-        # The longest a request may wait for its model's turn (groups.wait_bound_s), learned
-        # from the group's measured loads.
+        # What a request waiting for its model's turn adds to its queue's bound
+        # (room.queue_bound_s): the others' turns, their loads as long as load_timeout_s allows.
         view["turn_wait_s"] = slot.turn_wait_s
         # A swap waiting for a batch to end, on the waiting slot's view and the victim's.
         view["pending_swap"] = (pending.view(now) if pending is not None
@@ -62,23 +62,27 @@ def slot_view(slot: Slot, config: SlotConfig | None, group: Group | None,
 
 
 def group_view(group: Group, members: list[Member], now: float) -> dict[str, Any]:
-    """A group as /api/slots shows it: what is loaded and until when its turn holds (the
-    min_turn_loads rule), the loads waiting for their turn in the order they get it, the swap
-    that waits for a busy model, what a swap costs (measured whole: the victim's drain and save,
-    the load, the restore) and the share of the last hour spent swapping, and how long each
-    model's oldest request has waited."""
-    limits, clock = group.config, group.clock
+    """A group as /api/slots shows it: what is loaded and when its turn ends, the turn a busy
+    model gets now (priced by the measured swaps: room.Pricing) and the longest a request waits
+    for its model's turn, the loads waiting for their turn in the order they get it, the swap
+    that waits for a busy model, what a swap costs (measured whole: the victim's drain and
+    save, the load, the restore, the first answer) and the share of the last hour spent
+    swapping, and how long each model's oldest request has waited."""
+    limits, clock, pricing = group.config, group.clock, group.pricing()
     loaded = [m for m in members if m.occupies()]
     turn_ends = {m.slot.name: round(max(0.0, ends - now), 1) for m in loaded
-                 if (ends := room.turn_ends(limits, m)) is not None}
+                 if m.evictable and (ends := room.turn_ends(pricing, m)) is not None}
     waits = {m.slot.name: round(now - since, 1) for m in members
              if (since := m.slot.oldest_waiting_since()) is not None}
+    loads = [m.load_s for m in members if m.evictable and m.load_s is not None]
     return {
         "name": limits.name, "policy": limits.policy, "max_loaded": limits.max_loaded,
-        "memory_mib": limits.memory_mib, "max_wait_s": limits.max_wait_s,
-        "min_turn_loads": limits.min_turn_loads,
+        "memory_mib": limits.memory_mib, "max_swap_share": limits.max_swap_share,
+        "max_wait_s": limits.max_wait_s, "min_turn_loads": limits.min_turn_loads,
         "loaded": [m.slot.name for m in loaded],
+        "turn_s": round(pricing.turn_s(max(loads) if loads else None), 1),
         "turn_ends_in_s": turn_ends,
+        "wait_bound_s": room.wait_bound_s(pricing, members),
         "turn_order": [slot.name for slot, _, grant in group.waiting if not grant.done()],
         "pending_swap": group.pending.view(now) if group.pending is not None else None,
         "swaps": len(clock.costs), "swap_cost_s": clock.cost_s(),
