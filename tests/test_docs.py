@@ -91,4 +91,5 @@ def test_the_status_pages_size_in_the_docs_is_its_size_and_it_stays_small() -> N
     kb = f"{round(total / 1000)} KB in all"
     for page in (REPO / "README.md", REPO / "docs" / "endpoints.md"):
         assert kb in page.read_text().replace("\n", " "), (page.name, kb)
-    assert total < 60_000
+    # 60 KB until the Groups cards (groups.js, ~5 KB) came: still one small read of a page.
+    assert total < 65_000

@@ -4,6 +4,7 @@
 // in the Authorization header.
 
 import { WINDOW_S, clock, drawMemory, drawSlotCharts, el, pickedText, timeline } from "./charts.js";
+import { drawGroups, waiting } from "./groups.js";
 
 const KEY_STORE = "hal0d.api_key";
 const MAX_ROWS = 200;
@@ -16,6 +17,8 @@ const state = {
   slots: new Map(),      // name -> the /api/slots view
   routes: [],            // the /api/slots routes: each [[routes]] model, its state and slots
   slotsAt: 0,
+  groups: [],            // the /api/slots groups: turns, waits and swaps, and when they were read
+  groupsAt: 0,
   metrics: new Map(),    // name -> the /api/slots/metrics view
   loads: new Map(),      // name -> the latest load event while a load lasts
   swaps: new Map(),      // name -> the swap it waits for (planned), and when that was told
@@ -273,6 +276,13 @@ function renderRoutes() {
   $("routes").replaceChildren(...state.routes.map(routeCard));
 }
 
+function renderGroups() {
+  // Re-drawn every second too: the turns' countdowns and the waits move between two reads.
+  $("groups-section").hidden = state.groups.length === 0;
+  const up = state.status ? state.status.uptime_s + (Date.now() - state.statusAt) / 1000 : 0;
+  drawGroups($("groups"), state.groups, (Date.now() - state.groupsAt) / 1000, up);
+}
+
 function renderRequests() {
   const slot = $("filter-slot").value;
   const errorsOnly = $("filter-errors").checked;
@@ -363,6 +373,7 @@ function render() {
   renderHeader();
   renderSlots();
   renderRoutes();
+  renderGroups();
   renderRequests();
   renderHour();
 }
@@ -382,6 +393,8 @@ async function snapshot() {
   state.slots = new Map(slots.slots.map((view) => [view.name, view]));
   state.slotsAt = Date.now();
   state.routes = slots.routes || [];
+  state.groups = slots.groups || [];
+  state.groupsAt = Date.now();
   state.metrics = new Map(metrics.slots.map((view) => [view.name, view]));
   state.requests = requests.requests;
 }
@@ -400,18 +413,26 @@ function refreshMetricsSoon() {
   }, 1000);
 }
 
-// A route's state is its slots' (and another hal0d's report of its model), judged by hal0d: the
-// routes are re-read after a slot changes state or a reload changed one, at most once a second.
-let routesPending = null;
-function refreshRoutesSoon(reloaded) {
-  if (routesPending || (!reloaded && !state.routes.length)) return;
-  routesPending = setTimeout(async () => {
-    routesPending = null;
+// A route's state is its slots' (and another hal0d's report of its model), a group's turns and
+// swaps are the lifecycle's, both judged by hal0d and not on the feed: /api/slots is re-read
+// after a slot changes state, a load or a swap moves, a queue changes (groups only) or a reload,
+// soon but at most once a second, so a burst of events costs one read.
+let listsPending = null;
+let listsReadAt = 0;
+function refreshListsSoon(reloaded) {
+  if (listsPending || (!reloaded && !state.routes.length && !state.groups.length)) return;
+  listsPending = setTimeout(async () => {
+    listsPending = null;
+    listsReadAt = Date.now();
     try {
-      state.routes = (await api("/api/slots")).routes || [];
+      const lists = await api("/api/slots");
+      state.routes = lists.routes || [];
+      state.groups = lists.groups || [];
+      state.groupsAt = Date.now();
       renderRoutes();
+      renderGroups();
     } catch { /* the event stream's own reconnect reports trouble */ }
-  }, 1000);
+  }, Math.max(150, listsReadAt + 1000 - Date.now()));
 }
 
 // The last hour is re-read, not rebuilt from the feed: after a load or an unload all of it (the
@@ -461,7 +482,7 @@ const handlers = {
     state.slotsAt = Date.now();
     if (!["starting", "stopped"].includes(view.state)) state.loads.delete(view.name);
     renderSlots();
-    if (data.old !== data.new || data.reason === "reloaded") refreshRoutesSoon(data.reason === "reloaded");
+    if (data.old !== data.new || data.reason === "reloaded") refreshListsSoon(data.reason === "reloaded");
   },
   counts(data) {
     const view = state.slots.get(data.slot);
@@ -469,6 +490,7 @@ const handlers = {
     view.in_flight = data.in_flight;
     view.queued = data.queued;
     renderSlots();
+    if (state.groups.length) refreshListsSoon(false);
   },
   swap(data) {
     if (data.phase === "planned" && data.policy === "batch") {
@@ -478,6 +500,7 @@ const handlers = {
     }
     renderSlots();
     refreshHourSoon(true);
+    refreshListsSoon(false);
   },
   load(data) {
     if (!["waiting_for_room", "starting", "probing"].includes(data.phase)) {
@@ -488,6 +511,7 @@ const handlers = {
       state.loads.set(data.slot, data);
     }
     renderSlots();
+    refreshListsSoon(false);
   },
   unload() {
     refreshHourSoon(true);
@@ -618,6 +642,8 @@ function tick() {
   if ($("live").hidden) return;
   if (++ticks % 15 === 0) renderHour();
   renderHeader();
+  renderGroups();
+  if (waiting(state.groups)) refreshListsSoon(false);
   for (const span of document.querySelectorAll("[data-tick]")) {
     const view = state.slots.get(span.dataset.tick);
     if (view) span.textContent = lifecycleLine(view) || "";
