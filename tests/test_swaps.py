@@ -389,10 +389,9 @@ async def test_three_busy_models_each_get_turns_none_refused_none_past_the_bound
     # A queue's bound for a turn counts every load ahead as long as load_timeout_s allows.
     turn = group["turn_s"]
     assert all(view["turn_wait_s"] >= 2 * (5.0 + turn) - 0.2 for view in batch.values())
-    # The turn a swap's measured cost prices, at most half the time swapping: 1 to 2 swaps
-    # long (its part before the model answered is the cycle's, not the turn's).
+    # The turn a swap's measured cost prices, at most half the time swapping: one swap long.
     cost = group["swap_cost_s"]
-    assert group["swaps"] >= 2 and cost - 0.2 <= turn <= 2 * cost + 0.2, group
+    assert group["swaps"] >= 2 and turn == pytest.approx(cost, abs=0.11), group
     # The documented bound: the turns and swaps of the two others, then its own load, plus
     # the spread of loads that run beside the other hal0d's: 2 s in all.
     assert slowest <= bound_s + load_s + 2.0, (slowest, bound_s, load_s)
@@ -452,12 +451,12 @@ async def test_a_busy_model_keeps_its_turn_for_as_long_as_a_measured_swap_prices
     print(f"\nfast: {fast}\nslow: {slow}")
     for turn_left_s, waited_s, swap, group in (fast, slow):
         cost = group["swap_cost_s"]
-        assert group["swaps"] == 2 and 4 * cost - 0.2 <= group["turn_s"] <= 5 * cost + 0.2
+        assert group["swaps"] == 2 and group["turn_s"] == pytest.approx(4 * cost, abs=0.11)
         assert turn_left_s > 0.5 and waited_s >= turn_left_s - 0.15, (turn_left_s, waited_s)
         assert swap["turn_at_s"] == pytest.approx(turn_left_s, abs=0.4)
         assert swap["max_wait_s"] is None
-    assert slow[3]["swap_cost_s"] > fast[3]["swap_cost_s"] + 1.0
-    assert slow[3]["turn_s"] > fast[3]["turn_s"] + 4.0, (fast[3], slow[3])
+    assert slow[3]["swap_cost_s"] > fast[3]["swap_cost_s"] + 0.8
+    assert slow[3]["turn_s"] > fast[3]["turn_s"] + 3.2, (fast[3], slow[3])
     started = [e for e in logs if e["event"] == "swap.started" and e["slot"] == "b"]
     # In each: b for an idle a, then b once a's turn was over.
     assert sorted("a's turn is over (" in e["why"] for e in started) == [False, False, True, True]

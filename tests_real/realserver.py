@@ -115,7 +115,8 @@ class Conversation:
                                           + notes}]
         self.turns = 0
 
-    def turn(self, base: str, model: str, request_id: str | None = None) -> Any:
+    def turn(self, base: str, model: str, request_id: str | None = None,
+             max_tokens: int = 24) -> Any:
         """The next turn, answered; returns its usage."""
         self.turns += 1
         self.messages.append({"role": "user", "content": f"Question {self.turns}: where do "
@@ -124,7 +125,7 @@ class Conversation:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0,
                                timeout=300)
         answer = client.chat.completions.create(
-            model=model, messages=self.messages, max_tokens=24, temperature=0,
+            model=model, messages=self.messages, max_tokens=max_tokens, temperature=0,
             extra_headers={"X-Request-Id": request_id} if request_id else None)
         self.messages.append({"role": "assistant",
                               "content": answer.choices[0].message.content or "I do not know."})

@@ -14,14 +14,14 @@ When the unload happens is the group's `policy`:
             arriving included, until its turn is over; a victim with no work goes at once
             (IDLE_GRACE_S after its last request ended: a client sending one request after
             another is not gone). A turn is priced by what a swap of the group costs, measured
-            whole (SwapClock: the victim's drain and save, the load, the restore, the loading
-            model's first answer): long enough that swapping takes at most `max_swap_share` of
-            the group's time (a turn of 4 swaps at the default 20 %), and at least
-            `min_turn_loads` of the model's own load. `max_wait_s`, when set, ends a turn once
-            the oldest request for another model waited that long. The next load's turn goes to
-            the model whose oldest request has waited longest, so every model gets its turn and
-            a request waits at most about (n - 1) x (turn + swap) with n models busy
-            (`wait_bound_s`, which the slots' queue bounds are given).
+            whole (SwapClock: the victim's save and stop, the load, the restore): long enough
+            that swapping takes at most `max_swap_share` of the group's time (a turn of 4 swaps
+            at the default 20 %), and at least `min_turn_loads` of the model's own load.
+            `max_wait_s`, when set, ends a turn once the oldest request for another model waited
+            that long. The next load's turn goes to the model whose oldest request has waited
+            longest, so every model gets its turn and a request waits at most about
+            (n - 1) x (turn + swap) with n models busy (room.wait_bound_s; the slots' queue
+            bounds grow by room.queue_bound_s).
 
 What a load does next in its turn is decided in room.py (pure, from a snapshot of the members);
 the lifecycle manager carries it out (load_jobs.py). This module holds each group's turn order
@@ -59,72 +59,28 @@ SWAP_WINDOW_S: Final = 3600.0
 SWAP_HISTORY: Final = 5
 
 
-@dataclass(frozen=True, slots=True)
-class OpenSwap:
-    """A swap whose model answered its load, until it answers a request."""
-
-    slot: str
-    began: float  # monotonic: its first victim began to go
-    ready: float  # the model answered with its caches back
-    ended_before: int  # the slot's requests ended by then (Slot.ended)
-
-
 @dataclass(eq=False)
 class SwapClock:
-    """A group's swaps, each measured whole: from the moment a victim is unloaded for a load (its
-    drain and its save included) to the loading model's first request answered (the restore,
-    and what a restored or cold context costs that request to read, included)."""
+    """A group's swaps, each measured whole: from the moment its first victim's requests in
+    flight were done (until then they were served, not lost) to the loading model answering
+    with its caches restored: the victim's save and stop, the load, the restore."""
 
     costs: collections.deque[float] = field(
         default_factory=lambda: collections.deque(maxlen=SWAP_HISTORY))
-    readies: collections.deque[float] = field(
-        default_factory=lambda: collections.deque(maxlen=SWAP_HISTORY))
     spans: collections.deque[tuple[float, float]] = field(default_factory=collections.deque)
     started: float = field(default_factory=time.monotonic)  # when the group was first seen
-    open: OpenSwap | None = None
 
-    def ready(self, slot: Slot, began: float, now: float) -> None:
-        """The loading model answered: its swap ends with its first request answered."""
-        self.give_up(now)
-        self.open = OpenSwap(slot.name, began, now, slot.ended)
-
-    def open_for(self, slot: Slot) -> bool:
-        return self.open is not None and self.open.slot == slot.name
-
-    def answered(self, slot: Slot, now: float) -> tuple[str, float] | None:
-        """A count of `slot` changed: once a request of it ended, its open swap's model and
-        cost."""
-        swap = self.open
-        if swap is None or swap.slot != slot.name or slot.ended <= swap.ended_before:
-            return None
-        self.open = None
-        self._swapped(swap, now)
-        return swap.slot, now - swap.began
-
-    def give_up(self, now: float) -> tuple[str, float] | None:
-        """A swap whose model answered no request (it went first, or the next swap began) ends
-        where its model answered its load; its model and cost, when one was open."""
-        if self.open is None:
-            return None
-        swap, self.open = self.open, None
-        ended = min(now, swap.ready)
-        self._swapped(swap, ended)
-        return swap.slot, ended - swap.began
-
-    def _swapped(self, swap: OpenSwap, ended: float) -> None:
-        self.costs.append(ended - swap.began)
-        self.readies.append(swap.ready - swap.began)
-        self.spans.append((swap.began, ended))
+    def swapped(self, began: float, ended: float) -> float:
+        """A swap measured; returns its cost."""
+        self.costs.append(ended - began)
+        self.spans.append((began, ended))
         while self.spans and self.spans[0][1] < ended - SWAP_WINDOW_S:
             self.spans.popleft()
+        return ended - began
 
     def cost_s(self) -> float | None:
         """What a swap costs the group: the median of its last swaps; None before the first."""
         return round(statistics.median(self.costs), 3) if self.costs else None
-
-    def ready_s(self) -> float | None:
-        """Of a swap's cost, the median part until the loading model answered its load."""
-        return round(statistics.median(self.readies), 3) if self.readies else None
 
     def share(self, now: float) -> float:
         """The share of the last hour (or of the time since the group was first seen, when
@@ -135,8 +91,6 @@ class SwapClock:
         since = now - window
         swapping = sum(max(0.0, min(ended, now) - max(began, since))
                        for began, ended in self.spans)
-        if self.open is not None:  # its part until the model answered its load
-            swapping += max(0.0, min(now, self.open.ready) - max(self.open.began, since))
         return round(min(1.0, swapping / window), 4)
 
 
@@ -154,7 +108,7 @@ class Group:
 
     def pricing(self) -> Pricing:
         """What a busy model's turn is now, by the swaps measured so far."""
-        return Pricing(self.config, self.clock.cost_s(), self.clock.ready_s())
+        return Pricing(self.config, self.clock.cost_s())
 
     async def take_turn(self, slot: Slot) -> None:
         if not self.held and not self.waiting:

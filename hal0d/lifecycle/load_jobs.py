@@ -18,7 +18,7 @@ from hal0d.lifecycle import room
 from hal0d.lifecycle.groups import Group, free_memory_mib
 from hal0d.lifecycle.machine import Event, allows
 from hal0d.lifecycle.process import Child, launch_problem
-from hal0d.lifecycle.room import Evict, Member, NoRoom, Room, Settle, Swap, Withdrawn
+from hal0d.lifecycle.room import Member, NoRoom, Room, Settle, Swap, Withdrawn
 from hal0d.lifecycle.runner import Progress, Runner
 from hal0d.lifecycle.slots import Slot
 from hal0d.lifecycle.teller import Teller, log
@@ -130,8 +130,19 @@ class LoadJobs(Teller):
             self.report(runner, generation, Event.LAUNCH, runner.launch_words())
             cause = await runner.bring_up(self.client, progress)
             if cause is None and group is not None and swap_began is not None:
-                group.clock.ready(slot, swap_began, time.monotonic())
+                self._swapped(group, slot, swap_began)
             return cause
+
+    def _swapped(self, group: Group, slot: Slot, began: float) -> None:
+        """A swap is over once its model answers with its caches back: what it cost, logged,
+        and the group's wait bounds priced anew."""
+        clock = group.clock
+        cost_s = clock.swapped(began, time.monotonic())
+        log.info("group.swap_measured", group=group.config.name, slot=slot.name,
+                 cost_s=round(cost_s, 3), median_s=clock.cost_s(),
+                 share=clock.share(time.monotonic()),
+                 turn_s=round(group.pricing().turn_s(None), 1))
+        self.refresh_bounds(group.config.name)
 
     # -- room in the load's turn (room.py decides, this carries it out) -----------------------
 
@@ -168,9 +179,8 @@ class LoadJobs(Teller):
             if isinstance(decision, Settle):
                 await self._settled(decision.slot)
                 continue
-            victim = decision.victim
+            victim, pricing = decision.victim, group.pricing()
             if limits.batch and not urgent:
-                pricing = group.pricing()
                 wake = room.not_yet(pricing, me, victim, time.monotonic())
                 if wake is not None:
                     pending = group.pending = room.pending(pricing, me, victim, time.monotonic())
@@ -181,17 +191,18 @@ class LoadJobs(Teller):
                     await self._wait_turn(group, me, victim.slot.name, wake)
                     continue
                 group.pending = None
-            if began is None:
-                began = time.monotonic()
-                self.swap_measured(group, group.clock.give_up(began))
-            await self._evict(group, me, decision, planned=planned, urgent=urgent)
+            why = decision.short + (room.batch_why(pricing, me, victim, time.monotonic())
+                                    if limits.batch and not urgent else "")
+            await self._evict(group, me, victim, why, planned=planned)
+            # The swap's cost begins where its first victim's requests in flight were done:
+            # until then they were served, not lost.
+            runner_gone = self.runners.get(victim.slot.name)
+            began = began or (runner_gone.drained_at if runner_gone else None) or time.monotonic()
             swapped = victim
 
-    async def _evict(self, group: Group, me: Slot, decision: Evict, *, planned: bool,
-                     urgent: bool) -> None:
-        limits, victim = group.config, decision.victim
-        why = decision.short + (room.batch_why(group.pricing(), me, victim, time.monotonic())
-                                if limits.batch and not urgent else "")
+    async def _evict(self, group: Group, me: Slot, victim: Member, why: str, *,
+                     planned: bool) -> None:
+        limits = group.config
         if not planned:
             self._tell_swap(group, SwapPhase.PLANNED, me, victim, why)
         self._tell_swap(group, SwapPhase.STARTED, me, victim, why)

@@ -177,29 +177,25 @@ def choose_victim(occupying: list[Member], limits: GroupConfig) -> Member | None
 @dataclass(frozen=True, slots=True)
 class Pricing:
     """What a busy model's turn is in a group: long enough that the swaps it pays for take at
-    most `max_swap_share` of the group's time. A swap costs `cost_s` whole (the victim's drain
-    and save, the load, the restore, the first answers: groups.SwapClock), `ready_s` of it
-    before the loading model answered; its turn counts from then. So a cycle of one model,
-    ready_s + turn, lasts cost_s / share, and a swap is `share` of it. Before a swap of the
-    group was measured, a swap is taken to cost a load."""
+    most `max_swap_share` of the group's time. A swap costs `cost_s` (its victim's save and
+    stop, the load, the restore: groups.SwapClock), and a model's turn counts from its load's
+    answer; so a cycle of one model, its swap and its turn, lasts cost_s / share, of which
+    cost_s swapping. Before a swap of the group was measured, a swap is taken to cost a load."""
 
     limits: GroupConfig
     cost_s: float | None = None  # the group's measured swap cost; None before the first
-    ready_s: float | None = None  # of it, until the loading model answered
 
-    def swap_s(self, load_s: float | None) -> tuple[float, float]:
-        """(what a swap costs, the part of it until the model answered), for a model that loads
-        in `load_s` (None: not measured yet)."""
+    def swap_s(self, load_s: float | None) -> float:
+        """What a swap costs, for a model that loads in `load_s` (None: not measured yet)."""
         if self.cost_s is not None:
-            return self.cost_s, min(self.cost_s, self.ready_s or 0.0)
-        guess = load_s if load_s is not None else UNMEASURED_SWAP_S
-        return guess, guess
+            return self.cost_s
+        return load_s if load_s is not None else UNMEASURED_SWAP_S
 
     def turn_s(self, load_s: float | None) -> float:
         """How long a busy model that loads in `load_s` keeps the group once it answered: the
         swap's price, and at least `min_turn_loads` of its own load."""
-        cost, ready = self.swap_s(load_s)
-        turn = max(0.0, cost / self.limits.max_swap_share - ready)
+        share = self.limits.max_swap_share
+        turn = self.swap_s(load_s) * (1.0 - share) / share
         if load_s is not None:
             turn = max(turn, self.limits.min_turn_loads * load_s)
         return turn
@@ -272,7 +268,7 @@ def batch_why(pricing: Pricing, me: Slot, victim: Member, now: float) -> str:
 
 def turn_words(pricing: Pricing, load_s: float | None) -> str:
     """A turn's length and what priced it, for the log and the swap's why."""
-    cost, _ = pricing.swap_s(load_s)
+    cost = pricing.swap_s(load_s)
     measured = "measured" if pricing.cost_s is not None else "a load, none measured yet"
     return (f"{pricing.turn_s(load_s):.1f} s, a swap costing {cost:.2f} s ({measured}) at "
             f"most {pricing.limits.max_swap_share:.0%} of the time")
@@ -288,27 +284,25 @@ def planned_why(pricing: Pricing, me: Slot, victim: Member, turn_at_s: float) ->
 
 def wait_bound_s(pricing: Pricing, members: Iterable[Member]) -> float:
     """About the longest a request waits for its model's turn with every on-demand model of the
-    group busy: the n - 1 others' cycles, each a swap until the model answered and, with batch,
-    its turn (at most `max_wait_s` when set), by the slowest measured load. fifo has no turns:
-    the loads ahead of it."""
+    group busy: the n - 1 others' cycles, each a swap and, with batch, its turn (at most
+    `max_wait_s` when set), by the slowest measured load. fifo has no turns: the loads ahead."""
     on_demand = [m for m in members if m.evictable]
     loads = [m.load_s for m in on_demand if m.load_s is not None]
     load = max(loads) if loads else None
-    _, ready = pricing.swap_s(load)
-    return round(_others(on_demand) * (ready + _turn(pricing, load)), 1)
+    return round(_others(on_demand) * (pricing.swap_s(load) + _turn(pricing, load)), 1)
 
 
 def queue_bound_s(pricing: Pricing, members: Iterable[Member]) -> float:
     """What a request waiting for its model's turn adds to its queue's bound (Slot.turn_wait_s):
-    the n - 1 others' cycles with each load as long as its load_timeout_s allows. wait_bound_s
-    is what the measured loads make likely; this is what a load may take before it fails, so
-    no request is refused because a load ahead of it was slow."""
+    the n - 1 others' cycles with each load as long as its load_timeout_s allows beside the
+    measured swap. wait_bound_s is what the measured swaps make likely; this is what a load may
+    take before it fails, so no request is refused because a load ahead of it was slow."""
     on_demand = [m for m in members if m.evictable]
     loads = [m.load_s for m in on_demand if m.load_s is not None]
+    load = max(loads) if loads else None
     longest = max((m.slot.config.load_timeout_s for m in on_demand), default=0.0)
-    cost, ready = pricing.swap_s(max(loads) if loads else None)
-    return round(_others(on_demand) * (longest + cost - ready + _turn(
-        pricing, max(loads) if loads else None)), 1)
+    cycle = longest + pricing.swap_s(load) + _turn(pricing, load)
+    return round(_others(on_demand) * cycle, 1)
 
 
 def _others(on_demand: list[Member]) -> int:

@@ -89,6 +89,8 @@ class Runner:
     load_error: str | None = None
     last_used: float = field(default_factory=time.monotonic)
     loaded_at: float | None = None
+    # When its last unload's requests in flight were done: a swap's cost begins there.
+    drained_at: float | None = None
     # The times of its last loads that answered, each from its launch to its first good probe
     # (not the wait for room): what its group's turns and wait bounds learn from.
     load_times: collections.deque[float] = field(
@@ -351,6 +353,7 @@ class Runner:
             log.info("slot.draining", slot=self.name, in_flight=slot.in_flight,
                      reason=str(reason))
         await drain(slot, self.drain_s)
+        self.drained_at = time.monotonic()
         loaded_s = round(time.monotonic() - self.loaded_at, 1) if self.loaded_at else None
         if self.child is not None and self.loaded_at is not None:
             await self.keep_warm(client)

@@ -125,7 +125,6 @@ class Slot:
         self.state = state
         self.reason: str | None = None
         self.in_flight = 0
-        self.ended = 0  # requests that ended, answered or not: a swap's first answer is seen by it
         # Told each change of state and of counts; set by the lifecycle manager, once.
         self.observer = observer
         # Set by the lifecycle manager on an on-demand slot: told when a request finds it
@@ -337,7 +336,6 @@ class Slot:
 
     def _release(self) -> None:
         self.in_flight -= 1
-        self.ended += 1
         if self.in_flight == 0 and self._drained:
             for fut in self._drained:
                 if not fut.done():

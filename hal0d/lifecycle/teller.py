@@ -19,7 +19,7 @@ from typing import Any, Final
 
 from hal0d.config import GroupConfig, SlotConfig
 from hal0d.lifecycle import prompt_cache
-from hal0d.lifecycle.groups import Group, Groups
+from hal0d.lifecycle.groups import Groups
 from hal0d.lifecycle.machine import Action, Event, allows
 from hal0d.lifecycle.observers import LifecycleObserver, Observers
 from hal0d.lifecycle.probe import probe
@@ -201,11 +201,7 @@ class Teller:
         runner = self.runners.get(slot.name)
         if runner is None or runner.slot is not slot:
             return
-        group = self.groups.get(runner.config.group)
-        if group is not None:
-            if new not in UP and group.clock.open_for(slot):
-                self.swap_measured(group, group.clock.give_up(time.monotonic()))
-            group.poke()
+        self.groups.poke(runner.config.group)
         if new in UP:
             runner.last_used = time.monotonic()
         if new is SlotState.READY:
@@ -215,26 +211,8 @@ class Teller:
 
     def counts_changed(self, slot: Slot) -> None:
         runner = self.runners.get(slot.name)
-        if runner is None or runner.slot is not slot:
-            return
-        group = self.groups.get(runner.config.group)
-        if group is not None:
-            if group.clock.open is not None:
-                self.swap_measured(group, group.clock.answered(slot, time.monotonic()))
-            group.poke()
-
-    def swap_measured(self, group: Group, measured: tuple[str, float] | None) -> None:
-        """A swap of `group` ended (SwapClock): logged, and its slots' wait bounds priced anew."""
-        if measured is None:
-            return
-        slot, cost_s = measured
-        clock = group.clock
-        log.info("group.swap_measured", group=group.config.name, slot=slot,
-                 cost_s=round(cost_s, 3),
-                 median_s=clock.cost_s(), ready_s=clock.ready_s(),
-                 share=clock.share(time.monotonic()),
-                 turn_s=round(group.pricing().turn_s(None), 1))
-        self.refresh_bounds(group.config.name)
+        if runner is not None and runner.slot is slot:
+            self.groups.poke(runner.config.group)
 
     def _idle(self, runner: Runner) -> None:
         slot = runner.slot

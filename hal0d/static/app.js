@@ -132,9 +132,9 @@ function swapLine(view) {
   const swap = told || pending;
   if (!swap) return null;
   const waited = swap.waited_s + (Date.now() - swap.at) / 1000;
-  // When the victim's turn ends, learned from its load time (the view's); else max_wait_s.
-  const of = pending && pending.turn_at_s ? pending.turn_at_s : swap.max_wait_s;
-  return `waiting for ${view.name}'s turn: ${Math.round(waited)} s of ${of}`
+  // When the victim's turn ends (the view's, priced by the measured swaps), when known.
+  const of = pending && pending.turn_at_s != null ? ` of ${pending.turn_at_s}` : "";
+  return `waiting for ${view.name}'s turn: ${Math.round(waited)} s${of}`
     + ` (${swap.victim} serves its queue)`;
 }
 
