@@ -92,4 +92,7 @@ def test_a_swap_is_measured_and_its_share_of_the_time_kept() -> None:
     clock.swapped(20.0, 21.0)
     clock.swapped(30.0, 34.0)
     assert clock.cost_s() == pytest.approx(2.0)  # the median of the last ones
-    assert clock.share(40.0) == pytest.approx(7.0 / 40.0)
+    for _ in range(5):
+        clock.swapped(35.0, 35.5)
+    assert (clock.count, clock.cost_s()) == (8, pytest.approx(0.5))
+    assert clock.share(40.0) == pytest.approx(9.5 / 40.0)

@@ -69,9 +69,11 @@ class SwapClock:
         default_factory=lambda: collections.deque(maxlen=SWAP_HISTORY))
     spans: collections.deque[tuple[float, float]] = field(default_factory=collections.deque)
     started: float = field(default_factory=time.monotonic)  # when the group was first seen
+    count: int = 0  # every swap measured since hal0d started
 
     def swapped(self, began: float, ended: float) -> float:
         """A swap measured; returns its cost."""
+        self.count += 1
         self.costs.append(ended - began)
         self.spans.append((began, ended))
         while self.spans and self.spans[0][1] < ended - SWAP_WINDOW_S:

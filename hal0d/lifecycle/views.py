@@ -85,7 +85,7 @@ def group_view(group: Group, members: list[Member], now: float) -> dict[str, Any
         "wait_bound_s": room.wait_bound_s(pricing, members),
         "turn_order": [slot.name for slot, _, grant in group.waiting if not grant.done()],
         "pending_swap": group.pending.view(now) if group.pending is not None else None,
-        "swaps": len(clock.costs), "swap_cost_s": clock.cost_s(),
+        "swaps": clock.count, "swap_cost_s": clock.cost_s(),
         "swap_share": clock.share(now),
         "longest_wait_s": waits,
     }
