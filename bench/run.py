@@ -721,7 +721,7 @@ def main(argv: list[str] | None = None) -> int:
                         default="latency,throughput,anthropic,paced,memory,lifecycle,failover,"
                         "keepalive,swaps,warm",
                         help="comma-separated subset of the default, or `router` (not in the "
-                        "default: `make bench-router`, ~9 min on llama-server)")
+                        "default: `make bench-router`, ~11 min on llama-server)")
     parser.add_argument("--uvloop", action="store_true",
                         help="experiment: add a hal0d-uvloop instance (bench/.peers/uvloop)")
     parser.add_argument("--baseline", metavar="REV[+PATCH...]",
