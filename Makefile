@@ -219,3 +219,12 @@ $(REAL_MODEL):
 test-real: $(STAMP) $(REAL_SERVER) $(REAL_MODEL)
 	HAL0D_REAL_SERVER=$(REAL_SERVER) HAL0D_REAL_MODEL=$(REAL_MODEL) \
 	  $(BIN)/python -m pytest -q tests_real
+
+# `make bench-router` (~11 min, not part of `make bench`): hal0d against llama.cpp's own router
+# mode on the same llama-server and model as test-real, three models with room for one and six
+# closed-loop conversations, 75 s a system (bench/README.md). HAL0D_ROUTER_S=20
+# HAL0D_ROUTER_WORDS=300 for a short look; BENCH_ARGS="--keep-logs" keeps the processes' logs.
+.PHONY: bench-router
+bench-router: $(STAMP) $(REAL_SERVER) $(REAL_MODEL)
+	HAL0D_REAL_SERVER=$(REAL_SERVER) HAL0D_REAL_MODEL=$(REAL_MODEL) \
+	  $(BIN)/python -m bench --sections router --out bench/results/router.json $(BENCH_ARGS)

@@ -1,12 +1,14 @@
 """The processes under test: the upstream, hal0d (and its variants), nginx, LiteLLM's proxy.
 
 Each runs as its own child process on a free loopback port, with its output in the run folder,
-and is stopped (by its own pid, SIGTERM then SIGKILL) when the run ends.
+and is stopped (by its own pid, SIGTERM then SIGKILL; a program that spawns its own children,
+by its process group) when the run ends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import resource
@@ -60,6 +62,9 @@ class Child:
     name: str
     port: int
     proc: subprocess.Popen[bytes]
+    # Stopped as a process group: a program that spawns children of its own and does not
+    # promise to stop them (llama-server's router mode), started in a session of its own.
+    group: bool = False
     base: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -70,14 +75,25 @@ class Child:
         return self.proc.pid
 
     def stop(self) -> None:
-        if self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=5)
+        if self.proc.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10 if not self.group else 20)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                self.proc.wait(timeout=5)
+        if self.group:
+            # whatever of the group outlived its leader (the group's id is the leader's pid,
+            # kept while any member lives)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def _signal(self, signum: int) -> None:
+        if self.group:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signum)
+        else:
+            self.proc.send_signal(signum)
 
 
 class Processes:
@@ -88,7 +104,7 @@ class Processes:
         self.children: list[Child] = []
 
     def spawn(self, name: str, argv: list[str], port: int, env: dict[str, str] | None = None,
-              cwd: Path | None = None) -> Child:
+              cwd: Path | None = None, *, group: bool = False) -> Child:
         with open(self.workdir / f"{name}.log", "wb") as log:
             # preexec_fn: the harness has no threads of its own when it spawns.
             proc = subprocess.Popen(
@@ -96,7 +112,7 @@ class Processes:
                 env={**os.environ, **(env or {})}, cwd=cwd or self.workdir,
                 preexec_fn=raise_nofile, start_new_session=True,  # noqa: PLW1509
             )
-        child = Child(name, port, proc)
+        child = Child(name, port, proc, group)
         self.children.append(child)
         return child
 

@@ -26,7 +26,18 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench import client, failover, inprocess, keepalive, lifecycle, procs, swaps, warm
+from bench import (
+    client,
+    failover,
+    inprocess,
+    keepalive,
+    lifecycle,
+    procs,
+    router,
+    router_rows,
+    swaps,
+    warm,
+)
 from bench.client import CHAT, MESSAGES, Endpoint, chat_body, messages_body
 from bench.runs import Plan, Run, say, verdict
 
@@ -396,6 +407,8 @@ async def measure(run: Run, peers: bool, profile: bool, sections: set[str],
             await swaps.measure(run, procset, say)
         if "warm" in sections:
             await warm.measure(run, procset, say, baseline=baseline)
+        if "router" in sections:
+            await router.measure(run, procset, say)
         if profile:
             await profile_section(run, hal0d)
     finally:
@@ -633,6 +646,7 @@ def build_rows(run: Run) -> list[dict[str, Any]]:
     rows.extend(keepalive.rows(run))
     rows.extend(swaps.rows(run))
     rows.extend(warm.rows(run))
+    rows.extend(router_rows.rows(run))
     return rows
 
 
@@ -706,7 +720,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sections",
                         default="latency,throughput,anthropic,paced,memory,lifecycle,failover,"
                         "keepalive,swaps,warm",
-                        help="comma-separated subset of the default")
+                        help="comma-separated subset of the default, or `router` (not in the "
+                        "default: `make bench-router`, ~11 min on llama-server)")
     parser.add_argument("--uvloop", action="store_true",
                         help="experiment: add a hal0d-uvloop instance (bench/.peers/uvloop)")
     parser.add_argument("--baseline", metavar="REV[+PATCH...]",
@@ -717,6 +732,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-logs", action="store_true",
                         help="keep the run folder (configs, process logs)")
     args = parser.parse_args(argv)
+    if "router" in args.sections.split(",") and (problem := router.problem()):
+        parser.error(problem)  # before the other sections spend their minutes
 
     procs.raise_nofile()
     plan = Plan.quick() if args.quick else Plan()
