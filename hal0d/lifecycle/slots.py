@@ -142,7 +142,8 @@ class Slot:
         # runs now (asked of the kernel, not of what the lifecycle was told so far).
         self.process_runs: Callable[[Slot], bool] | None = None
         # Which run of the slot's process it serves: one more each time the lifecycle launches
-        # one, so that what was learnt of an earlier process (modes.py) is asked anew.
+        # one (for a slot without a command: each time its probe sees the server come back),
+        # so that what was learnt of an earlier process (modes.py, props.py) is asked anew.
         self.generation = 0
         # Set by the lifecycle manager in a group whose loads wait for their turn: the longest
         # that wait may be, added to a waiter's bound while the slot is not up.

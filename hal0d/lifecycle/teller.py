@@ -299,8 +299,13 @@ class Teller:
             return
         if runner is not None:
             self.tell(runner, event, reason)
-        else:
-            self._step(slot, event, reason)  # a slot without a command: no actions to carry out
+            return
+        back = event is Event.PROBE_OK and slot.state not in UP
+        self._step(slot, event, reason)  # a slot without a command: no actions to carry out
+        if back and slot.state in UP:
+            # The server answers again after it did not: it may be another run, or another
+            # program, so what was learnt of the last one (its /props, its modes) is asked anew.
+            slot.generation += 1
 
     async def _probe_forever(self) -> None:
         while True:
