@@ -4,6 +4,7 @@ upstreams, hal0d's Ollama listener and the `ollama` client."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from pathlib import Path
@@ -19,7 +20,7 @@ from hal0d.lifecycle import teller
 from hal0d.lifecycle.vocabulary import UP
 from hal0d.transport import props as upstream_props
 from hal0d.transport.upstream import OWN_ANSWER_LIMIT
-from tests.harness.daemons import OllamaFactory
+from tests.harness.daemons import OllamaFactory, ServerFactory
 from tests.harness.poll import eventually
 from tests.harness.ports import free_port
 from tests.harness.stubs import Upstream
@@ -59,6 +60,31 @@ async def test_a_props_answer_over_the_bound_is_refused_and_hal0d_answers_on(
                         "slot": "llm", "path": "/props", "limit_bytes": OWN_ANSWER_LIMIT}], logs
     models = (await AsyncClient(host=base).list()).models
     assert [model.model for model in models] == ["chat"]
+
+
+async def test_an_event_of_another_hal0ds_feed_over_the_bound_is_refused(
+        upstream_app: Upstream, start_hal0d: ServerFactory) -> None:
+    """The feed of a second box (a slot of kind "hal0d") is read as it comes, but an event is
+    held until it ends: one that never does is refused at the bound, not held."""
+    async def endless(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        with contextlib.suppress(ConnectionResetError):
+            await response.write(b"event: slot\ndata: ")
+            for _ in range(OWN_ANSWER_LIMIT // len(PIECE) + 16):
+                await response.write(PIECE)
+            await asyncio.Event().wait()  # the event never ends
+        return response
+
+    upstream = await upstream_app({"GET /api/events": endless})
+    with capture_logs() as logs:
+        await start_hal0d(upstream, models=("chat",), slot={"kind": "hal0d"})
+        refused = await eventually(
+            lambda: [e for e in logs if e["event"] == "upstream.answer_too_large"], 20,
+            "the feed's event refused")
+    assert refused[0] == {"event": "upstream.answer_too_large", "log_level": "warning",
+                          "slot": "llm", "path": "/api/events",
+                          "limit_bytes": OWN_ANSWER_LIMIT}, refused
 
 
 async def test_a_server_without_a_command_that_first_has_no_props_is_asked_again(
