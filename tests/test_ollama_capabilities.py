@@ -183,7 +183,7 @@ async def test_an_unloaded_on_demand_slot_says_what_its_server_said_when_it_was_
 async def test_a_server_that_never_answers_props_is_not_asked_by_every_model_list(
         upstream_app: Upstream, start_ollama: OllamaFactory) -> None:
     """Open WebUI reads /api/tags and /api/ps every few seconds: a server that gives /props no
-    answer within its bound costs one wait, then is left alone until PROPS_RETRY_S."""
+    answer within its bound costs one wait, then is left alone until PROPS_RETRY_FIRST_S."""
     asked = 0
 
     async def silent(_: web.Request) -> web.StreamResponse:

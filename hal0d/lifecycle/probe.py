@@ -36,9 +36,10 @@ FAST_PHASE_S = 2.0
 async def probe(client: UpstreamClient, config: SlotConfig) -> str | None:
     """None when the upstream answers GET /v1/models, else why not."""
     try:
+        # The status is the answer: the list itself is not read (a remote provider's is long).
         status, _ = await client.ask(config, hdrs.METH_GET, "/v1/models",
                                      during="waiting for GET /v1/models",
-                                     timeout_s=PROBE_TIMEOUT_S)
+                                     timeout_s=PROBE_TIMEOUT_S, limit=0)
     except UpstreamUnavailable as exc:
         # A reason, not an error: no request is waiting on the probe. A probe short of a
         # descriptor is not counted as a refused request either (no refused_at).

@@ -21,10 +21,10 @@ import orjson
 from aiohttp import hdrs
 
 from hal0d.config import SlotConfig
-from hal0d.errors import UpstreamUnavailable
+from hal0d.errors import UpstreamInvalid, UpstreamUnavailable
 from hal0d.logs import get_logger
 from hal0d.protocol.sse import Decoder
-from hal0d.transport.upstream import BODY_BROKEN, UpstreamClient
+from hal0d.transport.upstream import BODY_BROKEN, OWN_ANSWER_LIMIT, UpstreamClient
 
 log = get_logger()
 
@@ -110,12 +110,23 @@ class RemoteModels:
             if feed.status != 200:
                 raise UpstreamUnavailable(f"GET /api/events answered {feed.status}")
             decoder = Decoder()
+            # What was read since the last whole event or comment: the decoder holds it.
+            pending = 0
             while True:
                 async with asyncio.timeout(FEED_SILENCE_S):
                     chunk = await feed.content.readany()
                 if not chunk:
                     return
-                if any(event.event in _CHANGES for event in decoder.feed(chunk)):
+                events = decoder.feed(chunk)
+                pending = 0 if events or decoder.comments else pending + len(chunk)
+                if pending > OWN_ANSWER_LIMIT:
+                    # An event that never ends would be held whole: refused like any answer
+                    # over the bound, and the feed is asked for again.
+                    log.warning("upstream.answer_too_large", slot=slot.name,
+                                path="/api/events", limit_bytes=OWN_ANSWER_LIMIT)
+                    raise UpstreamInvalid(f"an event of /api/events over {OWN_ANSWER_LIMIT} "
+                                          "bytes")
+                if any(event.event in _CHANGES for event in events):
                     await self._read_models(slot)
         finally:
             with contextlib.suppress(Exception):

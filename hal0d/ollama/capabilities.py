@@ -47,6 +47,31 @@ def of_command(command: Sequence[str] | None) -> tuple[str, ...] | None:
     return None
 
 
+# The flags of /props's chat_template_caps and modalities that of_props reads.
+_CAPS: Final = ("supports_tool_calls", "supports_tools", "supports_preserve_reasoning",
+                "supports_reasoning_effort")
+_MODALITIES: Final = ("vision", "audio")
+
+
+def essentials(props: Mapping[str, Any]) -> dict[str, Any]:
+    """What of llama-server's /props of_props and context_length read, and nothing else: it is
+    kept for as long as the server's process runs, and the rest (a chat template of many KiB,
+    every sampling default) is not needed. The template is kept as the marks of reasoning it
+    holds, which is all of_props looks for in it."""
+    kept: dict[str, Any] = {}
+    for field, flags in (("chat_template_caps", _CAPS), ("modalities", _MODALITIES)):
+        given = props.get(field)
+        if isinstance(given, dict):
+            kept[field] = {flag: bool(given[flag]) for flag in flags if flag in given}
+    template = props.get("chat_template")
+    if isinstance(template, str):
+        kept["chat_template"] = " ".join(mark for mark in _THINKING_MARKS if mark in template)
+    settings = props.get("default_generation_settings")
+    if isinstance(settings, dict) and "n_ctx" in settings:
+        kept["default_generation_settings"] = {"n_ctx": settings["n_ctx"]}
+    return kept
+
+
 def of_props(props: Mapping[str, Any]) -> tuple[str, ...]:
     """What llama-server's /props says its model can do."""
     caps = props.get("chat_template_caps")

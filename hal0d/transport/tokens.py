@@ -42,7 +42,7 @@ from hal0d.config import SlotConfig
 from hal0d.errors import UpstreamUnavailable
 from hal0d.logs import get_logger
 from hal0d.transport.failures import upstream_errors
-from hal0d.transport.upstream import UpstreamClient
+from hal0d.transport.upstream import OWN_ANSWER_LIMIT, UpstreamClient
 
 log = get_logger()
 TOKENIZE_TIMEOUT_S = 2.0
@@ -66,6 +66,17 @@ class TryLater(Exception):
 
 class NotThisRequest(Exception):
     """This way could not count this request; the next way may, and nothing is remembered."""
+
+
+# The most bytes of answer a byte of what was sent may bring: a token of its own a byte at worst,
+# as a JSON number of up to six digits and a comma (the templated prompt is about as long).
+ANSWER_BYTES_PER_BYTE = 8
+
+
+def answer_limit(sent: bytes) -> int:
+    """The bound on a tokenizer's answer: it grows with the prompt it was sent, which may be
+    far longer than what a server says about itself."""
+    return OWN_ANSWER_LIMIT + ANSWER_BYTES_PER_BYTE * len(sent)
 
 
 def estimate(text: str) -> int:
@@ -98,9 +109,10 @@ class TokenCounter:
     async def _post(self, slot: SlotConfig, path: str, body: dict[str, Any],
                     bound_s: float) -> Any:
         """The answer's JSON; None when the endpoint is not there (or answers no JSON)."""
+        sent = orjson.dumps(body)
         status, data = await self.client.ask(
-            slot, hdrs.METH_POST, path, body=orjson.dumps(body), during="counting tokens",
-            timeout_s=bound_s, refused_at="tokenizer",
+            slot, hdrs.METH_POST, path, body=sent, during="counting tokens",
+            timeout_s=bound_s, refused_at="tokenizer", limit=answer_limit(sent),
         )
         if path == TEMPLATE and status in ABSENT_STATUSES - NO_ENDPOINT_STATUSES:
             raise NotThisRequest(f"{path} answered {status}")

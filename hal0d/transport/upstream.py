@@ -5,7 +5,13 @@ request a kept-alive connection lost (`retry_on_fresh`, this session's middlewar
 
 Every call hal0d makes to a slot's server goes through `UpstreamClient`: a request's forward
 (`open`, then the relay or `read_whole`), and hal0d's own questions (`ask`: the health probe, a
-token count, the Anthropic-mode probe).
+token count, the Anthropic-mode probe, /props, a prompt cache's save and restore).
+
+Bounds of hal0d's own questions. What a server says about itself is read into memory, so it is
+read a piece at a time up to a bound (`OWN_ANSWER_LIMIT`, or the caller's): a server that says
+more is refused with `upstream.answer_too_large` and the question fails as an answer that was
+not usable (UpstreamInvalid), instead of hal0d's memory growing with whatever it is sent (the
+timeout bounds such a body only by bandwidth).
 
 Timeouts. aiohttp's client default is total=300 s, which silently kills long streams; the session
 has no total. `connect_timeout_s` bounds getting a connection (the name's resolution and the TCP
@@ -51,11 +57,21 @@ from yarl import URL
 
 from hal0d import USER_AGENT
 from hal0d.config import DispatcherConfig, SlotConfig
+from hal0d.errors import UpstreamInvalid
+from hal0d.logs import get_logger
 
 # BODY_BROKEN moved to failures.py with every other aiohttp exception; the forward path and the
 # lifecycle's remote slots import it from here, so it stays importable from this module too.
 from hal0d.transport.failures import BODY_BROKEN as BODY_BROKEN  # noqa: PLC0414 (a re-export)
 from hal0d.transport.failures import UpstreamRequest, WriteTimeout, retry_on_fresh, upstream_errors
+
+log = get_logger()
+
+# The most of an answer hal0d reads for itself (what a server says about itself: a few KiB of
+# JSON, a llama-server's chat template included); more is refused, not buffered.
+OWN_ANSWER_LIMIT = 4 * 2**20
+# The piece an own answer is read in.
+OWN_ANSWER_PIECE = 2**16
 
 # RFC 9110 7.6.1 hop-by-hop headers, plus the ones aiohttp recomputes for each side.
 HOP_BY_HOP = frozenset(
@@ -344,11 +360,14 @@ class UpstreamClient:
         body: bytes | None = None,
         headers: Mapping[str, str] | None = None,
         refused_at: str | None = None,
+        limit: int = OWN_ANSWER_LIMIT,
     ) -> tuple[int, bytes]:
         """A question of hal0d's own (a probe, a token count): with hal0d's own headers and the
         slot's key, the whole answer within `timeout_s`; (status, body). No answer at all is
         UpstreamUnavailable saying why (`during`: what it waited for), or FdExhausted when
-        `refused_at` names the step a refused descriptor is counted at."""
+        `refused_at` names the step a refused descriptor is counted at. A body over `limit`
+        bytes is UpstreamInvalid (read_own); `limit` 0: the status is the whole answer, and
+        the body is not read (its connection is closed instead of drained)."""
         sent = own_headers(slot)
         if body is not None:
             sent[hdrs.CONTENT_TYPE] = "application/json"
@@ -359,4 +378,28 @@ class UpstreamClient:
                     method, upstream_url(slot.upstream, path), data=body, headers=sent,
                     allow_redirects=False,
                 ) as answer:
-                    return answer.status, await answer.read()
+                    return answer.status, await read_own(answer, slot, path, limit)
+
+
+async def read_own(answer: aiohttp.ClientResponse, slot: SlotConfig, path: str,
+                   limit: int) -> bytes:
+    """An answer to a question of hal0d's own, read a piece at a time and refused once it is
+    over `limit` bytes (a Content-Length over it: before any of it is read)."""
+    if limit == 0:
+        return b""
+    pieces: list[bytes] = []
+    size = answer.content_length or 0
+    if size <= limit:
+        size = 0
+        async for piece in answer.content.iter_chunked(OWN_ANSWER_PIECE):
+            size += len(piece)
+            if size > limit:
+                break
+            pieces.append(piece)
+    if size > limit:
+        log.warning("upstream.answer_too_large", slot=slot.name, path=path, limit_bytes=limit)
+        error = UpstreamInvalid(f"slot {slot.name!r} answered {path} with more than "
+                                f"{limit} bytes")
+        error.cause, error.kind = f"answer to {path} over {limit} bytes", "too_large"
+        raise error
+    return b"".join(pieces)
