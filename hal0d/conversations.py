@@ -8,6 +8,11 @@ session header; Claude Code's `metadata.user_id`, which carries its session), el
 what stays the same from turn to turn: the model, the system prompt or instructions, the tools,
 the first user message.
 
+Every key is its client's (`of_client`): the name of the API key the request came with, else the
+client identity the queue knows it by (the body's OpenAI `user` or Anthropic `metadata.user_id`,
+else the one anonymous client). Two users who both open with "hi" hold two conversations, and a
+session id sent by another client names another conversation, not theirs.
+
 `Affinity` remembers the slot that last served each conversation (a bounded LRU with a time to
 live), so a route's plan can put it first (forward/path.py, Dispatch.order); the lifecycle forgets
 a slot's conversations when its process stops without saving its caches, and hands back those a
@@ -46,6 +51,14 @@ def _given(headers: Mapping[str, str], model: str, given: Any) -> str | None:
         if value := headers.get(name):
             return _digest(model, "given", value)
     return None
+
+
+def of_client(client: str, conversation: str | None) -> str | None:
+    """`conversation` as `client`'s own (client_of names the client): keys as the clients
+    give them would let one client's turns move another's warm slot."""
+    if conversation is None:
+        return None
+    return hashlib.sha256(f"{client}\n{conversation}".encode()).hexdigest()[:24]
 
 
 def _first_user(messages: Any) -> Any:

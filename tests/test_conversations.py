@@ -246,3 +246,79 @@ async def test_a_failover_route_keeps_its_order(
     hal0d = await start_route(start_hal0d, one, two.url, tmp_path, route="")
     assert [await turn(http, hal0d, turns("same", n)) for n in (1, 2, 3)] == [
         "two", "one", "one"]
+
+
+# -- per client -------------------------------------------------------------------------------
+
+ALICE, BOB = "hal0-alice-key-7Qm2x", "hal0-bob-key-9Lp4z"
+KEYS = f"""
+[[keys]]
+name = "alice"
+key = "{ALICE}"
+scopes = ["inference", "read"]
+
+[[keys]]
+name = "bob"
+key = "{BOB}"
+scopes = ["inference", "read"]
+"""
+
+
+async def keyed_turn(http: aiohttp.ClientSession, hal0d: TestServer, key: str,
+                     messages: list[dict[str, Any]], session: str | None = None) -> str:
+    """One streamed turn with `key` (and the session header `session`): the slot that answered
+    it (its history row)."""
+    headers = {"Authorization": f"Bearer {key}"}
+    if session is not None:
+        headers["x-session-id"] = session
+    async with http.post(hal0d.make_url("/v1/chat/completions"), headers=headers,
+                         json={"model": "qwen", "stream": True, "messages": messages}) as resp:
+        body = await resp.read()
+        assert resp.status == 200 and body.rstrip().endswith(b"data: [DONE]"), body[-300:]
+        request_id = resp.headers["X-Request-Id"]
+    rows: list[dict[str, Any]] = []
+
+    async def recorded() -> bool:
+        async with http.get(hal0d.make_url("/api/requests?limit=20"), headers=headers) as got:
+            rows[:] = [row for row in (await got.json())["requests"]
+                       if row["request_id"] == request_id]
+        return bool(rows)
+
+    await eventually(recorded, 5.0, f"the history row of {request_id}")
+    return str(rows[0]["slot"])
+
+
+async def test_two_clients_opening_alike_or_sending_one_session_id_keep_their_own_slots(
+    start_hal0d: ServerFactory, start_stub: StubFactory, upstream_app: Upstream,
+    tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """Alice's conversation is on replica one. Bob opens his the same way ("hi", or alice's
+    session id) while one is busy, so his turn spills to two: alice's next turn still goes to
+    one, where her conversation is warm (with one key for both, bob's turn would have moved it
+    to two)."""
+    release = asyncio.Event()
+
+    async def first_replica(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if body["messages"][-1]["content"] == "hold":
+            await release.wait()
+        return await answering_stream(request)
+
+    one = await upstream_app({"POST /v1/chat/completions": first_replica})
+    two = await start_stub()
+    text = route_config(one, two.url, tmp_path, route="spill_when_busy = true",
+                        first_slot="max_concurrent = 1", second_slot="max_concurrent = 1")
+    hal0d = await start_hal0d("http://unused", config=parse(tomllib.loads(KEYS + text),
+                                                            base_dir=tmp_path))
+    table = hal0d.app[SLOTS]
+    for session in (None, "s-alice"):
+        assert await keyed_turn(http, hal0d, ALICE, turns("hi", 1), session) == "one"
+        release.clear()
+        holding = asyncio.ensure_future(
+            keyed_turn(http, hal0d, ALICE, [{"role": "user", "content": "hold"}]))
+        await eventually(lambda: table["one"].in_flight == 1, 5.0, "replica one busy")
+        assert await keyed_turn(http, hal0d, BOB, turns("hi", 1), session) == "two"
+        release.set()
+        assert await holding == "one"
+        assert await keyed_turn(http, hal0d, ALICE, turns("hi", 2), session) == "one", session
+        assert await keyed_turn(http, hal0d, BOB, turns("hi", 2), session) == "two", session

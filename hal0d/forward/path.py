@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from hal0d import conversations
 from hal0d.errors import ErrorCode, Hal0Error
 from hal0d.forward.attempt import Forward, HandOn
 from hal0d.forward.exchange import Exchange
@@ -94,15 +95,18 @@ class Dispatch:
         waits for in the slot queues (client_of, from the parsed body, which the surface need
         not keep for the stream's life); without it, the key's or the anonymous. `slot`: that
         slot of the plan alone, no hand-on (the one that holds a stored answer).
-        `conversation`: the conversation the request continues (conversations.py): the slot
-        that served its last turn goes first, and the one that answers holds it now."""
+        `conversation`: the conversation the request continues (conversations.py), kept per
+        `client`: the slot that served its last turn goes first, and the one that answers holds
+        it now."""
         info, plan = self._resolve(request, model, exchange.stream)
+        client = client or client_of(info, None)
+        # One client's conversation is never another's, whatever the two send alike.
+        conversation = conversations.of_client(client, conversation)
         if slot is not None:
             routes: tuple[Route, ...] = (
                 next((r for r in plan.routes if r.slot.name == slot), plan.first),)
         else:
             routes = self.order(plan, conversation)
-        client = client or client_of(info, None)
         waiting = Waiting(request, exchange, every_s=0.0, bound_s=0.0, what=str,
                           on_sent=self.on_keepalive) if exchange.keeps_alive else None
         tried: list[str] = []

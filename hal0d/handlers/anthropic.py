@@ -13,14 +13,14 @@ answer is relayed byte for byte, a stream through the native transform (hal0d/an
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
 from aiohttp import web
 
 from hal0d import conversations
-from hal0d.anthropic.native import NativeAnthropic
+from hal0d.anthropic.native import NativeAfterOpening, NativeAnthropic
 from hal0d.anthropic.request import (
     MessagesRequest,
     parse_messages_request,
@@ -28,7 +28,7 @@ from hal0d.anthropic.request import (
     to_openai,
 )
 from hal0d.anthropic.response import to_anthropic
-from hal0d.anthropic.stream import Translator
+from hal0d.anthropic.stream import State, Translator
 from hal0d.anthropic.transform import AnthropicTransform
 from hal0d.appkeys import DISPATCH
 from hal0d.errors import Hal0Error, InvalidRequest, UpstreamInvalid
@@ -57,12 +57,15 @@ def model_and_stream(body: dict[str, Any]) -> tuple[str, bool]:
 
 class Native(Exchange):
     """The client's request at the upstream's own Messages endpoint (`path`), an aliased model
-    renamed; its answer passed on as it came."""
+    renamed; its answer passed on as it came. `opened`: whether hal0d's own message_start is
+    already out (a keepalive's, on a slot before this one), asked when the stream begins."""
 
     surface = "anthropic"
 
-    def __init__(self, raw: bytes, model: str, path: str, *, stream: bool) -> None:
+    def __init__(self, raw: bytes, model: str, path: str, *, stream: bool,
+                 opened: Callable[[], bool] = lambda: False) -> None:
         self.raw, self.model, self.path, self.stream = raw, model, path, stream
+        self.opened = opened
 
     def native_call(self, fwd: Attempt) -> Call:
         return Call(self.path, self.body_for(fwd), params=fwd.request.query, answered_by=self)
@@ -93,6 +96,8 @@ class Native(Exchange):
         return response
 
     def relay(self, fwd: Attempt, answer: Answer) -> tuple[Mapping[str, str], Transform]:
+        if self.opened():  # the upstream's message_start would be the client's second
+            return response_headers(answer.headers), NativeAfterOpening()
         return response_headers(answer.headers), NativeAnthropic()
 
 
@@ -106,7 +111,7 @@ class Messages(Exchange):
     def __init__(self, raw: bytes, body: dict[str, Any], model: str, *, stream: bool,
                  path: str = "/v1/messages") -> None:
         self.body, self.stream = body, stream
-        self.native = Native(raw, model, path, stream=stream)
+        self.native = Native(raw, model, path, stream=stream, opened=self.opened)
         self._request: MessagesRequest | None = None
         self.input_tokens: int | None = None  # the prompt's count, for message_start
         # The stream's one transform, made when a keepalive needs it or when the relay begins:
@@ -126,6 +131,10 @@ class Messages(Exchange):
         self.translating = route.slot.anthropic == TRANSLATE
         if self.translating:
             self.request()
+
+    def opened(self) -> bool:
+        """Whether a keepalive sent this stream's message_start."""
+        return self._transform is not None and self._transform.translator.state is not State.IDLE
 
     def transform(self) -> AnthropicTransform:
         if self._transform is None:
