@@ -87,6 +87,8 @@ def add_stub_command(commands: Any) -> None:
                       help="answer GET /props with this file, as llama-server describes "
                       "itself (without it /props answers 404)")
     slots = stub.add_argument_group("server slots and their prompt cache, as llama-server's")
+    slots.add_argument("-m", "--model", metavar="FILE",
+                       help="the model file, as llama-server's (the stub reads nothing from it)")
     slots.add_argument("-np", "--parallel", type=whole_number(1, 1024, "number of slots"),
                        default=1, help="number of server slots (default 1)")
     slots.add_argument("-c", "--ctx-size", type=whole_number(1, 1 << 24, "context size"),
