@@ -24,10 +24,13 @@ $(STAMP): $(RUN_STAMP)
 	touch $(STAMP)
 
 # `make run PORT=8081 HOST=0.0.0.0` listens elsewhere; unset, the config's [server] decides.
+# With PORT, the demo's Ollama listener moves too, to a free port (its server.started line
+# names it), so a second demo runs beside the first; OLLAMA_PORT=N puts it on N instead.
 # Only values given on make's command line count: tcsh and zsh export HOST as the machine's name.
 cli_value = $(if $(filter command line,$(origin $(1))),$($(1)))
+ollama_port = $(or $(call cli_value,OLLAMA_PORT),$(if $(call cli_value,PORT),0))
 run: $(RUN_STAMP)
-	$(BIN)/hal0d serve --config etc/hal0d.toml $(if $(call cli_value,HOST),--host $(HOST)) $(if $(call cli_value,PORT),--port $(PORT))
+	$(BIN)/hal0d serve --config etc/hal0d.toml $(if $(call cli_value,HOST),--host $(HOST)) $(if $(call cli_value,PORT),--port $(PORT)) $(if $(ollama_port),--ollama-port $(ollama_port))
 
 # The status page's tests drive Debian's chromium (a browser download at run time fails on
 # machines without internet): installed here when missing and we may (root, apt-get present);

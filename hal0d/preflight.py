@@ -94,7 +94,12 @@ def command_problems(command: tuple[str, ...]) -> list[str]:
             problems.append(f"model file {model.path!r} ({model.option}) is not readable by "
                             "this user; the slot's process cannot load it")
     split = context_split(command)
-    if split is not None and split.per_slot < MIN_CONTEXT_PER_SLOT:
+    if split is not None and split.per_slot < MIN_CONTEXT_PER_SLOT and split.parallel == 1:
+        problems.append(
+            f"llama-server gives each request -c {split.context} tokens, below "
+            f"{MIN_CONTEXT_PER_SLOT} (a coding agent's first prompt alone can be larger); raise "
+            f"-c to {MIN_CONTEXT_PER_SLOT} or more")
+    elif split is not None and split.per_slot < MIN_CONTEXT_PER_SLOT:
         problems.append(
             f"llama-server splits -c {split.context} between its --parallel {split.parallel} "
             f"slots: {split.per_slot} tokens per request, below {MIN_CONTEXT_PER_SLOT} (a coding "

@@ -98,7 +98,8 @@ def serve(
     server_overrides: Mapping[str, Any] | None = None,
     warnings: Sequence[Finding] = (),
 ) -> int:
-    """Run until stopped. `server_overrides`: [server] keys given on the command line."""
+    """Run until stopped. `server_overrides`: [server] keys given on the command line, and
+    `ollama_listen`, [ollama].listen as --ollama-port made it."""
     logs.configure(config.logging.level, config.logging.format, cache_loggers=True)
     logs.hide(known_secrets(config))
     log_warnings(warnings, config_path)
@@ -133,7 +134,12 @@ async def run(config: Config, config_path: Path,
 def with_server_overrides(config: Config, overrides: Mapping[str, Any]) -> Config:
     if not overrides:
         return config
-    return dataclasses.replace(config, server=dataclasses.replace(config.server, **overrides))
+    server = {key: value for key, value in overrides.items() if key != "ollama_listen"}
+    config = dataclasses.replace(config, server=dataclasses.replace(config.server, **server))
+    if (listen := overrides.get("ollama_listen")) is not None and config.ollama.listen:
+        config = dataclasses.replace(config, ollama=dataclasses.replace(config.ollama,
+                                                                        listen=listen))
+    return config
 
 
 def listen(host: str, port: int, backlog: int) -> list[socket.socket]:

@@ -1,6 +1,7 @@
 """check-config reads a slot's command as the machine will run it: a model file a known server
-is told to load that is not there, and llama-server's context split so thin between its
-`--parallel` slots that an agent's prompt overflows, are warnings (check-config exits 0, `serve`
+is told to load that is not there, and llama-server's context so thin per request (all of
+-c with one server slot, split between `--parallel` slots) that an agent's prompt overflows,
+are warnings (check-config exits 0, `serve`
 logs them once and serves: the machine may still change before the service starts). Another
 program's `-m` (Python's own) and an argument with a placeholder are left alone."""
 
@@ -111,3 +112,24 @@ async def test_serve_logs_the_same_warnings_once_and_serves(
     async with asyncio.timeout(STARTUP_S), aiohttp.ClientSession() as http, http.post(
             f"{hal0d.url}/v1/chat/completions", json=chat_body("chat", stream=False)) as resp:
         assert resp.status == 200, await resp.text()  # warned, not refused
+
+
+def test_check_config_warns_of_a_thin_context_with_one_server_slot(tmp_path: Path) -> None:
+    """With one server slot (`--parallel 1`, or none given) each request has all of -c: under
+    8192 is as thin as a split one; `--kv-unified` gives every slot all of it too."""
+    program = llama_server(tmp_path)
+    path = tmp_path / "hal0d.toml"
+    path.write_text(
+        slot("one", "chat", [str(program), "-c", "4096", "--parallel", "1"])
+        + slot("default", "tool", [str(program), "--ctx-size=2048"])
+        + slot("unified", "think", [str(program), "-c", "4096", "-np", "4", "-kvu"])
+        + slot("wide", "wide", [str(program), "-c", "8192"])
+        + f'\n[metrics]\ndatabase = "{tmp_path / "history.sqlite3"}"\n')
+    result = subprocess.run([sys.executable, "-m", "hal0d", "check-config", "--config", str(path)],
+                            capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        f"warning: slots[{index}].command: llama-server gives each request -c {context} "
+        "tokens, below 8192 (a coding agent's first prompt alone can be larger); raise -c to "
+        "8192 or more" for index, context in ((0, 4096), (1, 2048), (2, 4096))
+    ], result.stderr

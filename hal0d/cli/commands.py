@@ -13,6 +13,7 @@ from typing import Any
 
 from hal0d import __version__, preflight
 from hal0d import config as configuration
+from hal0d.config.ports import unused_port
 
 DEFAULT_CONFIG = "/etc/hal0d/hal0d.toml"
 
@@ -46,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="listen on this address instead of [server].host")
     serve.add_argument("--port", type=port_number,
                        help="listen on this port instead of [server].port")
+    serve.add_argument("--ollama-port", type=whole_number(0, 65535, "port number"),
+                       help="the Ollama listener on this port of [ollama].listen's host "
+                       "instead (0: a free port, named in the server.started line)")
 
     check = commands.add_parser("check-config", help="validate a config file")
     check.add_argument("--config", default=DEFAULT_CONFIG, help=f"(default {DEFAULT_CONFIG})")
@@ -87,6 +91,8 @@ def add_stub_command(commands: Any) -> None:
                       help="answer GET /props with this file, as llama-server describes "
                       "itself (without it /props answers 404)")
     slots = stub.add_argument_group("server slots and their prompt cache, as llama-server's")
+    slots.add_argument("-m", "--model", metavar="FILE",
+                       help="the model file, as llama-server's (the stub reads nothing from it)")
     slots.add_argument("-np", "--parallel", type=whole_number(1, 1024, "number of slots"),
                        default=1, help="number of server slots (default 1)")
     slots.add_argument("-c", "--ctx-size", type=whole_number(1, 1 << 24, "context size"),
@@ -210,10 +216,32 @@ def serve(args: argparse.Namespace) -> int:
         key: value for key, value in (("host", args.host), ("port", args.port))
         if value is not None
     }
+    if args.ollama_port is not None:
+        listen = ollama_listen(config, args.ollama_port, avoid=args.port or config.server.port)
+        if listen is None:
+            print(f"{args.config}: --ollama-port needs [ollama].listen in the config",
+                  file=sys.stderr)
+            return 2
+        overrides["ollama_listen"] = listen
     from hal0d.server import serve as run_server
 
     return run_server(config, Path(args.config), server_overrides=overrides,
                       warnings=findings.warnings)
+
+
+def ollama_listen(config: configuration.Config, port: int, avoid: int) -> str | None:
+    """[ollama].listen with its port replaced (0: a free one, picked once, here, and not
+    `avoid`, the main port, which is not bound yet); None when the config has no Ollama
+    listener."""
+    address = config.ollama.address
+    if address is None:
+        return None
+    if port == 0:
+        port = unused_port()
+        while port == avoid:
+            port = unused_port()
+    host = f"[{address[0]}]" if ":" in address[0] else address[0]
+    return f"{host}:{port}"
 
 
 def main(argv: list[str] | None = None) -> int:

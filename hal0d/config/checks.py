@@ -10,6 +10,7 @@ only the slots that passed.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,10 @@ from hal0d.config.spec import (
     string_list,
 )
 
+# A slot's name is a folder's name too (its saved prompt caches): no separator, no `..`, no
+# hidden name, nothing a shell or a URL would have to quote.
+SLOT_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+
 
 def check_slots(raw: Any, problems: list[str], base_dir: Path,
                 cache_root: Path | None = None) -> tuple[SlotConfig, ...]:
@@ -75,6 +80,10 @@ def check_slots(raw: Any, problems: list[str], base_dir: Path,
         if isinstance(upstream, str) and not upstream.startswith(("http://", "https://")):
             problems.append(f"{path}.upstream: {upstream!r} must start with http:// or https://")
         if (name := _named(good, "name", path, problems)) is not None:
+            if not SLOT_NAME.fullmatch(name):
+                problems.append(f"{path}.name: {name!r} must be letters, digits, '.', '_' and "
+                                "'-', not starting with '.' (it names the slot's folder of "
+                                "saved prompt caches)")
             if name in names:
                 problems.append(f"{path}.name: {name!r} is used by another slot")
             names.add(name)

@@ -7,7 +7,8 @@ says it means, and nothing is read from it:
 
     llama-server                        -m/--model, -md/--model-draft, -mm/--mmproj FILE;
                                         -c/--ctx-size N split between -np/--parallel N slots
-                                        (unless -kvu/--kv-unified: then every slot has it all)
+                                        (unless -kvu/--kv-unified: then every slot has it all;
+                                        one slot, the default, has it all too)
     vllm serve MODEL                    MODEL or --model, when written as a path (./x, /x):
                                         any other is a Hugging Face name
     python -m llama_cpp.server          --model FILE
@@ -103,15 +104,19 @@ def model_files(command: Sequence[str]) -> list[ModelFile]:
 
 
 def context_split(command: Sequence[str]) -> ContextSplit | None:
-    """llama-server's context split between its slots, when the command sets both numbers
-    (the context from the model's own, `-c 0`, is not known here) and more than one slot."""
+    """What llama-server gives each request of its context, when the command sets it (the
+    context from the model's own, `-c 0`, is not known here): `-c` split between its
+    `--parallel` slots, or all of it with one slot (`--parallel 1`, or not given: a request at
+    a time then has the whole context) or with `--kv-unified`."""
     server, args = server_of(command)
-    if server != LLAMA_SERVER or any(arg in UNIFIED_OPTIONS for arg in args):
+    if server != LLAMA_SERVER:
         return None
     context = _last_number(option_values(args, CONTEXT_OPTIONS))
-    parallel = _last_number(option_values(args, PARALLEL_OPTIONS))
-    if not context or parallel is None or parallel < 2:
+    parallel = _last_number(option_values(args, PARALLEL_OPTIONS)) or 1
+    if not context:
         return None
+    if any(arg in UNIFIED_OPTIONS for arg in args):
+        parallel = 1
     return ContextSplit(context, parallel)
 
 

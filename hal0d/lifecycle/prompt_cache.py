@@ -14,8 +14,14 @@ conversations (conversations.py) the slot held, so that a restore gives them bac
 affinity, after a restart of hal0d too.
 
 Saving and restoring never fail or hold a request: each is bounded by `save_timeout_s`; a
-failure is logged with its cause and counted, the manifest is dropped (nothing half saved is
-ever restored) and the load goes on cold.
+failure is logged with its cause and counted, and the load goes on cold. The manifest is
+dropped when its files may be gone or wrong (a save that failed after asking the server to write
+one, a restore the server refused: nothing half saved is ever restored); a save that failed
+before any file was touched keeps the last good one.
+
+The folders are hal0d's alone: a symlink found where a slot's folder or a command's folder
+should be is never followed, neither to create the folder nor by the sweep (someone else's
+folder would be written or deleted); it is logged and left, and the slot does not load.
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ import asyncio
 import contextlib
 import os
 import shutil
+import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Protocol
@@ -34,7 +41,9 @@ import orjson
 from aiohttp import hdrs
 
 from hal0d.config import SlotConfig
+from hal0d.config.cache_dir import command_digest
 from hal0d.errors import UpstreamUnavailable, upstream_message
+from hal0d.lifecycle.process import LaunchFailed
 from hal0d.logs import get_logger
 from hal0d.transport.upstream import UpstreamClient
 
@@ -92,6 +101,17 @@ class PromptCache:
         self.slot = slot
         self.folder = folder
         self.status = CacheStatus()
+        # Whether the save under way asked the server to write a file: from then on the files
+        # the manifest names may be half written, and a failure drops it.
+        self.writing = False
+        # The command's key (cache_dir.command_digest: its weights' identity too) as it was
+        # when the running process was launched: a model file replaced while hal0d runs keeps
+        # the folder until the next reload, and the key tells the files of the old weights.
+        self.launched_key: str | None = None
+
+    def launching(self, command: Sequence[str]) -> None:
+        """A process of `command` is about to read its weights: what its caches will be of."""
+        self.launched_key = command_digest(command)
 
     # -- save --------------------------------------------------------------------------------
 
@@ -100,6 +120,7 @@ class PromptCache:
         """Each server slot that holds a prompt saved, within save_timeout_s; True when all
         were (the manifest then names them and `conversations`)."""
         started = time.monotonic()
+        self.writing = False
         try:
             async with asyncio.timeout(config.save_timeout_s):
                 files = await self._save_slots(client, config)
@@ -110,7 +131,8 @@ class PromptCache:
         else:
             tokens = sum(entry["tokens"] for entry in files)
             self._write_manifest({"saved_at": time.time(), "files": files,
-                                  "conversations": conversations if tokens else []})
+                                  "conversations": conversations if tokens else [],
+                                  "weights": self.launched_key})
             self.prune(config.prompt_cache_max_mib)
             status = self.status
             status.saved_at, status.saved_tokens, status.save_ms = (
@@ -118,7 +140,7 @@ class PromptCache:
             log.info("slot.cache_saved", slot=self.slot, files=len(files), tokens=tokens,
                      bytes=sum(entry["bytes"] for entry in files), ms=status.save_ms)
             return True
-        self._failed("slot.cache_save_failed", cause, started)
+        self._failed("slot.cache_save_failed", cause, started, drop=self.writing)
         return False
 
     async def _save_slots(self, client: UpstreamClient, config: SlotConfig
@@ -140,6 +162,7 @@ class PromptCache:
                 continue  # else it never held a prompt: nothing to keep
             name = f"slot{entry['id']}.bin"
             path = f"/slots/{entry['id']}?action=save"
+            self.writing = True
             saved = await self._ask(client, config, hdrs.METH_POST, path, {"filename": name})
             files.append({"id": entry["id"], "file": name,
                           "tokens": count_in(saved, "n_saved", path),
@@ -155,6 +178,11 @@ class PromptCache:
         files = [entry for entry in manifest.get("files", [])
                  if entry.get("tokens") and (self.folder / str(entry.get("file"))).is_file()]
         if not files:
+            return []
+        if manifest.get("weights") != self.launched_key:
+            self._drop_manifest()
+            log.warning("slot.cache_not_restored", slot=self.slot, manifest="dropped",
+                        reason="the model files or LLAMA_* variables changed since the save")
             return []
         started = time.monotonic()
         try:
@@ -197,10 +225,12 @@ class PromptCache:
             raise CacheFailed(f"{method} {path} answered {status}: {message}")
         return answer
 
-    def _failed(self, event: str, cause: str, started: float) -> None:
+    def _failed(self, event: str, cause: str, started: float, drop: bool = True) -> None:
         self.status.failures += 1
-        self._drop_manifest()  # what a failed save left is never restored
-        log.warning(event, slot=self.slot, reason=cause, ms=_ms(started))
+        if drop:
+            self._drop_manifest()  # what a failed save left is never restored
+        log.warning(event, slot=self.slot, reason=cause, ms=_ms(started),
+                    manifest="dropped" if drop else "kept")
 
     def _read_manifest(self) -> dict[str, Any]:
         try:
@@ -231,17 +261,13 @@ class PromptCache:
     def prune(self, max_mib: int) -> list[str]:
         """The folder within `max_mib`: its oldest files deleted first (and dropped from the
         manifest); returns their names."""
-        try:
-            files = sorted((path for path in self.folder.iterdir()
-                            if path.is_file() and path.name != MANIFEST),
-                           key=lambda path: path.stat().st_mtime)
-        except OSError:
-            return []
-        total = sum(path.stat().st_size for path in files)
+        sizes = self._file_sizes()
+        total = sum(size for _, _, size in sizes)
         deleted = []
-        while files and total > max_mib * MIB:
-            oldest = files.pop(0)
-            total -= oldest.stat().st_size
+        for _, oldest, size in sizes:
+            if total <= max_mib * MIB:
+                break
+            total -= size
             with contextlib.suppress(OSError):
                 oldest.unlink()
             deleted.append(oldest.name)
@@ -253,6 +279,23 @@ class PromptCache:
             log.info("slot.cache_pruned", slot=self.slot, deleted=deleted,
                      prompt_cache_max_mib=max_mib)
         return deleted
+
+    def _file_sizes(self) -> list[tuple[int, Path, int]]:
+        """(mtime_ns, path, size) of the folder's files but the manifest, oldest first; a file
+        removed meanwhile (by the server, by hand) is simply not there."""
+        found = []
+        try:
+            paths = list(self.folder.iterdir())
+        except OSError:
+            return []
+        for path in paths:
+            try:
+                info = path.lstat()
+            except OSError:
+                continue
+            if stat.S_ISREG(info.st_mode) and path.name != MANIFEST:
+                found.append((info.st_mtime_ns, path, info.st_size))
+        return sorted(found, key=lambda entry: entry[0])
 
 
 def count_in(answer: Any, key: str, path: str) -> int:
@@ -272,8 +315,31 @@ def count_in(answer: Any, key: str, path: str) -> int:
 def make_folder(folder: str) -> None:
     """A `{prompt_cache_dir}` exists before the process it is named to is launched (llama-server
     refuses to start with a --slot-save-path that is no folder), whether hal0d saves into it
-    or not."""
-    Path(folder).mkdir(parents=True, exist_ok=True, mode=0o700)
+    or not. The root may be anything the operator chose (a symlink too); the slot's folder and
+    the command's folder in it are created here and must be real folders: a symlink or a file
+    there fails the launch (LaunchFailed), logged."""
+    command_dir = Path(folder)
+    slot_dir = command_dir.parent
+    slot_dir.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for path in (slot_dir, command_dir):
+        with contextlib.suppress(FileExistsError):
+            path.mkdir(mode=0o700)  # mkdir never follows a symlink at `path`
+        kind = _kind(path)
+        if kind != "folder":
+            log.error("prompt_cache.folder_refused", folder=str(path), found=kind)
+            raise LaunchFailed(f"the prompt cache folder {path} is a {kind}, not a folder "
+                               "hal0d made: it is not followed; remove it")
+
+
+def _kind(path: Path) -> str:
+    """What is at `path`, the link itself when it is one: folder, symlink or other."""
+    try:
+        mode = path.lstat().st_mode
+    except OSError:
+        return "missing path"
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    return "folder" if stat.S_ISDIR(mode) else "file"
 
 
 def sweep(root: Path, configs: Iterable[SlotConfig]) -> list[str]:
@@ -284,11 +350,9 @@ def sweep(root: Path, configs: Iterable[SlotConfig]) -> list[str]:
     deleted: list[str] = []
     if not root.is_dir():
         return deleted
-    for slot_dir in root.iterdir():
-        if not slot_dir.is_dir():
-            continue
-        for folder in slot_dir.iterdir():
-            if folder in kept or not folder.is_dir() or not _is_digest(folder.name):
+    for slot_dir in _folders(root):
+        for folder in _folders(slot_dir):
+            if folder in kept or not _is_digest(folder.name):
                 continue
             shutil.rmtree(folder, ignore_errors=True)
             deleted.append(str(folder))
@@ -297,6 +361,23 @@ def sweep(root: Path, configs: Iterable[SlotConfig]) -> list[str]:
     if deleted:
         log.info("prompt_cache.swept", folders=deleted)
     return deleted
+
+
+def _folders(parent: Path) -> list[Path]:
+    """The real folders in `parent`; a symlink to one is logged and never followed."""
+    try:
+        paths = list(parent.iterdir())
+    except OSError:
+        return []
+    found = []
+    for path in paths:
+        kind = _kind(path)
+        if kind == "symlink":
+            log.warning("prompt_cache.symlink_skipped", path=str(path),
+                        reason="the sweep follows no symlink")
+        elif kind == "folder":
+            found.append(path)
+    return found
 
 
 def _is_digest(name: str) -> bool:

@@ -292,6 +292,8 @@ class Runner:
                 raise LaunchFailed(taken)
             if config.prompt_cache_dir is not None:
                 make_folder(config.prompt_cache_dir)
+            if (cache := self.prompt_cache()) is not None:
+                cache.launching(config.command or ())
             launched = time.monotonic()
             child = await self.launch()
             progress.enter(LoadPhase.PROBING)
