@@ -218,7 +218,7 @@ def test_a_young_hal0d_s_timeline_spans_the_minutes_it_has_run_and_its_labels_do
     assert drawn["seconds"] > 2, drawn
     span = drawn["lane"] * drawn["seconds"] / drawn["pixels"]
     assert 170 <= span <= 600, drawn  # the few minutes it has run, not the hour
-    assert drawn["title"].startswith("The last ") and "since hal0d started" in drawn["title"]
+    assert drawn["title"] == "Since hal0d started", drawn
     assert len(drawn["ticks"]) >= 2, drawn  # the minutes on the clock under it
     assert overlaps(browser) == []
     screenshot(browser, tmp_path, 1440, 900)

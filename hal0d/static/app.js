@@ -327,8 +327,7 @@ function renderHour() {
   if (!data || $("live").hidden) return;
   const now = timelineNow();
   const start = now - windowOf(data, now);
-  $("hour-title").textContent = now - start < WINDOW_S
-    ? `The last ${Math.round((now - start) / 60)} minutes, since hal0d started` : "The last hour";
+  $("hour-title").textContent = now - start < WINDOW_S ? "Since hal0d started" : "The last hour";
   const box = $("timeline");
   box.replaceChildren(timeline(data, start, now, box.clientWidth, state.picked));
   const charts = $("charts");
@@ -502,7 +501,7 @@ const handlers = {
     if (state.groups.length) refreshListsSoon(false);
   },
   swap() {
-    // The swap's wait is told on its group's card (re-read every second while it waits).
+    // Its wait is told on its group's card, re-read every second.
     refreshHourSoon(true);
     refreshListsSoon(false);
   },

@@ -254,7 +254,8 @@ const CHARTS = [
 function frame(width, height, start, now, top, format) {
   const left = 52;
   const bottom = height - 18;
-  const x = (ts) => left + ((ts - start) / (now - start)) * (width - left - 6);
+  // Inside the frame: a minute's point (its middle) is at now while the minute lasts.
+  const x = (ts) => left + ((Math.min(Math.max(ts, start), now) - start) / (now - start)) * (width - left - 6);
   const y = (v) => bottom - (v / top) * (bottom - 8);
   const root = svg("svg", { class: "chart", width, height, viewBox: `0 0 ${width} ${height}` });
   for (const v of [0, top / 2, top]) {
@@ -293,7 +294,7 @@ function barChart(chart, minutes, start, now, width, height) {
   const top = niceMax(Math.max(0, ...minutes.map((m) => m.requests)), true);
   const { root, x, y, bottom } = frame(width, height, start, now, top, chart.format);
   for (const m of minutes) {
-    const barW = Math.max(2, Math.min(x(m.ts + 60), x(now)) - x(m.ts) - 1); // this minute: so far
+    const barW = Math.max(2, x(m.ts + 60) - x(m.ts) - 1);
     const text = `${hhmm(m.ts)}: ${m.ok} ok, ${m.errors} ${m.errors === 1 ? "error" : "errors"}`;
     root.append(svg("rect", { class: "bar ok", x: x(m.ts), y: y(m.ok), width: barW, height: bottom - y(m.ok),
       "data-minute": m.ts, "data-series": "ok", "data-value": m.ok }, title(text)),
@@ -305,7 +306,7 @@ function barChart(chart, minutes, start, now, width, height) {
 
 // Each minute with requests as one tall target: a finger finds it, and so does a pointer.
 function hits(root, minutes, start, now, width) {
-  const x = (ts) => 52 + ((ts - start) / (now - start)) * (width - 58);
+  const x = (ts) => 52 + ((Math.min(ts, now) - start) / (now - start)) * (width - 58);
   const w = Math.max(6, x(start + 60) - x(start));
   for (const m of minutes) {
     root.append(svg("rect", { class: "hit", x: x(m.ts + 30) - w / 2, y: 0, width: w, height: "100%", "data-minute": m.ts },
