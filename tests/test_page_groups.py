@@ -113,11 +113,11 @@ def test_a_groups_card_shows_its_loaded_model_its_turn_and_after_a_swap_what_swa
     assert card["title"].split() == ["gpu", "batch"], card
     assert card["facts"]["loaded"] == "nothing loaded"
     assert card["facts"]["swaps"] == "no swap measured yet"
-    assert "at most 1 loaded" in card["limits"] and "max_wait_s 2 s" in card["limits"], card
+    assert card["facts"]["in use"] == "0 of 1 loaded" and "max_wait_s 2 s" in card["limits"], card
     ask(grouped, "chat")
     card = until("a loaded, its turn counted down", lambda: (c := group_card(browser, "gpu"))
                  and c["facts"]["loaded"].startswith("a: turn ") and c, 5)
-    assert card["state"] == "ready", card
+    assert card["state"] == "ready" and card["facts"]["in use"] == "1 of 1 loaded", card
     assert card["facts"]["swaps"] == "no swap measured yet"  # a load into room is no swap
     ask(grouped, "think-only")  # a has no work: it makes room at once
     card = until("b loaded and the swap measured", lambda: (c := group_card(browser, "gpu"))
@@ -173,6 +173,7 @@ def test_a_groups_card_shows_every_key_there_is_and_leaves_out_a_missing_one(
     assert busy["state"] == "starting" and busy["title"].split() == ["busy", "batch"], busy
     assert re.fullmatch(r"a: turn ends in 3 min 1[5-9] s|a: turn ends in 3 min 20 s",
                         facts["loaded"]), facts  # 200 s, counted down every second
+    assert facts["in use"] == "1 of 1 loaded, 0 of 24000 MiB", facts  # no slot of it here
     assert facts["turn"] == "45 s for a busy model"
     assert facts["turn order"].split() == ["b", "c"], facts  # an ordered list, numbered by CSS
     assert facts["swap"] == "waiting for b's turn: 12 s of 45"

@@ -3,7 +3,7 @@
 // the key, when hal0d asks for one, lives in this browser's localStorage and only ever travels
 // in the Authorization header.
 
-import { WINDOW_S, clock, drawMemory, drawSlotCharts, el, pickedText, timeline } from "./charts.js";
+import { WINDOW_S, clock, drawMemory, drawSlotCharts, el, pickedText, timeline, windowOf } from "./charts.js";
 import { drawGroups, waiting } from "./groups.js";
 
 const KEY_STORE = "hal0d.api_key";
@@ -12,28 +12,28 @@ const RETRY_MAX_MS = 5000;
 
 const state = {
   key: localStorage.getItem(KEY_STORE) || "",
-  status: null,          // GET /api/status, and when it was read
+  status: null, // GET /api/status, and when it was read
   statusAt: 0,
-  slots: new Map(),      // name -> the /api/slots view
-  routes: [],            // the /api/slots routes: each [[routes]] model, its state and slots
+  slots: new Map(), // name -> the /api/slots view
+  routes: [], // the /api/slots routes: each [[routes]] model, its state and slots
   slotsAt: 0,
-  groups: [],            // the /api/slots groups: turns, waits and swaps, and when they were read
+  groups: [], // the /api/slots groups: turns, waits and swaps, and when they were read
   groupsAt: 0,
-  metrics: new Map(),    // name -> the /api/slots/metrics view
-  loads: new Map(),      // name -> the latest load event while a load lasts
-  swaps: new Map(),      // name -> the swap it waits for (planned), and when that was told
-  requests: [],          // history rows, newest first
-  errorTimes: [],        // unix seconds of failed requests in the last hour
-  timeline: null,        // GET /api/timeline, and when it was read
+  metrics: new Map(), // name -> the /api/slots/metrics view
+  loads: new Map(), // name -> the latest load event while a load lasts
+  requests: [], // history rows, newest first
+  errorTimes: [], // unix seconds of failed requests in the last hour
+  timeline: null, // GET /api/timeline, and when it was read
   timelineAt: 0,
-  picked: null,          // the request row picked in the list: shown on the timeline
-  minute: null,          // {slot, ts}: the list shows that minute's requests (a chart's point)
+  picked: null, // the request row picked in the list: shown on the timeline
+  minute: null, // {slot, ts}: the list shows that minute's requests (a chart's point)
   minuteRows: [],
 };
 
 class NeedKey extends Error {}
 
 const $ = (id) => document.getElementById(id);
+const byName = (views) => new Map(views.map((view) => [view.name, view]));
 
 function authHeaders() {
   return state.key ? { Authorization: `Bearer ${state.key}` } : {};
@@ -50,7 +50,7 @@ async function api(path, options = {}) {
   return body;
 }
 
-// -- formatting ------------------------------------------------------------------------------
+// -- formatting --
 
 function duration(seconds) {
   if (seconds === null || seconds === undefined) return "–";
@@ -65,11 +65,14 @@ const ms = (value) => (value === null || value === undefined ? "–" : `${Math.r
 const num = (value, digits = 1) => (value === null || value === undefined ? "–" : value.toFixed(digits));
 
 function tokensPerSecond(row) {
-  // Only a stream shows when generation began (its TTFT); a whole answer's speed is unknown.
-  if (!row.completion_tokens || !row.total_ms || row.ttft_ms === null) return null;
-  const generating = (row.total_ms - (row.ttft_ms || 0)) / 1000;
+  // A stream's tokens over the time after its first; a whole answer has no first token to time:
+  // its tokens over the time it was served (its prompt's reading included).
+  if (!row.completion_tokens || !row.total_ms) return null;
+  const generating = (row.total_ms - (row.stream ? row.ttft_ms ?? row.total_ms : row.queue_ms || 0)) / 1000;
   return generating > 0 ? row.completion_tokens / generating : null;
 }
+
+const WHOLE = "a whole (not streamed) answer has no first token to time";
 
 function outcome(row) {
   if (row.ok) return el("span", { class: "outcome-ok" }, "ok");
@@ -85,7 +88,7 @@ function outcome(row) {
   return el("span", { class: "outcome-bad" }, code);
 }
 
-// -- rendering -------------------------------------------------------------------------------
+// -- rendering --
 
 function renderHeader() {
   const status = state.status;
@@ -100,12 +103,18 @@ function renderHeader() {
   $("forget-key").hidden = !state.key;
 }
 
+// The MiB a group's loaded slots take; null where neither a budget nor a slot's memory_mib is
+// configured (unknown, not "0 MiB in use").
+function memoryInUse(group, budget) {
+  const members = [...state.slots.values()].filter((view) => view.group === group);
+  if (!budget && !members.some((view) => view.memory_mib)) return null;
+  return members.filter((view) => !["stopped", "offline"].includes(view.state))
+    .reduce((sum, view) => sum + (view.memory_mib || 0), 0);
+}
+
 function groupMemory(view) {
-  if (!view.group) return null;
-  const members = [...state.slots.values()].filter((other) => other.group === view.group);
-  const used = members
-    .filter((other) => !["stopped", "offline"].includes(other.state))
-    .reduce((sum, other) => sum + (other.memory_mib || 0), 0);
+  const used = view.group ? memoryInUse(view.group, view.group_memory_mib) : null;
+  if (used === null) return null;
   const budget = view.group_memory_mib ? ` of ${view.group_memory_mib}` : "";
   return `${view.group}: ${used}${budget} MiB in use`;
 }
@@ -124,20 +133,6 @@ function lifecycleLine(view) {
   return "not loaded: the next request loads it";
 }
 
-function swapLine(view) {
-  // A load waiting for a busy model's batch to end: from the view, or the feed's `swap` events.
-  const told = state.swaps.get(view.name);
-  const pending = view.pending_swap && view.pending_swap.waiting === view.name
-    ? { ...view.pending_swap, at: state.slotsAt } : null;
-  const swap = told || pending;
-  if (!swap) return null;
-  const waited = swap.waited_s + (Date.now() - swap.at) / 1000;
-  // When the victim's turn ends (the view's, priced by the measured swaps), when known.
-  const of = pending && pending.turn_at_s != null ? ` of ${pending.turn_at_s}` : "";
-  return `waiting for ${view.name}'s turn: ${Math.round(waited)} s${of}`
-    + ` (${swap.victim} serves its queue)`;
-}
-
 function cacheShare(prompt) {
   // Of the prompt tokens whose upstream said how many came from its cache, since hal0d started.
   const total = prompt ? prompt.read + prompt.cached : 0;
@@ -148,11 +143,14 @@ function cacheShare(prompt) {
 }
 
 function warmLine(view) {
-  // The conversations whose last turn the slot served (its cache holds their prompts), when the
-  // view says.
+  // The conversations whose last turn the slot served, when the view says. Without a saved
+  // prompt cache only the server's memory may hold them, and an unload drops them: said so.
   const n = view.conversations_warm;
-  if (n === undefined || n === null) return null;
-  return n === 1 ? "1 conversation" : `${n} conversations`;
+  if (n === undefined || n === null || (!n && !view.prompt_cache)) return null;
+  const count = n === 1 ? "1 conversation" : `${n} conversations`;
+  return view.prompt_cache || view.prompt_cache === undefined ? count : el("span", {
+    title: "their next turns come here; prompt_cache = \"save\" keeps them over an unload" },
+  `${count} in the server's memory, not saved`);
 }
 
 function savedCacheLine(view) {
@@ -186,11 +184,16 @@ function card(view) {
   const metrics = state.metrics.get(view.name) || {};
   const ttft = metrics.ttft_ms || {};
   const load = state.loads.get(view.name);
+  // Whole answers have a speed (the newest listed: tokensPerSecond) but no time to first token.
+  const rows = state.requests.filter((row) => row.slot === view.name);
+  const whole = rows.map(tokensPerSecond).find((speed, i) => speed && !rows[i].stream);
+  const wholeOnly = !ttft.samples && rows.length && !rows.some((row) => row.stream);
   const facts = [
     ["in flight", `${view.in_flight} / ${view.max_concurrent}`],
     ["queued", String(view.queued)],
-    ["tok/s", num(metrics.tokens_per_s)],
-    ["TTFT p50 / p95", `${ms(ttft.p50)} / ${ms(ttft.p95)}`],
+    ["tok/s", metrics.tokens_per_s || !whole ? num(metrics.tokens_per_s) : `${num(whole)} (whole answer)`],
+    ["TTFT p50 / p95", wholeOnly ? el("span", { title: WHOLE }, "whole answers only")
+      : `${ms(ttft.p50)} / ${ms(ttft.p95)}`],
   ];
   const share = cacheShare(metrics.prompt_tokens);
   if (share) facts.push(["cache", share]);
@@ -204,8 +207,6 @@ function card(view) {
   const memory = groupMemory(view);
   if (memory) facts.push(["memory", memory]);
   if (load) facts.push(["loading", `${load.phase.replaceAll("_", " ")}, ${num(load.elapsed_s)} s`]);
-  const swap = swapLine(view);
-  if (swap) facts.push(["swap", swap]);
   const loaded = !["stopped", "offline", "stopping"].includes(view.state);
   return el("article", { class: "card", "data-state": view.state, "data-slot": view.name },
     el("h3", {}, el("span", {}, view.name), el("span", { class: "state" }, view.state)),
@@ -280,7 +281,8 @@ function renderGroups() {
   // Re-drawn every second too: the turns' countdowns and the waits move between two reads.
   $("groups-section").hidden = state.groups.length === 0;
   const up = state.status ? state.status.uptime_s + (Date.now() - state.statusAt) / 1000 : 0;
-  drawGroups($("groups"), state.groups, (Date.now() - state.groupsAt) / 1000, up);
+  drawGroups($("groups"), state.groups, (Date.now() - state.groupsAt) / 1000, up,
+    (group) => memoryInUse(group.name, group.memory_mib));
 }
 
 function renderRequests() {
@@ -303,7 +305,8 @@ function renderRequests() {
       el("td", { class: "num" }, String(row.status || "–")),
       el("td", {}, outcome(row)),
       el("td", { class: "num" }, `${ms(row.queue_ms)} / ${ms(row.load_ms)}`),
-      el("td", { class: "num" }, ms(row.ttft_ms)),
+      el("td", { class: "num" }, row.stream || row.ttft_ms ? ms(row.ttft_ms)
+        : el("span", { class: "muted", title: WHOLE }, "whole answer")),
       el("td", { class: "num" }, num(tokensPerSecond(row))),
       el("td", { class: "num" }, ms(row.total_ms))));
   $("requests").tBodies[0].replaceChildren(...rows);
@@ -315,7 +318,7 @@ function renderRequests() {
   }
 }
 
-// -- the last hour ---------------------------------------------------------------------------
+// -- the last hour --
 
 const timelineNow = () => state.timeline.now + (Date.now() - state.timelineAt) / 1000;
 
@@ -323,8 +326,10 @@ function renderHour() {
   const data = state.timeline;
   if (!data || $("live").hidden) return;
   const now = timelineNow();
+  const start = now - windowOf(data, now);
+  $("hour-title").textContent = now - start < WINDOW_S ? "Since hal0d started" : "The last hour";
   const box = $("timeline");
-  box.replaceChildren(timeline(data, now, box.clientWidth, state.picked));
+  box.replaceChildren(timeline(data, start, now, box.clientWidth, state.picked));
   const charts = $("charts");
   const names = data.slots.map((slot) => slot.name);
   for (const stale of charts.querySelectorAll("article[data-slot]")) {
@@ -333,12 +338,15 @@ function renderHour() {
   for (const name of names) {
     let card = charts.querySelector(`article[data-slot="${CSS.escape(name)}"]`);
     if (!card) charts.append(card = el("article", { class: "chart-card", "data-slot": name }));
-    drawSlotCharts(card, name, data, now);
+    drawSlotCharts(card, name, data, start, now);
   }
+  // Only the groups with memory configured (a budget, a slot's memory_mib, free_memory_command).
+  const sized = data.groups.filter((group) => group.memory_mib || group.free_mib !== null
+    || data.slots.some((slot) => slot.memory_mib && group.members.includes(slot.name)));
   const memory = $("memory");
-  memory.replaceChildren(...data.groups.map((group) => el("article", { class: "chart-card", "data-group": group.name })));
-  data.groups.forEach((group, i) => drawMemory(memory.children[i], group, data, now));
-  $("memory-title").hidden = data.groups.length === 0;
+  memory.replaceChildren(...sized.map((group) => el("article", { class: "chart-card", "data-group": group.name })));
+  sized.forEach((group, i) => drawMemory(memory.children[i], group, data, start, now));
+  $("memory-title").hidden = sized.length === 0;
 }
 
 function pick(row) {
@@ -378,7 +386,7 @@ function render() {
   renderHour();
 }
 
-// -- data ------------------------------------------------------------------------------------
+// -- data --
 
 async function snapshot() {
   const [status, slots, metrics, requests, hour] = await Promise.all([
@@ -390,12 +398,10 @@ async function snapshot() {
   state.status = status;
   state.statusAt = Date.now();
   state.errorTimes = (status.error_times || []).slice();
-  state.slots = new Map(slots.slots.map((view) => [view.name, view]));
+  state.slots = byName(slots.slots);
   state.slotsAt = Date.now();
-  state.routes = slots.routes || [];
-  state.groups = slots.groups || [];
-  state.groupsAt = Date.now();
-  state.metrics = new Map(metrics.slots.map((view) => [view.name, view]));
+  takeLists(slots);
+  state.metrics = byName(metrics.slots);
   state.requests = requests.requests;
 }
 
@@ -407,7 +413,7 @@ function refreshMetricsSoon() {
     metricsPending = null;
     try {
       const metrics = await api("/api/slots/metrics");
-      state.metrics = new Map(metrics.slots.map((view) => [view.name, view]));
+      state.metrics = byName(metrics.slots);
       renderSlots();
     } catch { /* the event stream's own reconnect reports trouble */ }
   }, 1000);
@@ -419,19 +425,21 @@ function refreshMetricsSoon() {
 // soon but at most once a second, so a burst of events costs one read.
 let listsPending = null;
 let listsReadAt = 0;
+function takeLists(lists) {
+  state.routes = lists.routes || [];
+  state.groups = lists.groups || [];
+  state.groupsAt = Date.now();
+}
 function refreshListsSoon(reloaded) {
   if (listsPending || (!reloaded && !state.routes.length && !state.groups.length)) return;
   listsPending = setTimeout(async () => {
     listsPending = null;
     listsReadAt = Date.now();
     try {
-      const lists = await api("/api/slots");
-      state.routes = lists.routes || [];
-      state.groups = lists.groups || [];
-      state.groupsAt = Date.now();
+      takeLists(await api("/api/slots"));
       renderRoutes();
       renderGroups();
-    } catch { /* the event stream's own reconnect reports trouble */ }
+    } catch { /* as above */ }
   }, Math.max(150, listsReadAt + 1000 - Date.now()));
 }
 
@@ -462,14 +470,14 @@ function refreshHourSoon(whole) {
       state.timeline = fresh;
       state.timelineAt = Date.now();
       renderHour();
-    } catch { /* the event stream's own reconnect reports trouble */ }
+    } catch { /* as above */ }
   }, whole ? 300 : TIMELINE_EVERY_MS);
 }
 
 const handlers = {
   hello(data) {
     if (data.slots) {
-      state.slots = new Map(data.slots.map((view) => [view.name, view]));
+      state.slots = byName(data.slots);
       state.slotsAt = Date.now();
     }
     if (data.routes) state.routes = data.routes;
@@ -492,13 +500,8 @@ const handlers = {
     renderSlots();
     if (state.groups.length) refreshListsSoon(false);
   },
-  swap(data) {
-    if (data.phase === "planned" && data.policy === "batch") {
-      state.swaps.set(data.slot, { ...data, at: Date.now() });
-    } else {
-      state.swaps.delete(data.slot);
-    }
-    renderSlots();
+  swap() {
+    // Its wait is told on its group's card, re-read every second.
     refreshHourSoon(true);
     refreshListsSoon(false);
   },
@@ -559,7 +562,7 @@ async function follow() {
   }
 }
 
-// -- life ------------------------------------------------------------------------------------
+// -- life --
 
 let noticeTimer = null;
 function showNotice(text, forMs = 0) {

@@ -4,6 +4,14 @@
 
 const NS = "http://www.w3.org/2000/svg";
 export const WINDOW_S = 3600;
+const MIN_WINDOW_S = 180;
+
+// Seconds the pictures span: the hour, or (at least MIN_WINDOW_S) since hal0d started when that
+// is shorter and no older minute is kept, so a young hal0d's minutes fill the width.
+export function windowOf(data, now) {
+  const first = Math.min(data.kept_since, ...data.minutes.map((m) => m.ts));
+  return Math.min(WINDOW_S, Math.max(MIN_WINDOW_S, now - first));
+}
 
 export function el(tag, attrs = {}, ...children) {
   const node = document.createElement(tag);
@@ -51,15 +59,15 @@ function niceMax(value, counts = false) {
   return (counts ? [1, 2, 4, 6, 10] : [1, 2, 2.5, 5, 10]).map((m) => m * power).find((top) => value <= top);
 }
 
-// The x ticks of the window: every 10 minutes on the clock (20 when narrow).
+// The x ticks on round minutes of the clock, as many as fit with room between their labels.
 function timeTicks(start, end, width) {
-  const step = (width < 420 ? 20 : 10) * 60;
+  const step = 60 * ([1, 2, 5, 10, 20, 30].find((m) => (end - start) / (60 * m) <= width / 100) || 60);
   const ticks = [];
   for (let t = Math.ceil(start / step) * step; t <= end; t += step) ticks.push(t);
   return ticks;
 }
 
-// -- the timeline ----------------------------------------------------------------------------
+// -- the timeline --
 
 const ROW = 26;
 const TOP = 4;
@@ -120,10 +128,9 @@ function pendingSwaps(events) {
   return [...open.values()];
 }
 
-export function timeline(data, now, width, picked) {
+export function timeline(data, start, now, width, picked) {
   const labelW = width < 500 ? 70 : 120;
-  const start = now - WINDOW_S;
-  const x = (ts) => labelW + ((Math.max(ts, start) - start) / WINDOW_S) * (width - labelW - 8);
+  const x = (ts) => labelW + ((Math.max(ts, start) - start) / (now - start)) * (width - labelW - 8);
   const rows = rowsOf(data);
   const height = TOP + rows.length * ROW + 20;
   const root = svg("svg", { class: "timeline", width, height, viewBox: `0 0 ${width} ${height}`,
@@ -160,10 +167,12 @@ export function timeline(data, now, width, picked) {
       "data-slot": item.slot, "data-state": item.state, "data-from": item.from, "data-to": item.to ?? "",
       "data-detail": spanText(item, now) }, title(spanText(item, now))));
   }
+  // A mark's word goes where it covers neither another word nor another mark of its row.
   const labels = new Map();
-  for (const event of data.events) {
+  const shown = data.events.filter((event) => rowOf.has(event.slot) && event.kind !== "load");
+  for (const event of shown) labels.set(event.slot, [...labels.get(event.slot) || [], [x(event.ts) - 5, x(event.ts) + 5, event]]);
+  for (const event of shown) {
     const y = rowOf.get(event.slot);
-    if (y === undefined || event.kind === "load") continue;
     const at = x(event.ts);
     const attrs = { "data-x": at.toFixed(1), "data-slot": event.slot, "data-kind": event.kind, "data-reason": event.reason ?? "",
       "data-ts": event.ts, "data-detail": describe(event) };
@@ -183,8 +192,8 @@ export function timeline(data, now, width, picked) {
       const wide = word.length * 6;
       const left = at + 6 + wide > width - 8;
       const from = left ? at - 6 - wide : at + 6;
-      const taken = labels.get(event.slot) || [];
-      if (from > labelW && !taken.some(([a, b]) => from < b + 4 && from + wide > a - 4)) {
+      const taken = labels.get(event.slot);
+      if (from > labelW && !taken.some(([a, b, other]) => other !== event && from < b + 3 && from + wide > a - 3)) {
         mark.append(svg("text", { class: "mark-label", x: left ? at - 6 : at + 6, y: y + 17,
           "text-anchor": left ? "end" : "start" }, word));
         labels.set(event.slot, [...taken, [from, from + wide]]);
@@ -232,21 +241,21 @@ export function pickedText(row) {
     + `queued ${formatMs(queued)}, loading ${formatMs(row.load_ms || 0)}, serving ${formatMs(serving)}`;
 }
 
-// -- the charts ------------------------------------------------------------------------------
+// -- the charts --
 
 const CHARTS = [
-  { key: "tokens_per_s", name: "tokens per second", unit: "tok/s", format: (v) => `${fixed(v)}` },
-  { key: "ttft_ms", name: "time to first token", unit: "", format: formatMs },
+  // Only a stream has a first token, and a speed after it: a minute of whole answers has none.
+  { key: "tokens_per_s", name: "tokens per second", unit: "tok/s", format: (v) => `${fixed(v)}`, streamsOnly: true },
+  { key: "ttft_ms", name: "time to first token", unit: "", format: formatMs, streamsOnly: true },
   { key: "requests", name: "requests per minute", unit: "ok / errors", format: (v) => `${fixed(v)}` },
   { key: "queue_ms", name: "queue wait", unit: "", format: formatMs },
 ];
 
-export const chartKinds = CHARTS.map((chart) => chart.key);
-
 function frame(width, height, start, now, top, format) {
   const left = 52;
   const bottom = height - 18;
-  const x = (ts) => left + ((ts - start) / WINDOW_S) * (width - left - 6);
+  // Inside the frame: a minute's point (its middle) is at now while the minute lasts.
+  const x = (ts) => left + ((Math.min(Math.max(ts, start), now) - start) / (now - start)) * (width - left - 6);
   const y = (v) => bottom - (v / top) * (bottom - 8);
   const root = svg("svg", { class: "chart", width, height, viewBox: `0 0 ${width} ${height}` });
   for (const v of [0, top / 2, top]) {
@@ -284,8 +293,8 @@ function lineChart(chart, minutes, start, now, width, height) {
 function barChart(chart, minutes, start, now, width, height) {
   const top = niceMax(Math.max(0, ...minutes.map((m) => m.requests)), true);
   const { root, x, y, bottom } = frame(width, height, start, now, top, chart.format);
-  const barW = Math.max(2, x(start + 60) - x(start) - 1);
   for (const m of minutes) {
+    const barW = Math.max(2, x(m.ts + 60) - x(m.ts) - 1);
     const text = `${hhmm(m.ts)}: ${m.ok} ok, ${m.errors} ${m.errors === 1 ? "error" : "errors"}`;
     root.append(svg("rect", { class: "bar ok", x: x(m.ts), y: y(m.ok), width: barW, height: bottom - y(m.ok),
       "data-minute": m.ts, "data-series": "ok", "data-value": m.ok }, title(text)),
@@ -296,8 +305,8 @@ function barChart(chart, minutes, start, now, width, height) {
 }
 
 // Each minute with requests as one tall target: a finger finds it, and so does a pointer.
-function hits(root, minutes, start, width) {
-  const x = (ts) => 52 + ((ts - start) / WINDOW_S) * (width - 58);
+function hits(root, minutes, start, now, width) {
+  const x = (ts) => 52 + ((Math.min(ts, now) - start) / (now - start)) * (width - 58);
   const w = Math.max(6, x(start + 60) - x(start));
   for (const m of minutes) {
     root.append(svg("rect", { class: "hit", x: x(m.ts + 30) - w / 2, y: 0, width: w, height: "100%", "data-minute": m.ts },
@@ -312,18 +321,19 @@ function latest(chart, minutes) {
     return `${hhmm(last.ts)}: ${last.ok} ok, ${last.errors} ${last.errors === 1 ? "error" : "errors"}`;
   }
   const v = last[chart.key];
+  if (chart.streamsOnly && v.p50 === null) return `${hhmm(last.ts)}: streams only`;
   const unit = chart.unit ? ` ${chart.unit}` : "";
   return `${hhmm(last.ts)}: p50 ${v.p50 === null ? "–" : chart.format(v.p50) + unit}, p95 ${v.p95 === null ? "–" : chart.format(v.p95) + unit}`;
 }
 
 // One slot's four charts into `card` (already in the page, so its width is known).
-export function drawSlotCharts(card, name, data, now) {
-  const minutes = data.minutes.filter((m) => m.slot === name && m.ts >= now - WINDOW_S - 60);
-  const start = now - WINDOW_S;
+export function drawSlotCharts(card, name, data, start, now) {
+  const minutes = data.minutes.filter((m) => m.slot === name && m.ts >= start - 60);
   const total = minutes.reduce((sum, m) => sum + m.requests, 0);
   const errors = minutes.reduce((sum, m) => sum + m.errors, 0);
+  const when = now - start < WINDOW_S ? "since hal0d started" : "in the last hour";
   card.replaceChildren(el("h3", {}, name, el("span", { class: "muted" },
-    total ? ` ${total} requests, ${errors} error${errors === 1 ? "" : "s"} in the last hour` : " no requests in the last hour")));
+    total ? ` ${total} requests, ${errors} error${errors === 1 ? "" : "s"} ${when}` : ` no requests ${when}`)));
   if (!total) return;
   const grid = el("div", { class: "quad" });
   card.append(grid);
@@ -342,15 +352,14 @@ export function drawSlotCharts(card, name, data, now) {
     const width = Math.max(200, cells[i].clientWidth);
     const drawn = chart.key === "requests" ? barChart(chart, minutes, start, now, width, 120)
       : lineChart(chart, minutes, start, now, width, 120);
-    hits(drawn, minutes, start, width);
+    hits(drawn, minutes, start, now, width);
     cells[i].append(drawn);
   });
 }
 
-// -- memory ----------------------------------------------------------------------------------
+// -- memory --
 
-export function drawMemory(card, group, data, now) {
-  const start = now - WINDOW_S;
+export function drawMemory(card, group, data, start, now) {
   const sizes = new Map(data.slots.map((slot) => [slot.name, slot.memory_mib || 0]));
   const spans = data.spans.filter((s) => group.members.includes(s.slot));
   const cuts = [...new Set([start, now, ...spans.flatMap((s) => [s.from, s.to ?? now])])]
@@ -362,7 +371,8 @@ export function drawMemory(card, group, data, now) {
   });
   const peak = Math.max(0, ...steps.map((step) => step.loaded.reduce((sum, name) => sum + sizes.get(name), 0)));
   const top = niceMax(Math.max(group.memory_mib || 0, group.free_mib || 0, peak));
-  const format = (v) => `${Math.round(v)} MiB`;
+  // "25000 MiB" is wider than the axis's margin.
+  const format = (v) => (v >= 10000 ? `${fixed(v / 1000)}k MiB` : `${Math.round(v)} MiB`);
   const budget = group.memory_mib ? `, budget ${group.memory_mib} MiB` : "";
   const free = group.free_mib === null ? "" : `; ${group.free_mib} MiB free at ${clock(group.free_at)} by free_memory_command`;
   card.replaceChildren(el("h3", {}, `group ${group.name}`),

@@ -26,10 +26,17 @@ const POLICY = {
   fifo: "fifo: a model waiting for room unloads a busy one at once",
 };
 
+// How full the group is: models loaded of max_loaded, MiB in use of its budget (`used`: null
+// where no memory is configured).
+function roomFact(group, used) {
+  const parts = [];
+  if (given(group.max_loaded)) parts.push(`${(group.loaded || []).length} of ${group.max_loaded} loaded`);
+  if (given(used)) parts.push(`${used}${given(group.memory_mib) ? ` of ${group.memory_mib}` : ""}${NBSP}MiB`);
+  return parts.join(", ");
+}
+
 function limitsLine(group) {
   const parts = [];
-  if (given(group.max_loaded)) parts.push(`at most ${group.max_loaded} loaded`);
-  if (given(group.memory_mib)) parts.push(`${group.memory_mib}${NBSP}MiB`);
   if (given(group.max_wait_s)) parts.push(`max_wait_s ${group.max_wait_s}${NBSP}s`);
   if (given(group.min_turn_loads)) parts.push(`min_turn_loads ${group.min_turn_loads}`);
   return parts.join(" · ");
@@ -69,9 +76,10 @@ function waitsFact(group, elapsed) {
 }
 
 // `elapsed`: seconds since the view was read; `windowText`: what the swap share is a share of.
-function groupCard(group, elapsed, windowText) {
+function groupCard(group, elapsed, windowText, used) {
   const pending = group.pending_swap;
-  const facts = [["loaded", loadedFact(group, elapsed)]];
+  const room = roomFact(group, used);
+  const facts = [...room ? [["in use", room]] : [], ["loaded", loadedFact(group, elapsed)]];
   if (given(group.turn_s)) facts.push(["turn", `${seconds(group.turn_s)} for a busy model`]);
   if (group.turn_order) {
     facts.push(["turn order", group.turn_order.length
@@ -98,10 +106,11 @@ function groupCard(group, elapsed, windowText) {
 }
 
 // Each group's card into `container`; `uptime`: hal0d's, in seconds (the swap share is of the
-// last hour, or of the time since hal0d started when that is shorter).
-export function drawGroups(container, groups, elapsed, uptime) {
+// last hour, or of the time since hal0d started when that is shorter); `memoryOf(group)`: the
+// MiB its loaded slots take, null where it has no memory configured.
+export function drawGroups(container, groups, elapsed, uptime, memoryOf) {
   const windowText = uptime >= 3600 ? "of the last hour" : "since hal0d started";
-  container.replaceChildren(...groups.map((group) => groupCard(group, elapsed, windowText)));
+  container.replaceChildren(...groups.map((group) => groupCard(group, elapsed, windowText, memoryOf(group))));
 }
 
 // Whether the page should read the groups again soon: something waits, and its figures move.
