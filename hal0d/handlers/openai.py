@@ -26,7 +26,7 @@ from hal0d.handlers.body import (
 )
 from hal0d.keys import KEY
 from hal0d.observability.requestinfo import INFO, client_of
-from hal0d.openai.transform import Passthrough, renamed
+from hal0d.openai.transform import Passthrough
 from hal0d.protocol.limits import MAX_MESSAGES, MAX_TOKENS_LIMIT
 from hal0d.protocol.transform import Transform
 from hal0d.routing import best
@@ -138,18 +138,11 @@ class Relayed(Exchange):
         return Call(f"/v1/{self.endpoint}", sent, params=self.params,
                     json_body=self.endpoint != "audio/transcriptions")
 
-    def whole(self, fwd: Attempt, answer: Answer, data: bytes) -> web.StreamResponse:
-        """The answer as it came, named by the model the client asked for when the upstream
-        names it by a path (its file's: hal0d/openai/transform.py)."""
-        if self.sse and answer.status == 200 and answer.content_type == "application/json":
-            data = renamed(data, self.model, fwd.route.served_model)
-        return super().whole(fwd, answer, data)
-
     def relay(self, fwd: Attempt, answer: Answer) -> tuple[Mapping[str, str], Transform]:
         sse = answer.content_type == "text/event-stream"
         return response_headers(answer.headers), Passthrough(
             sse=sse, legacy_completion=self.endpoint == "completions", model=self.model,
-            expect_done=sse, served=fwd.route.served_model)
+            expect_done=sse)
 
 
 async def dispatch(request: web.Request) -> web.StreamResponse:
