@@ -30,6 +30,7 @@ from tests.harness.page import (
     PAGE_KEY,
     console_errors,
     page_config_text,
+    page_daemon_text,
     require_chromium,
     route_config_text,
     screenshot,
@@ -312,18 +313,7 @@ def hour_config_text(port: int, tmp: Path) -> str:
         return json.dumps([*stub, "--port", str(ports[name]), "--log", str(tmp / f"{name}.log"),
                            *extra])
 
-    return f"""
-[server]
-host = "127.0.0.1"
-port = {port}
-shutdown_grace_s = 1.0
-
-[metrics]
-database = "{tmp / 'history.sqlite3'}"
-
-[logging]
-format = "json"
-
+    return page_daemon_text(port, tmp) + f"""
 [groups.gpu0]
 max_loaded = 1
 memory_mib = 24000

@@ -18,7 +18,13 @@ from typing import Any
 import pytest
 
 from tests.harness.daemons import Hal0dPopen
-from tests.harness.page import console_errors, require_chromium, screenshot, until
+from tests.harness.page import (
+    console_errors,
+    page_daemon_text,
+    require_chromium,
+    screenshot,
+    until,
+)
 from tests.harness.ports import free_port
 
 require_chromium()
@@ -40,18 +46,7 @@ command = {json.dumps([*stub, "--port", str(ports[name]), "--log", str(tmp / f"{
 start = "on_demand"
 group = "gpu"
 """ for name, model in (("a", "chat"), ("b", "think-only")))
-    return f"""
-[server]
-host = "127.0.0.1"
-port = {port}
-shutdown_grace_s = 1.0
-
-[metrics]
-database = "{tmp / 'history.sqlite3'}"
-
-[logging]
-format = "json"
-
+    return page_daemon_text(port, tmp) + """
 [groups.gpu]
 max_loaded = 1
 max_wait_s = 2.0

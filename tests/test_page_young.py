@@ -15,7 +15,13 @@ from typing import Any
 import pytest
 
 from tests.harness.daemons import Hal0dPopen
-from tests.harness.page import console_errors, require_chromium, screenshot, until
+from tests.harness.page import (
+    console_errors,
+    page_daemon_text,
+    require_chromium,
+    screenshot,
+    until,
+)
 from tests.harness.ports import free_port
 
 require_chromium()
@@ -41,18 +47,7 @@ def young_config_text(port: int, tmp: Path) -> str:
     """`llm` (always loaded, no prompt cache), `kept` (its prompt cache saved), the group `gpu`
     of two on-demand slots and no memory configured, and the group `mem` with a budget and one
     slot of 9000 MiB."""
-    return f"""
-[server]
-host = "127.0.0.1"
-port = {port}
-shutdown_grace_s = 1.0
-
-[metrics]
-database = "{tmp / 'history.sqlite3'}"
-
-[logging]
-format = "json"
-
+    return page_daemon_text(port, tmp) + """
 [groups.gpu]
 max_loaded = 2
 

@@ -63,15 +63,23 @@ async def test_a_model_file_replaced_while_hal0d_runs_is_not_restored_into(
     assert refused["slot"] == "a" and "model files" in refused["reason"], refused
 
 
-async def test_a_model_file_replaced_across_a_restart_gets_a_new_folder_the_old_one_swept(
-    start_hal0d_process: Hal0dProcessFactory, tmp_path: Path, http: aiohttp.ClientSession
-) -> None:
+async def one_turn_then_stopped(start_hal0d_process: Hal0dProcessFactory, tmp_path: Path,
+                                http: aiohttp.ClientSession) -> tuple[Path, str]:
+    """A hal0d whose slot names a model file served one turn and stopped (its cache saved at
+    shutdown): the model file and the slot's config, for the hal0d that comes next."""
     model = tmp_path / "model.gguf"
     model.write_bytes(b"GGUF weights")
     config = model_slot(tmp_path, model)
     hal0d = await start_hal0d_process(slot=config)
     await turn(http, hal0d, "chat", 1)
-    await stop(hal0d.process)  # saved at shutdown
+    await stop(hal0d.process)
+    return model, config
+
+
+async def test_a_model_file_replaced_across_a_restart_gets_a_new_folder_the_old_one_swept(
+    start_hal0d_process: Hal0dProcessFactory, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    model, config = await one_turn_then_stopped(start_hal0d_process, tmp_path, http)
     [old] = folders(tmp_path, "a")
     replace_model(model)
     again = await start_hal0d_process(slot=config)
@@ -84,12 +92,7 @@ async def test_a_model_file_replaced_across_a_restart_gets_a_new_folder_the_old_
 async def test_the_same_model_file_across_a_restart_is_still_restored(
     start_hal0d_process: Hal0dProcessFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
-    model = tmp_path / "model.gguf"
-    model.write_bytes(b"GGUF weights")
-    config = model_slot(tmp_path, model)
-    hal0d = await start_hal0d_process(slot=config)
-    await turn(http, hal0d, "chat", 1)
-    await stop(hal0d.process)
+    _, config = await one_turn_then_stopped(start_hal0d_process, tmp_path, http)
     again = await start_hal0d_process(slot=config)
     assert warm(await turn(http, again, "chat", 2))
     assert again.named("slot.cache_restored")

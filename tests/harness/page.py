@@ -75,24 +75,30 @@ def screenshot(browser: Any, folder: Path, width: int, height: int) -> Path:
     return path
 
 
+def page_daemon_text(port: int, tmp: Path, server_extra: str = "") -> str:
+    """The [server], [metrics] and [logging] tables every page test's daemon shares (its history
+    in `tmp`); `server_extra` lines join [server]."""
+    return f"""
+[server]
+host = "127.0.0.1"
+port = {port}
+shutdown_grace_s = 1.0
+{server_extra}
+[metrics]
+database = "{tmp / 'history.sqlite3'}"
+
+[logging]
+format = "json"
+"""
+
+
 def page_config_text(port: int, tmp: Path, *, keys: bool) -> str:
     """The page's daemon: the slot `llm` (the stub, always loaded) and the on-demand `ondemand`;
     with `keys`, PAGE_KEY its one client key."""
     stub = [sys.executable, "-m", "hal0d", "stub", "--delay", "0.005"]
     always_port, demand_port = free_port(), free_port()
     server_keys = f'api_keys = ["{PAGE_KEY}"]\n' if keys else ""
-    return f"""
-[server]
-host = "127.0.0.1"
-port = {port}
-shutdown_grace_s = 1.0
-{server_keys}
-[metrics]
-database = "{tmp / 'history.sqlite3'}"
-
-[logging]
-format = "json"
-
+    return page_daemon_text(port, tmp, server_keys) + f"""
 [[slots]]
 name = "llm"
 upstream = "http://127.0.0.1:{always_port}"
