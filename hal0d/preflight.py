@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hal0d.config import Config, SlotConfig, context_split, model_files
+from hal0d.config import Config, SlotConfig, answer_name, context_split, model_files
 from hal0d.lifecycle.process import resolve_program
 
 # Below this many tokens per llama-server slot a warning says so: Codex's and Claude Code's
@@ -54,6 +54,8 @@ def check(config: Config) -> Findings:
                 findings.warnings.append(Finding(f"{path}.command", problem))
             findings.warnings.extend(Finding(f"{path}.command", problem)
                                      for problem in command_problems(slot.command))
+            if (problem := answer_name_problem(slot)) is not None:
+                findings.warnings.append(Finding(f"{path}.command", problem))
         if slot.api_key_env is not None:
             problem = api_key_env_problem(slot)
             if problem:
@@ -106,6 +108,19 @@ def command_problems(command: tuple[str, ...]) -> list[str]:
             "agent's first prompt alone can be larger); raise -c to "
             f"{split.parallel * MIN_CONTEXT_PER_SLOT} or more, or lower --parallel")
     return problems
+
+
+def answer_name_problem(slot: SlotConfig) -> str | None:
+    """llama-server answers under its own name for the model, relayed to /v1 clients byte for
+    byte (rewriting every answer would cost each request a parse). A name other than the
+    slot's is what a client that checks `model` trips on; `--alias` makes the server answer
+    under the slot's name."""
+    answered = answer_name(slot.command or (), os.environ)
+    if answered is None or answered in slot.models:
+        return None
+    return (f"llama-server answers \"model\": {answered!r}, not the name clients ask for "
+            f"({slot.models[0]!r}); add \"--alias\", \"{','.join(slot.models)}\" to the command "
+            "(with several names it answers under the first in sorted order)")
 
 
 def api_key_env_problem(slot: SlotConfig) -> str | None:

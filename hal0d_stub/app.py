@@ -97,6 +97,7 @@ class StubLog:
 
 LOG_KEY = web.AppKey("stub_log", StubLog)
 DELAY_KEY = web.AppKey("stub_delay", float)
+ALIASES_KEY = web.AppKey("stub_aliases", tuple)
 SLOTS_KEY = web.AppKey("stub_slots", ServerSlots)
 SYSTEM_FINGERPRINT = "hal0d-stub"  # where llama-server names its build
 
@@ -207,8 +208,10 @@ def plan(model: str, body: dict[str, Any]) -> Iterator[tuple[str, str]]:
 class Generation:
     """One answer: tokens, limits, the chunk envelope, and its turn on a server slot."""
 
-    def __init__(self, model: str, body: dict[str, Any], object_name: str, turn: Turn) -> None:
-        self.model = model
+    def __init__(self, model: str, body: dict[str, Any], object_name: str, turn: Turn,
+                 name: str | None = None) -> None:
+        self.model = model  # what it does: "tool" calls a tool, "stall" stalls...
+        self.name = name or model  # what its answer calls the model (llama-server's --alias)
         self.body = body
         self.object = object_name
         self.turn = turn
@@ -231,7 +234,7 @@ class Generation:
             "id": self.id,
             "object": self.object,
             "created": self.created,
-            "model": self.model,
+            "model": self.name,
             "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": [choice] if choice else [],
             **extra,
@@ -432,7 +435,7 @@ def complete_chat(gen: Generation) -> dict[str, Any]:
         "id": gen.id,
         "object": "chat.completion",
         "created": gen.created,
-        "model": gen.model,
+        "model": gen.name,
         "system_fingerprint": SYSTEM_FINGERPRINT,
         "choices": [{"index": 0, "message": message, "finish_reason": finish}],
         "usage": gen.usage(),
@@ -444,7 +447,7 @@ def complete_text(gen: Generation) -> dict[str, Any]:
     reasoning, content, finish = generate_whole(gen)
     return {
         "id": gen.id, "object": "text_completion", "created": gen.created,
-        "model": gen.model, "system_fingerprint": SYSTEM_FINGERPRINT, "usage": gen.usage(),
+        "model": gen.name, "system_fingerprint": SYSTEM_FINGERPRINT, "usage": gen.usage(),
         "choices": [{"index": 0, "text": "".join(reasoning + content), "finish_reason": finish}],
         "timings": gen.timings(),
     }
@@ -549,11 +552,16 @@ def logged(endpoint: str) -> Callable[[Handler], Handler]:
 async def complete(request: web.Request, model: str, body: dict[str, Any],
                    legacy: bool) -> web.StreamResponse:
     """A chat completion (or, `legacy`, a text completion) on a server slot, held until the
-    answer is over or its client gone."""
+    answer is over or its client gone. With --alias the stub is one model, as llama-server:
+    any name asked is served (as "chat" unless it is one of the stub's own), and the answer
+    carries the first alias in sorted order."""
     slots = request.app[SLOTS_KEY]
+    aliases = request.app[ALIASES_KEY]
+    if aliases and model not in MODELS:
+        model = "chat"
     async with slots.turn(token_ids(prompt_text(body)), body) as turn:
         gen = Generation(model, body, "text_completion" if legacy else "chat.completion.chunk",
-                         turn)
+                         turn, aliases[0] if aliases else None)
         if body.get("stream"):
             return await stream_tokens(request, gen, legacy=legacy)
         await turn.prefill()
@@ -565,7 +573,7 @@ async def complete(request: web.Request, model: str, body: dict[str, Any],
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     model = str(body.get("model", ""))
-    if model not in MODELS:
+    if model not in MODELS and not request.app[ALIASES_KEY]:
         return web.json_response(
             error_body(f"model {model!r} not found", "not_found_error"), status=404
         )
@@ -1053,14 +1061,16 @@ async def models(request: web.Request) -> web.Response:
 def make_stub_app(
     log_path: Path | None = None, delay: float = 0.02, *, anthropic_native: bool = False,
     chat_only: bool = False, slot_options: SlotOptions | None = None,
-    props: dict[str, Any] | None = None,
+    props: dict[str, Any] | None = None, aliases: tuple[str, ...] = (),
 ) -> web.Application:
     """`anthropic_native`: also serve /v1/messages (and count_tokens) as llama-server does;
     without it those paths answer 404, like llama-cpp-python's server. `chat_only`: no
     /v1/responses (a 404), as llama-cpp-python's server and older vLLM. `slot_options`: the
     server slots' (one slot, no --slot-save-path, an instant prefill by default). `props`:
-    what GET /props answers, as llama-server describes itself (without it a 404, as vLLM)."""
+    what GET /props answers, as llama-server describes itself (without it a 404, as vLLM).
+    `aliases`: llama-server's --alias names (see `complete`)."""
     app = web.Application(middlewares=[json_errors], client_max_size=MAX_BODY_BYTES)
+    app[ALIASES_KEY] = tuple(sorted(aliases))
     app[LOG_KEY] = StubLog(log_path)
     app[DELAY_KEY] = delay
     app[RESPONSES_KEY] = {}
@@ -1111,6 +1121,7 @@ def run_stub(
     chat_only: bool = False,
     slot_options: SlotOptions | None = None,
     props: dict[str, Any] | None = None,
+    aliases: tuple[str, ...] = (),
 ) -> int:
     """Serve until stopped. `startup_delay`: seconds before listening, as a model server loads its
     weights first. `fail_start`: after the delay, print this line and exit 1 instead of serving,
@@ -1118,7 +1129,7 @@ def run_stub(
     also serve the Anthropic Messages API, as llama-server does; `chat_only`: serve no
     Responses API, as llama-cpp-python's server. `slot_options`: its server slots'; a
     --slot-save-path that is not a directory is refused at once, as llama-server refuses it.
-    `props`: what GET /props answers (--props)."""
+    `props`: what GET /props answers (--props); `aliases`: llama-server's --alias names."""
     save_path = slot_options.save_path if slot_options else None
     if save_path is not None and not save_path.is_dir():
         print(f"stub: --slot-save-path: not a directory: {save_path}", file=sys.stderr,
@@ -1132,7 +1143,7 @@ def run_stub(
         return 1
     web.run_app(
         make_stub_app(log_path, delay, anthropic_native=anthropic_native, chat_only=chat_only,
-                      slot_options=slot_options, props=props),
+                      slot_options=slot_options, props=props, aliases=aliases),
         host=host,
         port=port,
         handler_cancellation=True,

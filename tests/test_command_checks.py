@@ -55,8 +55,8 @@ def slot(name: str, model: str, command: list[str], port: int | None = None) -> 
 
 
 def thin_slot(program: Path, missing: Path, port: int) -> str:
-    return slot("thin", "chat", [str(program), "-m", str(missing), "--host", "127.0.0.1",
-                                 "--port", str(port), "-c", "4096", "-np", "2"], port)
+    return slot("thin", "chat", [str(program), "-m", str(missing), "--alias", "chat", "--host",
+                                 "127.0.0.1", "--port", str(port), "-c", "4096", "-np", "2"], port)
 
 
 def warnings_of(missing: Path, index: int = 0) -> list[str]:
@@ -78,8 +78,8 @@ def test_check_config_warns_of_a_missing_model_file_and_a_thin_context_per_slot(
     path.write_text(
         thin_slot(program, missing, free_port())
         # Well set: a model that is there, 8192 tokens a request, a placeholder left alone.
-        + slot("wide", "tool", [str(program), "-m", str(model), "-c", "32768", "-np", "4",
-                                "--mmproj", "{models}/mmproj.gguf"])
+        + slot("wide", "tool", [str(program), "-m", str(model), "-a", "tool", "-c", "32768",
+                                "-np", "4", "--mmproj", "{models}/mmproj.gguf"])
         # llama-cpp-python's --model is read; Python's own -m is a module, not a model.
         + slot("py", "think-only", [sys.executable, "-m", "llama_cpp.server", "--model",
                                     str(tmp_path / "gone.gguf")])
@@ -133,3 +133,36 @@ def test_check_config_warns_of_a_thin_context_with_one_server_slot(tmp_path: Pat
         "tokens, below 8192 (a coding agent's first prompt alone can be larger); raise -c to "
         "8192 or more" for index, context in ((0, 4096), (1, 2048), (2, 4096))
     ], result.stderr
+
+
+def test_check_config_warns_of_a_llama_server_that_answers_under_another_name(
+        tmp_path: Path) -> None:
+    """hal0d relays /v1 answers byte for byte, so their `model` is what llama-server calls
+    itself: its model file's path without --alias, else the first of its aliases in sorted
+    order. A name other than the slot's is warned of; an alias the slot serves, or one from
+    LLAMA_ARG_ALIAS in hal0d's environment (which the server inherits), is not."""
+    program, model = llama_server(tmp_path), tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    path = tmp_path / "hal0d.toml"
+    path.write_text(
+        slot("bare", "chat", [str(program), "-m", str(model), "-c", "8192"])
+        + slot("other", "tool", [str(program), "-m", str(model), "-c", "8192", "-a", "tool,a-b"])
+        + slot("named", "named", [str(program), "-m", str(model), "-c", "8192",
+                                  "--alias=named,other-name"])
+        + f'\n[metrics]\ndatabase = "{tmp_path / "history.sqlite3"}"\n')
+    command = [sys.executable, "-m", "hal0d", "check-config", "--config", str(path)]
+    environ = {key: value for key, value in os.environ.items() if key != "LLAMA_ARG_ALIAS"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=30, cwd=ROOT,
+                            env=environ)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        f"warning: slots[0].command: llama-server answers \"model\": {str(model)!r}, not the "
+        "name clients ask for ('chat'); add \"--alias\", \"chat\" to the command (with "
+        "several names it answers under the first in sorted order)",
+        "warning: slots[1].command: llama-server answers \"model\": 'a-b', not the name clients "
+        "ask for ('tool'); add \"--alias\", \"tool\" to the command (with several names it "
+        "answers under the first in sorted order)",
+    ], result.stderr
+    inherited = subprocess.run(command, capture_output=True, text=True, timeout=30, cwd=ROOT,
+                               env={**environ, "LLAMA_ARG_ALIAS": "chat"})
+    assert "slots[0]" not in inherited.stderr and "slots[1]" in inherited.stderr

@@ -80,6 +80,7 @@ def test_openai_sdk_non_streaming_answer_has_content_and_usage(hal0d: str) -> No
     assert answer.choices[0].message.content
     assert answer.choices[0].finish_reason in ("stop", "length")
     assert answer.usage is not None and answer.usage.completion_tokens > 0
+    assert answer.model == MODEL  # the server's --alias, relayed as it came
 
 
 def test_openai_sdk_stream_is_relayed_to_the_end(hal0d: str) -> None:
@@ -90,6 +91,7 @@ def test_openai_sdk_stream_is_relayed_to_the_end(hal0d: str) -> None:
     )
     text, finish = "", None
     for chunk in stream:
+        assert chunk.model == MODEL
         if chunk.choices:
             text += chunk.choices[0].delta.content or ""
             finish = chunk.choices[0].finish_reason or finish

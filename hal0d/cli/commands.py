@@ -93,6 +93,9 @@ def add_stub_command(commands: Any) -> None:
     slots = stub.add_argument_group("server slots and their prompt cache, as llama-server's")
     slots.add_argument("-m", "--model", metavar="FILE",
                        help="the model file, as llama-server's (the stub reads nothing from it)")
+    slots.add_argument("-a", "--alias", action="append", default=[], metavar="NAMES",
+                       help="model names, comma-separated, as llama-server's: any name asked "
+                       "is served, and answers carry the first in sorted order")
     slots.add_argument("-np", "--parallel", type=whole_number(1, 1024, "number of slots"),
                        default=1, help="number of server slots (default 1)")
     slots.add_argument("-c", "--ctx-size", type=whole_number(1, 1 << 24, "context size"),
@@ -261,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                         startup_delay=args.startup_delay, fail_start=args.fail_start,
                         anthropic_native=args.anthropic_native, chat_only=args.chat_only,
                         slot_options=slot_options,
-                        props=json.loads(args.props.read_text()) if args.props else None)
+                        props=json.loads(args.props.read_text()) if args.props else None,
+                        aliases=tuple(name.strip() for names in args.alias
+                                      for name in names.split(",") if name.strip()))
     if args.command == "print-config":
         config = configuration.Config() if args.defaults else load_or_report(args.config)
         if config is None:

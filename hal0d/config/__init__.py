@@ -37,7 +37,7 @@ from hal0d.config.model import (
 )
 from hal0d.config.reader import load, parse
 from hal0d.config.render import to_toml
-from hal0d.config.slot_command import context_split, model_files
+from hal0d.config.slot_command import answer_name, context_split, model_files
 
 __all__ = [
     "ANONYMOUS",
@@ -57,6 +57,7 @@ __all__ = [
     "ServerConfig",
     "SlotConfig",
     "alias_target",
+    "answer_name",
     "context_split",
     "go_duration",
     "is_loopback",

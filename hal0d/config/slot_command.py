@@ -8,7 +8,8 @@ says it means, and nothing is read from it:
     llama-server                        -m/--model, -md/--model-draft, -mm/--mmproj FILE;
                                         -c/--ctx-size N split between -np/--parallel N slots
                                         (unless -kvu/--kv-unified: then every slot has it all;
-                                        one slot, the default, has it all too)
+                                        one slot, the default, has it all too);
+                                        -a/--alias NAMES: what its answers call the model
     vllm serve MODEL                    MODEL or --model, when written as a path (./x, /x):
                                         any other is a Hugging Face name
     python -m llama_cpp.server          --model FILE
@@ -20,7 +21,7 @@ known when the process starts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Final
@@ -38,6 +39,9 @@ MODEL_OPTIONS: Final = {
     LLAMA_CPP_PYTHON: ("--model",),
 }
 CONTEXT_OPTIONS: Final = ("-c", "--ctx-size")
+ALIAS_OPTIONS: Final = ("-a", "--alias")
+# llama-server reads its aliases from here too, when the command names none.
+ALIAS_ENV: Final = "LLAMA_ARG_ALIAS"
 PARALLEL_OPTIONS: Final = ("-np", "--parallel")
 UNIFIED_OPTIONS: Final = ("-kvu", "--kv-unified")
 
@@ -101,6 +105,23 @@ def model_files(command: Sequence[str]) -> list[ModelFile]:
     if server == VLLM:
         named = [model for model in named if model.path.startswith(("/", "./", "../"))]
     return [model for model in named if "{" not in model.path and model.path]
+
+
+def answer_name(command: Sequence[str], environ: Mapping[str, str]) -> str | None:
+    """The name llama-server's answers carry in `"model"`: the first of its `--alias` names in
+    sorted order (it keeps them in a sorted set and answers under the first), else its model
+    file's path as written. None for another server, or when a placeholder stands in for it."""
+    server, args = server_of(command)
+    if server != LLAMA_SERVER:
+        return None
+    # Every --alias adds its names (comma-separated) to the set.
+    written = [value for _, value in option_values(args, ALIAS_OPTIONS)]
+    texts = written or [environ.get(ALIAS_ENV, "")]
+    aliases = sorted(name.strip() for text in texts for name in text.split(",") if name.strip())
+    if aliases:
+        return None if "{" in aliases[0] else aliases[0]
+    models = option_values(args, ("-m", "--model"))
+    return models[-1][1] if models and "{" not in models[-1][1] else None
 
 
 def context_split(command: Sequence[str]) -> ContextSplit | None:
