@@ -258,6 +258,12 @@ class Forward:
         """Send the call to the slot and wait for the response headers; the status is the
         request's from here on."""
         assert self.lease is not None, "open under the lease only"
+        if self.lease.slot.process_gone():
+            # Granted as its process died, before the exit was told: nothing of the slot's
+            # listens on its port, and whatever does now must not get the request.
+            if self.hands_on:
+                raise HandOn("connect_refused")
+            await self.lease.slot.process_fate()
         if not self.hands_on:
             try:
                 self.upstream = upstream = await self._opening(call)

@@ -230,6 +230,19 @@ class Child:
     def returncode(self) -> int | None:
         return self.process.returncode
 
+    @property
+    def running(self) -> bool:
+        """Whether the process runs now, asked of the kernel: the loop's child watcher tells an
+        exit a moment after it happened, and in that moment the process's port is free for
+        another program to take. WNOWAIT leaves the exit to the watcher to collect."""
+        if self._exited.done():
+            return False
+        try:
+            return os.waitid(os.P_PID, self.pid,
+                             os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+        except ChildProcessError:
+            return False  # the watcher collected it already
+
     async def wait(self) -> int:
         """The exit code, once the process is gone and the output it wrote is logged (the
         output that something it started still writes is logged on as it comes)."""

@@ -25,7 +25,9 @@ Semantics worth knowing:
 * A request that holds a lease and whose connect is refused may have been granted in the
   instant between its process's death and the lifecycle seeing the exit (the kernel closes a
   dead process's sockets before its parent learns of the exit): ``process_fate()`` has it wait
-  for the restart, as a queued request waits, instead of failing.
+  for the restart, as a queued request waits, instead of failing. A lease granted in that
+  instant does not connect at all once its process is gone (``process_gone()``): another
+  program may listen on the port by then, and must not be sent the slot's request.
 * In STARTING, STOPPED and STOPPING, callers wait in the same queue and go, in their turns, once
   the slot is READY (or ERROR). A waiter that finds the slot STOPPED asks for a load (``demand``,
   set by the manager on an on-demand slot); while such a slot loads, a wait is bounded by
@@ -70,8 +72,6 @@ QUEUE_RETRY_AFTER_S: Final = 2.0
 LOADING_RETRY_AFTER_S: Final = 5.0
 
 log = structlog.get_logger(__name__)
-
-
 
 
 class SlotLimits(Protocol):
@@ -138,6 +138,9 @@ class Slot:
         # process's exit is seen (its restart is the slot's to wait for), False when it still
         # runs (a refused connect is then the upstream's own answer).
         self.exit_seen: Callable[[Slot], Awaitable[bool]] | None = None
+        # Set by the lifecycle manager on a slot whose process it runs: whether that process
+        # runs now (asked of the kernel, not of what the lifecycle was told so far).
+        self.process_runs: Callable[[Slot], bool] | None = None
         # Which run of the slot's process it serves: one more each time the lifecycle launches
         # one (for a slot without a command: each time its probe sees the server come back),
         # so that what was learnt of an earlier process (modes.py, props.py) is asked anew.
@@ -246,6 +249,13 @@ class Slot:
         return f"slot {self.name!r} could not load its model: {cause}"
 
     # -- a lease whose connect was refused ---------------------------------------------------
+
+    def process_gone(self) -> bool:
+        """Called under a lease before it connects: True when the slot's process, one hal0d
+        runs, is not running, though its exit may not be told yet (the lease was granted in
+        that instant). Whatever listens on its port then is not the slot's (another program may
+        have taken it): the lease must not connect, and waits for process_fate instead."""
+        return self.process_runs is not None and not self.process_runs(self)
 
     async def process_fate(self) -> bool:
         """Called under a lease whose connect to the upstream was refused. For a slot whose

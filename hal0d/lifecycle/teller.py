@@ -149,6 +149,7 @@ class Teller:
         slot, config = runner.slot, runner.config
         slot.demand = self._demand if config.on_demand else None
         slot.exit_seen = self._exit_seen
+        slot.process_runs = self._process_runs
         slot.turn_wait_s = self.turn_wait_s(config)
 
     @staticmethod
@@ -156,6 +157,7 @@ class Teller:
         """A slot whose process the manager runs no more (a reload took its command away)."""
         slot.demand = None
         slot.exit_seen = None
+        slot.process_runs = None
         slot.turn_wait_s = 0.0
 
     def _begin(self, runner: Runner) -> None:
@@ -242,6 +244,14 @@ class Teller:
         if child is None or slot.state is SlotState.STARTING:
             return True
         return await child.exited_within(EXIT_SEEN_S)
+
+    def _process_runs(self, slot: Slot) -> bool:
+        """Whether the process of the slot's runner runs now (a lease asks before it connects);
+        True for a slot that is not the runner's any more (nothing of the manager's to say)."""
+        runner = self.runners.get(slot.name)
+        if runner is None or runner.slot is not slot:
+            return True
+        return runner.child is not None and runner.child.running
 
     def _unload_now(self, runner: Runner, reason: UnloadReason) -> None:
         slot = runner.slot
