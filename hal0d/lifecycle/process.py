@@ -237,6 +237,8 @@ class Child:
         another program to take. WNOWAIT leaves the exit to the watcher to collect."""
         if self._exited.done():
             return False
+        if not hasattr(os, "waitid"):
+            return True  # no such call (macOS): only what the watcher told is known
         try:
             return os.waitid(os.P_PID, self.pid,
                              os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
