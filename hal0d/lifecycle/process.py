@@ -46,6 +46,7 @@ SUMMARY_LINES = 3
 SUMMARY_LINE = 300
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PF_EXITING = 0x4  # <linux/sched.h>: set as a process starts to exit, before its files close
 # What a slot process gets when hal0d dies without stopping it (kill -9, OOM killer, a crash).
 # SIGTERM, not SIGKILL: the parent-death signal reaches only the direct child, and hal0d's group
 # kill died with hal0d, so only a process allowed to shut down takes its own children along
@@ -183,6 +184,15 @@ class ExitWatch(asyncio.subprocess.SubprocessStreamProtocol):
         super().process_exited()
 
 
+def open_stat(pid: int) -> int | None:
+    """A descriptor of the process's /proc/PID/stat; None where there is none (macOS), or
+    when the process is gone already."""
+    try:
+        return os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
 class Child:
     """One run of a slot's command."""
 
@@ -193,6 +203,10 @@ class Child:
         self.process = process
         self.pid = process.pid
         self._exited = exited
+        # Its /proc/PID/stat, kept open from the start: `running` re-reads it with one pread
+        # per request (opening it each time costs five times that).
+        self._stat = open_stat(self.pid)
+        exited.add_done_callback(self._close_stat)
         # The last lines it printed: a failed load names them (exit_summary).
         self.last_lines: collections.deque[str] = collections.deque(maxlen=SUMMARY_LINES)
         # Its lines are logged at info while it loads (what went wrong is there), at debug once
@@ -232,18 +246,29 @@ class Child:
 
     @property
     def running(self) -> bool:
-        """Whether the process runs now, asked of the kernel: the loop's child watcher tells an
-        exit a moment after it happened, and in that moment the process's port is free for
-        another program to take. WNOWAIT leaves the exit to the watcher to collect."""
+        """Whether the process runs now, asked of the kernel, not of the loop's child watcher:
+        the watcher tells an exit a moment after it happened, and a dying process's listener
+        is closed before it is even a zombie, so in that moment its port is free for another
+        program to take. The kernel marks a process exiting (PF_EXITING, in /proc/PID/stat)
+        before it closes its files: from the instant its listener may be gone, it is not
+        running here. Where there is no /proc (macOS), what the watcher told stands."""
         if self._exited.done():
             return False
-        if not hasattr(os, "waitid"):
-            return True  # no such call (macOS): only what the watcher told is known
+        if self._stat is None:
+            return True
         try:
-            return os.waitid(os.P_PID, self.pid,
-                             os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
-        except ChildProcessError:
-            return False  # the watcher collected it already
+            stat = os.pread(self._stat, 1024, 0)
+        except ProcessLookupError:
+            return False  # reaped
+        # After the name (which may hold spaces and parentheses): state, ppid, pgrp, session,
+        # tty_nr, tpgid, flags.
+        fields = stat.rpartition(b")")[2].split()
+        return fields[0] not in (b"Z", b"X") and not int(fields[6]) & PF_EXITING
+
+    def _close_stat(self, _: object) -> None:
+        if self._stat is not None:
+            os.close(self._stat)
+            self._stat = None
 
     async def wait(self) -> int:
         """The exit code, once the process is gone and the output it wrote is logged (the
