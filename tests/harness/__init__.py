@@ -14,4 +14,6 @@ no test module imports another (tests/test_imports.py holds that).
 - logs: hal0d's own logging pipeline into a buffer.
 - cli: hal0d's command line, run for real.
 - page: the status page's browser and daemon.
+- model_stores: model stores on disk as their owners write them: a folder of GGUF files,
+  Ollama's store, the Hugging Face cache.
 """
