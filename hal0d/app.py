@@ -308,6 +308,8 @@ def add_routes(router: web.UrlDispatcher, surfaces: Surfaces) -> None:
         (POST, "/api/slots/{name}/load", admin.load_slot),
         (POST, "/api/slots/{name}/unload", admin.unload_slot),
         (GET, "/api/slots/metrics", admin.slot_metrics),
+        (GET, "/api/library", admin.library),
+        (POST, "/api/library/rescan", admin.rescan_library),
         (GET, "/api/events", admin.events),
         (GET, "/api/requests", admin.requests),
         (GET, "/api/timeline", timeline.timeline),

@@ -6,6 +6,7 @@ lives in contexts.py, which builds these objects.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -55,3 +56,6 @@ OLLAMA_OPTIONS_LOGGED: web.AppKey[set[tuple[str, str]]] = web.AppKey("ollama_opt
 OLLAMA_MODELS: web.AppKey[OllamaModels] = web.AppKey("ollama_models")
 # The last hour of loads and unloads, and the groups' free memory, for GET /api/timeline.
 TIMELINE: web.AppKey[Timeline] = web.AppKey("timeline")
+# Set by `hal0d serve`: read the config file again, its [[library]] sources rescanned, and
+# return once that reload is done (POST /api/library/rescan; the same as a SIGHUP).
+RESCAN: web.AppKey[Callable[[], Awaitable[None]]] = web.AppKey("rescan")

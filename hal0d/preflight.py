@@ -42,12 +42,18 @@ class Findings:
 
 def check(config: Config) -> Findings:
     findings = Findings()
-    if not config.slots:
+    if not config.slots and not config.library:
         findings.errors.append(
             Finding("slots", "no [[slots]] table: hal0d would serve nothing")
         )
+    elif not config.slots:
+        # Models put in the sources later are found by a rescan (SIGHUP, hal0d models --rescan).
+        findings.warnings.append(Finding("library", "no model found: hal0d serves none until a "
+                                         "rescan finds some"))
+    findings.warnings.extend(Finding("library", problem) for problem in config.library_problems)
     for index, slot in enumerate(config.slots):
-        path = f"slots[{index}]"
+        path = f"slots[{index}]" if slot.library is None else (
+            f'library model "{slot.library.names[0]}"')
         if slot.command:
             problem = program_problem(slot.command)
             if problem:

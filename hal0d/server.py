@@ -40,10 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import errno
-import os
 import signal
-import socket
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -54,8 +51,9 @@ from aiohttp import web
 from hal0d import config as configuration
 from hal0d import logs, preflight, systemd
 from hal0d.app import make_app
-from hal0d.appkeys import DISPATCH, HEADS, LIFECYCLE, RUNTIME, SLOTS
+from hal0d.appkeys import DISPATCH, HEADS, LIFECYCLE, RESCAN, RUNTIME, SLOTS
 from hal0d.config import Config
+from hal0d.front.listeners import close_all, somaxconn, take_sockets
 from hal0d.lifecycle.reload import ConfigDiff
 from hal0d.observability.history import HistoryInUse
 from hal0d.preflight import Finding
@@ -73,7 +71,6 @@ STATUS_EVERY_S = 5.0
 # A reload waits this long for the leases on a replaced slot process when the stall guard's
 # total bound is off (0), before stopping that process anyway.
 DRAIN_UNBOUNDED_S = 900.0
-SOMAXCONN = Path("/proc/sys/net/core/somaxconn")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 # (section, key) read once at start; a reload keeps their running values.
@@ -142,90 +139,11 @@ def with_server_overrides(config: Config, overrides: Mapping[str, Any]) -> Confi
     return config
 
 
-def listen(host: str, port: int, backlog: int) -> list[socket.socket]:
-    """The listening sockets of `host` (every address it names, as aiohttp's TCPSite would bind
-    them), taken before anything else starts: a port another process holds fails here, before
-    any slot process is started for nothing. Connections that come meanwhile wait in the
-    backlog until the site serves them."""
-    addresses = dict.fromkeys(
-        (family, address) for family, _, _, _, address in socket.getaddrinfo(
-            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE))
-    taken: list[socket.socket] = []
-    try:
-        for family, address in addresses:
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            taken.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(address)
-            sock.listen(backlog)
-            sock.setblocking(False)
-    except OSError:
-        close_all(taken)
-        raise
-    return taken
-
-
-def take_sockets(config: Config, backlog: int) -> list[socket.socket] | None:
-    """The listening sockets of [server] and, when set, of [ollama] listen; None (and the
-    reason logged, `server.bind_failed`) when one cannot be had."""
-    try:
-        sockets = listen(config.server.host, config.server.port, backlog)
-    except OSError as exc:
-        log.error("server.bind_failed", host=config.server.host, port=config.server.port,
-                  error=exc.strerror or str(exc), hint=bind_hint(exc))
-        return None
-    if (ollama := config.ollama.address) is not None:
-        try:
-            sockets += listen(*ollama, backlog)
-        except OSError as exc:
-            close_all(sockets)
-            log.error("server.bind_failed", host=ollama[0], port=ollama[1], listener="ollama",
-                      error=exc.strerror or str(exc), hint=OLLAMA_BIND_HINT)
-            return None
-    return sockets
-
-
-def close_all(sockets: list[socket.socket]) -> None:
-    for sock in sockets:
-        sock.close()
-
-
-def bind_hint(exc: OSError, environ: Mapping[str, str] = os.environ) -> str:
-    """What the operator can do about a listening address that cannot be had: under make (its
-    recipes have MAKELEVEL set: `make run`), make's HOST= and PORT=; else the flags."""
-    make = "MAKELEVEL" in environ
-    host, port = ("make run HOST=...", "make run PORT=...") if make else ("--host", "--port")
-    if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
-        return (f"no interface of this machine has that address; choose another with {host} "
-                "or [server].host")
-    if exc.errno == errno.EADDRINUSE:
-        return f"another process listens there; choose another port with {port} or [server].port"
-    if exc.errno == errno.EACCES:
-        return ("ports below 1024 need privileges (CAP_NET_BIND_SERVICE); choose another port "
-                f"with {port} or [server].port")
-    both = "make run HOST=... PORT=..." if make else "--host/--port"
-    return f"check {both} or [server].host and .port"
-
-
-OLLAMA_BIND_HINT = ("the Ollama listener's address cannot be had (another process, an Ollama "
-                    "itself, may listen there); choose another in [ollama].listen")
-
-
 def raise_open_files_limit() -> None:
     raised = descriptors.raise_open_files_limit()
     if raised is not None:
         old, new, hard = raised
         log.info("server.fd_limit_raised", soft=old, new=new, hard=hard)
-
-
-def somaxconn() -> int | None:
-    """The kernel's ceiling on a listen backlog (net.core.somaxconn), None where unreadable."""
-    try:
-        return int(SOMAXCONN.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def known_secrets(config: Config) -> list[str]:
@@ -296,6 +214,9 @@ class Daemon:
         self.grace_cut_short = asyncio.Event()
         self.reload_requested = asyncio.Event()
         self.reloading = False
+        # Set once each reload is done, then replaced: a rescan waits on it (rescan()).
+        self.reload_done = asyncio.Event()
+        self.app[RESCAN] = self.rescan
 
     @property
     def config(self) -> Config:
@@ -437,15 +358,26 @@ class Daemon:
                 await self.reload()
             finally:
                 self.reloading = False
+                done, self.reload_done = self.reload_done, asyncio.Event()
+                done.set()
             systemd.ready(self.status())
+
+    async def rescan(self) -> None:
+        """A reload asked for now, and awaited: one that is under way already read the file
+        before this was asked, so the next one is waited for too."""
+        waits = 2 if self.reloading else 1
+        self.reload_requested.set()
+        for _ in range(waits):
+            await self.reload_done.wait()
 
     async def reload(self) -> None:
         systemd.reloading(f"reloading {self.config_path}")
         log.info("config.reload_started", config=str(self.config_path))
         try:
+            # In a thread: a [[library]] rescan reads folders and model headers.
             loaded = with_server_overrides(
-                configuration.load(self.config_path), self.server_overrides
-            )
+                await asyncio.to_thread(configuration.load, self.config_path),
+                self.server_overrides)
         except configuration.ConfigError as exc:
             log_reload_failed(self.config_path, exc.problems)
             return

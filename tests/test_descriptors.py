@@ -25,7 +25,8 @@ import orjson
 import pytest
 
 from hal0d import config
-from hal0d.server import keep_restart_keys, restart_needed, somaxconn
+from hal0d.front.listeners import somaxconn
+from hal0d.server import keep_restart_keys, restart_needed
 from tests.harness.client import chat_body
 from tests.harness.config import config_text
 from tests.harness.daemons import Hal0dProcess, spawn

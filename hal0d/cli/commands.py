@@ -1,5 +1,6 @@
 """The command line: serve | check-config | print-config | stub | status | load | unload |
-requests, and --version. The operator's commands talk to a running daemon through daemon.py."""
+requests | models, and --version. The operator's commands talk to a running daemon through
+daemon.py."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 
 from hal0d import __version__, preflight
 from hal0d import config as configuration
+from hal0d.cli.models import add_models_command, run_models
 from hal0d.config.ports import unused_port
 
 DEFAULT_CONFIG = "/etc/hal0d/hal0d.toml"
@@ -62,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_stub_command(commands)
     add_client_commands(commands)
+    add_models_command(commands, DEFAULT_CONFIG)
     return parser
 
 
@@ -199,7 +202,9 @@ def check_config(path: str) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     if findings.errors:
         return 1
-    summary = f"{path}: ok ({plural(len(config.slots), 'slot')})"
+    found = sum(1 for slot in config.slots if slot.library is not None)
+    summary = f"{path}: ok ({plural(len(config.slots), 'slot')}" + (
+        f", {found} of them models found by [[library]])" if config.library else ")")
     if findings.warnings:
         summary += f" with {plural(len(findings.warnings), 'warning')}"
     print(summary)
@@ -277,4 +282,6 @@ def main(argv: list[str] | None = None) -> int:
         return check_config(args.config)
     if args.command in ("status", "load", "unload", "requests"):
         return run_client(args)
+    if args.command == "models":
+        return run_models(args)
     return serve(args)

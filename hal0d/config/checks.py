@@ -11,6 +11,7 @@ only the slots that passed.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,17 +54,19 @@ SLOT_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 
 
 def check_slots(raw: Any, problems: list[str], base_dir: Path,
-                cache_root: Path | None = None) -> tuple[SlotConfig, ...]:
-    """The [[slots]]; `cache_root`: where `{prompt_cache_dir}` folders go (config/cache_dir.py),
-    beside the history database (base_dir when not given)."""
+                cache_root: Path | None = None,
+                found: Sequence[tuple[str, dict[str, Any]]] = ()) -> tuple[SlotConfig, ...]:
+    """The [[slots]], then the slots of the models the [[library]] tables found (`found`:
+    each with where it came from); `cache_root`: where `{prompt_cache_dir}` folders go
+    (config/cache_dir.py), beside the history database (base_dir when not given)."""
     if not isinstance(raw, list):
         problems.append("slots: must be an array of tables ([[slots]])")
         return ()
     slots: list[SlotConfig] = []
     names: set[str] = set()
     served: dict[str, str] = {}
-    for index, table in enumerate(raw):
-        path = f"slots[{index}]"
+    labelled = [(f"slots[{index}]", table) for index, table in enumerate(raw)] + list(found)
+    for path, table in labelled:
         before = len(problems)
         good = check_table(table, SLOT_SPEC, path, problems)
         for required in ("name", "upstream", "models"):

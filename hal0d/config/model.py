@@ -104,6 +104,30 @@ SLOT_TIMEOUT_KEYS = ("direct_read_timeout_s", "stream_total_timeout_s", "stream_
 
 
 @dataclass(frozen=True, slots=True)
+class LibraryEntry:
+    """What a slot made from a model file a `[[library]]` found knows of that file: where it was
+    found and what its GGUF header says (hal0d/library). The Ollama lists, `hal0d models` and
+    the page show it; `table` is the slot table it was made from, placeholders unfilled, as
+    `hal0d models --config` prints it for a user who pins it by hand."""
+
+    names: tuple[str, ...]
+    source: str
+    file: str
+    mmproj: str | None
+    size_bytes: int
+    modified_at: float
+    family: str
+    parameters: int
+    parameter_size: str
+    quantization: str
+    trained_context: int | None
+    context: int
+    estimate_mib: int
+    capabilities: tuple[str, ...]  # what the file says its model can do (ollama/capabilities.py)
+    table: tuple[tuple[str, object], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class SlotConfig:
     name: str
     upstream: str
@@ -150,6 +174,10 @@ class SlotConfig:
     # What the models can do, as Ollama's clients ask (config/capabilities.py): per model, as
     # declared; a model not named is what its upstream says of itself.
     capabilities: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # A slot a [[library]] made from a model file it found (None: written by hand). Out of
+    # print-config's output (it prints the [[library]] table) and of comparisons (the command
+    # names the file: a file changed is a command changed).
+    library: LibraryEntry | None = field(default=None, repr=False, compare=False)
 
     def declared_capabilities(self, model: str) -> tuple[str, ...] | None:
         return next((names for named, names in self.capabilities if named == model), None)
@@ -291,6 +319,26 @@ class KeyConfig:
     secret: str = field(default="", repr=False)
 
 
+# What a [[library]] table's models start as unless it says otherwise: loaded for their first
+# request and unloaded after five idle minutes (as Ollama does), with a context of 8192 tokens
+# or the model's own when smaller.
+LIBRARY_IDLE_UNLOAD_S = 300.0
+LIBRARY_CONTEXT = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class LibraryConfig:
+    """A `[[library]]` table: a source of model files (a folder, "ollama" or an Ollama store's
+    folder, "hf" or a Hugging Face cache's folder), each model found served by a slot of its
+    own made from `command` (its placeholders filled per model) and `defaults`, the table's
+    other slot keys (hal0d/library/slots.py)."""
+
+    path: str
+    command: tuple[str, ...] | None = None
+    context: int = LIBRARY_CONTEXT
+    defaults: tuple[tuple[str, object], ...] = ()
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -303,6 +351,10 @@ class Config:
     keys: tuple[KeyConfig, ...] = ()
     routes: tuple[RouteConfig, ...] = ()
     ollama: OllamaConfig = field(default_factory=OllamaConfig)
+    library: tuple[LibraryConfig, ...] = ()
+    # What the [[library]] sources hold that is not served (a truncated file, a manifest naming
+    # a missing blob, a name two sources claim): warnings, one line each; the rest is served.
+    library_problems: tuple[str, ...] = field(default=(), compare=False)
     # The folder relative paths (the metrics database) resolve against.
     base_dir: Path = field(default_factory=Path.cwd, compare=False)
 

@@ -8,9 +8,10 @@ already decoded.
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hal0d.config.anonymous import check_anonymous, check_beside_keys
 from hal0d.config.cache_dir import cache_root
@@ -25,10 +26,12 @@ from hal0d.config.checks import (
     check_slots,
 )
 from hal0d.config.client_keys import access_keys, check_keys
+from hal0d.config.library import check_library
 from hal0d.config.model import (
     Config,
     ConfigError,
     DispatcherConfig,
+    LibraryConfig,
     LoggingConfig,
     MetricsConfig,
     OllamaConfig,
@@ -44,12 +47,17 @@ from hal0d.config.spec import (
     check_table,
 )
 
+if TYPE_CHECKING:
+    from hal0d.library.slots import Found
 
-def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
-    """Validate a decoded TOML document; raise ConfigError listing every problem."""
+
+def parse(raw: dict[str, Any], base_dir: Path | None = None, find_models: bool = True) -> Config:
+    """Validate a decoded TOML document; raise ConfigError listing every problem.
+    `find_models`: scan the [[library]] sources (without it their models are not among the
+    slots: for a command that only needs the server's address)."""
     problems: list[str] = []
     known = {"server", "dispatcher", "slots", "groups", "models", "metrics", "logging", "keys",
-             "routes", "ollama"}
+             "routes", "ollama", "library"}
     for key in raw:
         if key not in known:
             problems.append(f"{key}: unknown section (known: {', '.join(sorted(known))})")
@@ -73,12 +81,19 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     check_beside_keys({"server.anonymous": server.get("anonymous"),
                        "ollama.anonymous": ollama.get("anonymous")}, has_keys, keys, problems)
     database = Path(metrics.get("database", MetricsConfig().database))
-    slots = check_slots(raw.get("slots", []), problems, base_dir,
-                        cache_root(database if database.is_absolute() else base_dir / database))
     raw_slots = raw.get("slots", [])
-    groups = check_groups(raw.get("groups", {}), slots, problems,
-                          raw_slots if isinstance(raw_slots, list) else [])
-    broken = broken_slots(raw_slots, slots)
+    library = check_library(raw.get("library", []), raw.get("groups", {}), problems)
+    found = models_found(raw, library, base_dir) if library and find_models else None
+    slots = check_slots(raw_slots, problems, base_dir,
+                        cache_root(database if database.is_absolute() else base_dir / database),
+                        found.tables if found else ())
+    if found:
+        slots = tuple(dataclasses.replace(slot, library=found.entries[slot.name])
+                      if slot.name in found.entries else slot for slot in slots)
+    tables = raw_slots if isinstance(raw_slots, list) else []
+    tables = tables + [table for _, table in found.tables] if found else tables
+    groups = check_groups(raw.get("groups", {}), slots, problems, tables)
+    broken = broken_slots(tables, slots)
     routes = check_routes(raw.get("routes", []), slots, problems, broken)
     models = check_models(raw.get("models", {}), slots, problems, routes,
                           broken | broken_routes(raw.get("routes", []), routes))
@@ -99,11 +114,34 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         keys=keys,
         routes=routes,
         ollama=OllamaConfig(**ollama),
+        library=library,
+        library_problems=tuple(found.problems) if found else (),
         base_dir=base_dir,
     )
 
 
-def load(path: str | Path) -> Config:
+def models_found(raw: dict[str, Any], library: tuple[LibraryConfig, ...],
+                 base_dir: Path) -> Found:
+    """The slots of the models the [[library]] tables find, beside what the file writes by
+    hand: a name a slot, a route or an alias serves, and a slot's name, stay theirs. Imported
+    here, not above: reading GGUF headers loads numpy, which a config without a library
+    never needs."""
+    from hal0d.library.slots import library_slots
+
+    slots = [table for table in raw.get("slots", []) if isinstance(table, dict)] if isinstance(
+        raw.get("slots"), list) else []
+    routes = raw.get("routes") if isinstance(raw.get("routes"), list) else []
+    aliases = raw.get("models") if isinstance(raw.get("models"), dict) else {}
+    taken = {model for table in slots if isinstance(table.get("models"), list)
+             for model in table["models"] if isinstance(model, str)}
+    taken |= {route.get("model") for route in routes if isinstance(route, dict)}
+    taken |= set(aliases)
+    return library_slots(library, {name for name in taken if isinstance(name, str)},
+                         {str(table.get("name")) for table in slots}, raw.get("groups"),
+                         base_dir)
+
+
+def load(path: str | Path, find_models: bool = True) -> Config:
     path = Path(path)
     try:
         text = path.read_bytes()
@@ -119,7 +157,7 @@ def load(path: str | Path) -> Config:
     if (isinstance(metrics, dict) and "database" not in metrics) or "metrics" not in raw:
         # Named after the config file: two configs in one folder keep two histories.
         raw.setdefault("metrics", {})["database"] = default_database(path)
-    return parse(raw, base_dir=path.resolve().parent)
+    return parse(raw, base_dir=path.resolve().parent, find_models=find_models)
 
 
 def default_database(config_path: Path) -> str:

@@ -22,6 +22,7 @@ from hal0d.config.model import (
     REDACTED_SECRET,
     Config,
     KeyConfig,
+    LibraryConfig,
     ServerConfig,
     SlotConfig,
 )
@@ -67,7 +68,11 @@ def to_dict(config: Config) -> dict[str, Any]:
         }
     if config.models:
         doc["models"] = dict(config.models)
-    doc["slots"] = [slot_table(slot, table(slot)) for slot in config.slots]
+    # A library's slots are its table's: printing them too would pin what a rescan finds.
+    doc["slots"] = [slot_table(slot, table(slot)) for slot in config.slots
+                    if slot.library is None]
+    if config.library:
+        doc["library"] = [library_table(library) for library in config.library]
     if config.keys:
         doc["keys"] = [table(key) for key in config.keys]
     if config.routes:
@@ -92,6 +97,14 @@ def slot_table(slot: SlotConfig, keys: dict[str, Any]) -> dict[str, Any]:
     if not slot.on_demand:
         for key in ON_DEMAND_KEYS:
             keys.pop(key, None)
+    return keys
+
+
+def library_table(library: LibraryConfig) -> dict[str, Any]:
+    keys: dict[str, Any] = {"path": library.path, "context": library.context}
+    if library.command is not None:
+        keys["command"] = list(library.command)
+    keys.update(library.defaults)
     return keys
 
 

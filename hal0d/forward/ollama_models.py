@@ -75,7 +75,8 @@ class OllamaModels:
         can, context = await self.described(source)
         if plan.route is None:
             return shapes.Served(name or plan.model, plan.first.slot.name,
-                                 plan.first.slot.memory_mib, can, context)
+                                 plan.first.slot.memory_mib, can, context,
+                                 file=plan.first.slot.library)
         return shapes.Served(name or plan.model, slot.slot.name if slot else None,
                              slot.slot.memory_mib if slot else None, can, context,
                              route=plan.model, slots=plan.route.slots)
@@ -95,6 +96,10 @@ class OllamaModels:
             props = await self.props.of(self.dispatch.upstreams, config, live.generation)
         else:
             props = self.props.last(config)
+        from_file = config.library.capabilities if config.library is not None else None
         can = capabilities.capabilities(config.declared_capabilities(route.served_model),
-                                        config.command, props)
-        return can, capabilities.context_length(props)
+                                        config.command, props, from_file)
+        context = capabilities.context_length(props)
+        if not context and config.library is not None:
+            context = config.library.context  # what its command gives it: -c {context}
+        return can, context

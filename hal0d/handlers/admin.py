@@ -13,11 +13,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hal0d import __version__
-from hal0d.appkeys import DISPATCH, EVENTS, LIFECYCLE, RECORDER, RUNTIME, SLOTS, VIEWS
+from hal0d.appkeys import DISPATCH, EVENTS, LIFECYCLE, RECORDER, RESCAN, RUNTIME, SLOTS, VIEWS
 from hal0d.config import DispatcherConfig
 from hal0d.errors import Conflict, ErrorCode, InvalidRequest, NoRoute
 from hal0d.forward import Dispatch
 from hal0d.front import access
+from hal0d.library.view import library_view
 from hal0d.lifecycle.manager import LifecycleManager
 from hal0d.lifecycle.slots import Slot, SlotState
 from hal0d.lifecycle.vocabulary import UP, UnloadReason
@@ -227,6 +228,25 @@ async def unload_slot(request: web.Request) -> web.Response:
                        "?force=true fails them and ends the ones in flight")
     await lifecycle.unload(slot.name, UnloadReason.API, force=force)
     return json({"slot": slot.name, "state": str(slot.state)})
+
+
+async def library(request: web.Request) -> web.Response:
+    """GET /api/library: the models the [[library]] sources hold, their slots and states."""
+    return json(library_view(request.app[RUNTIME].current.config, states(request)))
+
+
+async def rescan_library(request: web.Request) -> web.Response:
+    """POST /api/library/rescan: the config read again with its sources rescanned (a SIGHUP's
+    reload), answered once it is applied: what is found then."""
+    rescan = request.app.get(RESCAN)
+    if rescan is None:
+        raise Conflict("this hal0d was not started by `hal0d serve`: nothing to rescan from")
+    await rescan()
+    return json(library_view(request.app[RUNTIME].current.config, states(request)))
+
+
+def states(request: web.Request) -> dict[str, str]:
+    return {slot.name: str(slot.state) for slot in request.app[SLOTS]}
 
 
 async def slot_metrics(request: web.Request) -> web.Response:

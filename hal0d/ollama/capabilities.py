@@ -11,6 +11,9 @@ Where each comes from, the first that knows:
     the upstream's GET /props (llama-server)  completion; tools when its chat template takes
                                               them (chat_template_caps), vision and audio from
                                               its modalities, thinking when its template reasons
+    the model file ([[library]] models)       completion; tools when its GGUF chat template
+                                              reads `tools`, thinking when it reasons, vision
+                                              with a projector (of_file: before a first load)
     nothing known                             completion and tools: what every chat model of an
                                               OpenAI-compatible server is asked for
 
@@ -93,8 +96,23 @@ def of_props(props: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(found)
 
 
+def of_file(template: str | None, projector: bool) -> tuple[str, ...]:
+    """What a GGUF file says its model can do: its chat template's use of tools and marks of
+    reasoning, and vision when a projector goes with it."""
+    template = template or ""
+    found = [COMPLETION]
+    if "tools" in template:
+        found.append(TOOLS)
+    if projector:
+        found.append(VISION)
+    if any(mark in template for mark in _THINKING_MARKS):
+        found.append(THINKING)
+    return tuple(found)
+
+
 def capabilities(declared: Sequence[str] | None, command: Sequence[str] | None,
-                 props: Mapping[str, Any] | None) -> tuple[str, ...]:
+                 props: Mapping[str, Any] | None,
+                 from_file: Sequence[str] | None = None) -> tuple[str, ...]:
     """The model's capabilities from the first source that knows (the module's docstring)."""
     if declared is not None:
         return of_declared(declared)
@@ -102,6 +120,8 @@ def capabilities(declared: Sequence[str] | None, command: Sequence[str] | None,
         return commanded
     if props is not None:
         return of_props(props)
+    if from_file is not None:
+        return tuple(from_file)
     return UNKNOWN
 
 

@@ -2,10 +2,13 @@
 /api/generate object, embeddings as /api/embed's, and the slots' models as /api/tags, /api/show
 and /api/ps show them.
 
-hal0d knows a model by its slot, not by a file: `size` and `size_vram` are the slot's
-`memory_mib` (0 unknown), `digest` is made from the slot and model names and the model's
-capabilities (capabilities.py: stable across runs, changed when they change),
-`details.slot` names the slot, and the format, family and quantization are left empty. A
+hal0d knows a model by its slot: `size` and `size_vram` are the slot's `memory_mib` (0
+unknown), `digest` is made from the slot and model names and the model's capabilities
+(capabilities.py: stable across runs, changed when they change), and `details.slot` names the
+slot. A model a `[[library]]` found is known by its file too: /api/tags's `size` is the file's,
+`modified_at` its time, and the details and /api/show's model_info say what its GGUF header
+says (format, family, parameter size, quantization, the trained context); a slot written by
+hand leaves them empty. A
 `[[routes]]` model is named as the route it is: `details.route` and `details.slots` (its slots in
 their order), in /api/ps also `details.slot`, the one that has it loaded; its digest is the
 route's, the same whichever slot serves it.
@@ -20,6 +23,7 @@ from typing import Any
 
 import orjson
 
+from hal0d.config.model import LibraryEntry
 from hal0d.ollama.capabilities import UNKNOWN
 from hal0d.ollama.stream import DONE_REASONS, NS, Clocks, MalformedChunk, timestamp
 
@@ -132,6 +136,7 @@ class Served:
     context_length: int = 0  # the context its server holds, 0 when not known
     route: str | None = None  # a [[routes]] model: the route's name
     slots: tuple[str, ...] = ()  # and its slots, in their order
+    file: LibraryEntry | None = None  # the model file a [[library]] found
 
 
 def digest(served: Served) -> str:
@@ -143,6 +148,9 @@ def digest(served: Served) -> str:
 def details(served: Served) -> dict[str, Any]:
     out: dict[str, Any] = {"parent_model": "", "format": "", "family": "", "families": None,
                            "parameter_size": "", "quantization_level": ""}
+    if (file := served.file) is not None:
+        out.update(format="gguf", family=file.family, families=[file.family],
+                   parameter_size=file.parameter_size, quantization_level=file.quantization)
     if served.route is not None:
         out.update(route=served.route, slots=list(served.slots))
     if served.slot is not None:
@@ -156,13 +164,21 @@ def size(served: Served) -> int:
 
 def tags(models: Iterable[Served], modified_at: float) -> dict[str, Any]:
     return {"models": [
-        {"name": served.model, "model": served.model, "modified_at": timestamp(modified_at),
-         "size": size(served), "digest": digest(served), "details": details(served)}
+        {"name": served.model, "model": served.model,
+         "modified_at": timestamp(served.file.modified_at if served.file else modified_at),
+         "size": served.file.size_bytes if served.file else size(served),
+         "digest": digest(served), "details": details(served)}
         for served in models]}
 
 
 def show(served: Served, modified_at: float) -> dict[str, Any]:
     info: dict[str, Any] = {"general.architecture": ""}
+    if (file := served.file) is not None:
+        info.update({"general.architecture": file.family,
+                     "general.parameter_count": file.parameters})
+        if file.trained_context:
+            info[f"{file.family}.context_length"] = file.trained_context
+        modified_at = file.modified_at
     if served.route is not None:
         info.update({"hal0d.route": served.route, "hal0d.slots": list(served.slots)})
     else:
