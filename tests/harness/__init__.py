@@ -14,4 +14,5 @@ no test module imports another (tests/test_imports.py holds that).
 - logs: hal0d's own logging pipeline into a buffer.
 - cli: hal0d's command line, run for real.
 - page: the status page's browser and daemon.
+- gguf_files: small real GGUF models (split in parts, too) and vision projectors.
 """
