@@ -264,7 +264,8 @@ class _PastTheEnd(Exception):
 class _HeaderReader(GGUFReader):
     """GGUFReader, bounded: reading past the end of the file raises _PastTheEnd, and an array
     longer than KEPT_ARRAY_LENGTH is stepped over instead of being turned into a numpy view an
-    element. Both hook methods GGUFReader reads the whole header through (gguf 0.10 to 0.19)."""
+    element. Both hooks are methods GGUFReader reads the whole header through, the same from
+    gguf 0.13 (the first that installs and runs on numpy 2) to 0.19."""
 
     def _get(self, offset: int, dtype: npt.DTypeLike, count: int = 1,
              override_order: Literal["I", "S", "<"] | None = None) -> npt.NDArray[Any]:
@@ -289,7 +290,7 @@ class _HeaderReader(GGUFReader):
         size = None if count <= KEPT_ARRAY_LENGTH else self._array_size(orig_offs, item, count)
         if size is None:
             return super()._get_field_parts(orig_offs, raw_type)
-        # No element indexes: the field's contents() is [], its length stays in its parts.
+        # No element indexes: the field reads as [], its length stays in its parts.
         return ARRAY_HEADER_BYTES + size, [item_type, length], [], [GGUFValueType.ARRAY, item]
 
     def _array_size(self, orig_offs: int, item: GGUFValueType, count: int) -> int | None:
@@ -320,8 +321,22 @@ class _HeaderReader(GGUFReader):
 # -- the facts --------------------------------------------------------------------------------
 
 def _value(reader: GGUFReader, key: str) -> Any:
+    """A metadata value as Python: a number, a text, or a list of those. Read from the field's
+    parts, as every gguf release since 0.13 lays them out (ReaderField.contents() came in 0.16)."""
     field = reader.get_field(key)
-    return None if field is None else field.contents()
+    if field is None or not field.types:
+        return None
+    kind = field.types[-1]
+
+    def element(index: int) -> Any:
+        part = field.parts[index]
+        if kind == GGUFValueType.STRING:
+            return part.tobytes().decode("utf-8")
+        return part.tolist()[0]
+
+    if field.types[0] == GGUFValueType.ARRAY:
+        return [element(index) for index in field.data]
+    return element(field.data[0])
 
 
 def _number(reader: GGUFReader, key: str) -> int | None:
@@ -377,9 +392,10 @@ def _facts(readers: list[GGUFReader], *, file_bytes: int, path: Path) -> ModelFa
         parameters = sum(int(tensor.n_elements) for tensor in tensors)
     attention = f"{architecture}.attention"
     head_count = _count(first, f"{attention}.head_count")
-    kv_heads_per_layer = (_per_layer(first, f"{attention}.head_count_kv")
-                          or _per_layer(first, f"{attention}.head_count"))
-    kv_heads = _count(first, f"{attention}.head_count_kv") or head_count
+    # As llama.cpp reads it: without head_count_kv, every head has its own keys and values.
+    kv_key = f"{attention}.head_count_kv"
+    if first.get_field(kv_key) is None:
+        kv_key = f"{attention}.head_count"
     embedding = _number(first, f"{architecture}.embedding_length")
     head_size = embedding // head_count if embedding and head_count else None
     key_length = _number(first, f"{attention}.key_length") or head_size
@@ -392,7 +408,7 @@ def _facts(readers: list[GGUFReader], *, file_bytes: int, path: Path) -> ModelFa
         context_length=_number(first, f"{architecture}.context_length"),
         layers=_number(first, f"{architecture}.block_count"),
         head_count=head_count,
-        kv_heads=kv_heads,
+        kv_heads=_count(first, kv_key),
         key_length=key_length,
         value_length=_number(first, f"{attention}.value_length") or head_size,
         embedding_length=embedding,
@@ -401,5 +417,5 @@ def _facts(readers: list[GGUFReader], *, file_bytes: int, path: Path) -> ModelFa
         is_projector=_text(first, "general.type") == "mmproj" or architecture == "clip",
         weights_bytes=sum(int(tensor.n_bytes) for tensor in tensors),
         family=architecture,
-        kv_heads_per_layer=kv_heads_per_layer,
+        kv_heads_per_layer=_per_layer(first, kv_key),
     )
