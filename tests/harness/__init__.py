@@ -16,4 +16,5 @@ no test module imports another (tests/test_imports.py holds that).
 - page: the status page's browser and daemon.
 - model_stores: model stores on disk as their owners write them: a folder of GGUF files,
   Ollama's store, the Hugging Face cache.
+- gguf_files: small real GGUF models (split in parts, too) and vision projectors.
 """
