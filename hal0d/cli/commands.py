@@ -96,6 +96,8 @@ def add_stub_command(commands: Any) -> None:
     slots = stub.add_argument_group("server slots and their prompt cache, as llama-server's")
     slots.add_argument("-m", "--model", metavar="FILE",
                        help="the model file, as llama-server's (the stub reads nothing from it)")
+    slots.add_argument("-mm", "--mmproj", metavar="FILE",
+                       help="a vision projector file, as llama-server's (nothing is read from it)")
     slots.add_argument("-a", "--alias", action="append", default=[], metavar="NAMES",
                        help="model names, comma-separated, as llama-server's: any name asked "
                        "is served, and answers carry the first in sorted order")

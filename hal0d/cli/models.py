@@ -54,7 +54,7 @@ def run_models(args: argparse.Namespace) -> int:
             print(f"hal0d models: {exc}", file=sys.stderr)
             return 1
         view, note = library_view(config, None), f"({exc}: loaded or not is not known)"
-    print(models_table(view))
+    print(models_table(view), flush=True)
     for problem in view["problems"]:
         print(f"not served: {problem}", file=sys.stderr)
     if note:

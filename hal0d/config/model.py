@@ -123,7 +123,7 @@ class LibraryEntry:
     trained_context: int | None
     context: int
     estimate_mib: int
-    capabilities: tuple[str, ...]  # what the file says its model can do (ollama/capabilities.py)
+    chat_template: str | None  # what its model can do is read from it (ollama/capabilities.py)
     table: tuple[tuple[str, object], ...]
 
 

@@ -92,7 +92,9 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None, find_models: bool =
                       if slot.name in found.entries else slot for slot in slots)
     tables = raw_slots if isinstance(raw_slots, list) else []
     tables = tables + [table for _, table in found.tables] if found else tables
-    groups = check_groups(raw.get("groups", {}), slots, problems, tables)
+    # A group a library names is not "named by no slot" while its sources hold no model.
+    claimed = tables + [dict(entry.defaults) for entry in library]
+    groups = check_groups(raw.get("groups", {}), slots, problems, claimed)
     broken = broken_slots(tables, slots)
     routes = check_routes(raw.get("routes", []), slots, problems, broken)
     models = check_models(raw.get("models", {}), slots, problems, routes,

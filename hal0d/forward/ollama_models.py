@@ -96,7 +96,9 @@ class OllamaModels:
             props = await self.props.of(self.dispatch.upstreams, config, live.generation)
         else:
             props = self.props.last(config)
-        from_file = config.library.capabilities if config.library is not None else None
+        entry = config.library
+        from_file = capabilities.of_file(entry.chat_template, entry.mmproj is not None) if (
+            entry is not None) else None
         can = capabilities.capabilities(config.declared_capabilities(route.served_model),
                                         config.command, props, from_file)
         context = capabilities.context_length(props)

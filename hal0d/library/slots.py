@@ -47,7 +47,6 @@ from hal0d.library.found import FoundModel, Scan, projector_by_name
 from hal0d.library.gguf_facts import UnreadableModel, read_facts
 from hal0d.library.hf_cache import hf_root, scan_hf
 from hal0d.library.ollama_store import ollama_roots, scan_ollama
-from hal0d.ollama.capabilities import of_file
 
 DEFAULT_COMMAND = ("llama-server", "-m", MODEL_PATH, "--mmproj", MMPROJ, "--alias", ALIAS,
                    "--host", "127.0.0.1", "--port", FREE_PORT, "-c", CONTEXT, "--jinja")
@@ -136,10 +135,10 @@ def _slot_of(model: FoundModel, library: LibraryConfig, taken_names: set[str],
     if not names:
         return None  # every name is served by a slot written by hand: that one wins
     try:
-        facts = read_facts(model.parts[0], model.parts)
+        facts = read_facts(model.parts[0], model.parts[1:])
         projector = read_facts(model.mmproj) if model.mmproj else None
     except UnreadableModel as exc:
-        problems.append(f"{where}: {exc}; not served")
+        problems.append(f"{where}: {exc}")
         return None
     defaults = dict(library.defaults)
     context = min(library.context, facts.context_length or library.context)
@@ -148,7 +147,7 @@ def _slot_of(model: FoundModel, library: LibraryConfig, taken_names: set[str],
     memory = defaults.get("memory_mib", estimate)
     if budget is not None and memory > budget:
         problems.append(f"{where}: needs about {memory} MiB at -c {context}, more than group "
-                        f"{defaults['group']!r}'s whole budget ({budget} MiB); not served")
+                        f"{defaults['group']!r}'s whole budget ({budget} MiB): not served")
         return None
     name = _slot_name(names[0], slot_names)
     table: dict[str, Any] = {
@@ -165,7 +164,7 @@ def _slot_of(model: FoundModel, library: LibraryConfig, taken_names: set[str],
         parameters=facts.parameters, parameter_size=facts.parameter_size,
         quantization=facts.quantization, trained_context=facts.context_length,
         context=context, estimate_mib=estimate,
-        capabilities=of_file(facts.chat_template, projector is not None),
+        chat_template=facts.chat_template,
         table=tuple(table.items()))
     return table, entry
 
