@@ -130,14 +130,17 @@ def models_found(raw: dict[str, Any], library: tuple[LibraryConfig, ...],
     never needs."""
     from hal0d.library.slots import library_slots
 
-    slots = [table for table in raw.get("slots", []) if isinstance(table, dict)] if isinstance(
-        raw.get("slots"), list) else []
-    routes = raw.get("routes") if isinstance(raw.get("routes"), list) else []
-    aliases = raw.get("models") if isinstance(raw.get("models"), dict) else {}
+    def tables(section: str) -> list[dict[str, Any]]:
+        given = raw.get(section)
+        return [table for table in given if isinstance(table, dict)] if isinstance(
+            given, list) else []
+
+    slots = tables("slots")
+    aliases = raw.get("models")
     taken = {model for table in slots if isinstance(table.get("models"), list)
-             for model in table["models"] if isinstance(model, str)}
-    taken |= {route.get("model") for route in routes if isinstance(route, dict)}
-    taken |= set(aliases)
+             for model in table["models"]}
+    taken |= {route.get("model") for route in tables("routes")}
+    taken |= set(aliases) if isinstance(aliases, dict) else set()
     return library_slots(library, {name for name in taken if isinstance(name, str)},
                          {str(table.get("name")) for table in slots}, raw.get("groups"),
                          base_dir)

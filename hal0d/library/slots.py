@@ -144,7 +144,8 @@ def _slot_of(model: FoundModel, library: LibraryConfig, taken_names: set[str],
     context = min(library.context, facts.context_length or library.context)
     estimate = facts.estimate_mib(context, projector=projector)
     budget = _budget(groups, defaults.get("group"))
-    memory = defaults.get("memory_mib", estimate)
+    given = defaults.get("memory_mib")
+    memory = given if isinstance(given, int) else estimate
     if budget is not None and memory > budget:
         problems.append(f"{where}: needs about {memory} MiB at -c {context}, more than group "
                         f"{defaults['group']!r}'s whole budget ({budget} MiB): not served")

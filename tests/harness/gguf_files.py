@@ -108,6 +108,7 @@ def add_tensor(writer: GGUFWriter, name: str, rows: int, columns: int,
 
 def finish(writer: GGUFWriter, path: Path) -> list[Path]:
     parts = writer.format_shard_names(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
