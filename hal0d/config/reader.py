@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,11 +32,13 @@ from hal0d.config.model import (
     Config,
     ConfigError,
     DispatcherConfig,
+    GroupConfig,
     LibraryConfig,
     LoggingConfig,
     MetricsConfig,
     OllamaConfig,
     ServerConfig,
+    SlotConfig,
 )
 from hal0d.config.spec import (
     DISPATCHER_SPEC,
@@ -81,20 +84,9 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None, find_models: bool =
     check_beside_keys({"server.anonymous": server.get("anonymous"),
                        "ollama.anonymous": ollama.get("anonymous")}, has_keys, keys, problems)
     database = Path(metrics.get("database", MetricsConfig().database))
-    raw_slots = raw.get("slots", [])
-    library = check_library(raw.get("library", []), raw.get("groups", {}), problems)
-    found = models_found(raw, library, base_dir) if library and find_models else None
-    slots = check_slots(raw_slots, problems, base_dir,
-                        cache_root(database if database.is_absolute() else base_dir / database),
-                        found.tables if found else ())
-    if found:
-        slots = tuple(dataclasses.replace(slot, library=found.entries[slot.name])
-                      if slot.name in found.entries else slot for slot in slots)
-    tables = raw_slots if isinstance(raw_slots, list) else []
-    tables = tables + [table for _, table in found.tables] if found else tables
-    # A group a library names is not "named by no slot" while its sources hold no model.
-    claimed = tables + [dict(entry.defaults) for entry in library]
-    groups = check_groups(raw.get("groups", {}), slots, problems, claimed)
+    slotted = checked_slots(raw, base_dir, cache_root(
+        database if database.is_absolute() else base_dir / database), problems, find_models)
+    slots, groups, tables, found = slotted
     broken = broken_slots(tables, slots)
     routes = check_routes(raw.get("routes", []), slots, problems, broken)
     models = check_models(raw.get("models", {}), slots, problems, routes,
@@ -116,10 +108,38 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None, find_models: bool =
         keys=keys,
         routes=routes,
         ollama=OllamaConfig(**ollama),
-        library=library,
-        library_problems=tuple(found.problems) if found else (),
+        library=found.libraries,
+        library_problems=tuple(found.problems),
         base_dir=base_dir,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Libraries:
+    """The [[library]] tables and what their sources hold that is not served."""
+
+    libraries: tuple[LibraryConfig, ...]
+    problems: list[str]
+
+
+def checked_slots(raw: dict[str, Any], base_dir: Path, caches: Path, problems: list[str],
+                  find_models: bool) -> tuple[tuple[SlotConfig, ...], dict[str, GroupConfig],
+                                              list[Any], Libraries]:
+    """The [[slots]] and the slots of the models the [[library]] tables find (`find_models`),
+    then the [groups] they name; with the slot tables as written (the found ones made)."""
+    raw_slots = raw.get("slots", [])
+    library = check_library(raw.get("library", []), raw.get("groups", {}), problems)
+    found = models_found(raw, library, base_dir) if library and find_models else None
+    slots = check_slots(raw_slots, problems, base_dir, caches, found.tables if found else ())
+    if found:
+        slots = tuple(dataclasses.replace(slot, library=found.entries[slot.name])
+                      if slot.name in found.entries else slot for slot in slots)
+    tables = raw_slots if isinstance(raw_slots, list) else []
+    tables = tables + [table for _, table in found.tables] if found else tables
+    # A group a library names is not "named by no slot" while its sources hold no model.
+    claimed = tables + [dict(entry.defaults) for entry in library]
+    groups = check_groups(raw.get("groups", {}), slots, problems, claimed)
+    return slots, groups, tables, Libraries(library, found.problems if found else [])
 
 
 def models_found(raw: dict[str, Any], library: tuple[LibraryConfig, ...],
