@@ -87,12 +87,7 @@ def running_hal0d(folder: Path, config: dict[str, Any],
                 time.sleep(0.5)
             yield base
         finally:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
+            stop_process(process)
 
 
 # -- conversations, as an agent holds them -------------------------------------------------------
@@ -137,3 +132,13 @@ def cached_share(usage: Any) -> float:
     details = usage.prompt_tokens_details
     cached = (details.cached_tokens if details is not None else None) or 0
     return cached / usage.prompt_tokens
+
+
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, so a server or hal0d ends what it started; SIGKILL only if it will not end."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)

@@ -14,14 +14,20 @@ shows the figures.
 from __future__ import annotations
 
 import re
-import signal
 import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from realserver import REAL_MODEL, REAL_SERVER, STARTUP_S, free_port, require_real_server
+from realserver import (
+    REAL_MODEL,
+    REAL_SERVER,
+    STARTUP_S,
+    free_port,
+    require_real_server,
+    stop_process,
+)
 
 from hal0d.library.gguf_facts import MIB, read_facts
 
@@ -52,12 +58,7 @@ def buffer_mib(folder: Path, context: int, extra: Sequence[str]) -> tuple[float,
                 assert time.monotonic() < deadline, log_path.read_text()[-3000:]
                 time.sleep(0.2)
         finally:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
+            stop_process(process)
     text = log_path.read_text()
     model = [float(size) for size in MODEL_BUFFER.findall(text)]
     kv = [float(size) for size in KV_BUFFER.findall(text)]
