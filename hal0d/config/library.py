@@ -62,6 +62,9 @@ def check_library(raw: Any, groups: Any, problems: list[str]) -> tuple[LibraryCo
         if good.get("start") not in (None, "on_demand", "always"):
             problems.append(f"{where}.start: {good['start']!r} is not one of "
                             "('always', 'on_demand')")
+        if good.get("start") == "always" and "idle_unload_s" in good:
+            problems.append(f"{where}.idle_unload_s: only for start = 'on_demand' (an 'always' "
+                            "model is kept up, never unloaded when idle)")
         if good.get("prompt_cache") == PROMPT_CACHE_SAVE and command is not None and not any(
                 PROMPT_CACHE_DIR in arg for arg in command):
             problems.append(f"{where}.prompt_cache: 'save' needs {PROMPT_CACHE_DIR} in the "

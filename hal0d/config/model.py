@@ -107,8 +107,9 @@ SLOT_TIMEOUT_KEYS = ("direct_read_timeout_s", "stream_total_timeout_s", "stream_
 class LibraryEntry:
     """What a slot made from a model file a `[[library]]` found knows of that file: where it was
     found and what its GGUF header says (hal0d/library). The Ollama lists, `hal0d models` and
-    the page show it; `table` is the slot table it was made from, placeholders unfilled, as
-    `hal0d models --config` prints it for a user who pins it by hand."""
+    the page show it; `table` is the slot table it was made from, as `hal0d models --config`
+    prints it for a user who pins it by hand ({free_port} and {prompt_cache_dir} unfilled: the
+    slot's own port and folder are picked as it is read)."""
 
     names: tuple[str, ...]
     source: str
