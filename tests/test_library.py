@@ -76,7 +76,7 @@ def a_folder(root: Path) -> Path:
     write_model(root / "tiny-a.gguf", name="tiny a", template=TOOLS_TEMPLATE)
     write_model(root / "big" / "Split.gguf", name="split", layers=4, split=2)
     write_model(root / "vis" / "Vision-Q4_1.gguf", name="vision", context=4096)
-    write_model(root / "vis" / "Other-Q4_1.gguf", name="other")
+    write_model(root / "vis" / "Other-Q4_1.gguf", name="other", template=TOOLS_TEMPLATE)
     write_projector(root / "vis" / "mmproj-Vision-f16.gguf", name="vision")
     (root / "notes.gguf").write_text("these are my notes, not a model\n")
     whole = write_model(root / "cut.gguf", name="cut")[0]
@@ -130,6 +130,8 @@ async def test_a_folder_of_gguf_files_is_served_on_demand_with_what_the_files_sa
         assert vision["memory_mib"] == vision["estimate_mib"] > 0
         assert slots["vis-Vision-Q4_1"]["max_concurrent"] == 2
 
+        async with http.post(f"{ollama}/api/show", json={"model": "vis/Vision-Q4_1"}) as resp:
+            assert (await resp.json())["capabilities"] == ["completion", "vision"]  # unloaded
         answer = await chat(http, base, "vis/Vision-Q4_1")
         assert answer["model"] == "vis/Vision-Q4_1"  # the server's --alias: the asked name
         view = (await get(http, f"{base}/api/slots"))["slots"]
@@ -160,6 +162,9 @@ async def test_a_folder_of_gguf_files_is_served_on_demand_with_what_the_files_sa
             shown = await resp.json()
         assert shown["model_info"]["llama.context_length"] == 2048
         assert shown["details"]["format"] == "gguf"
+        assert shown["capabilities"] == ["completion", "tools"]  # its template reads tools
+        async with http.post(f"{ollama}/api/show", json={"model": "big/Split"}) as resp:
+            assert (await resp.json())["capabilities"] == ["completion"]  # no template
 
         code, out, err = await cli("models", "--file", str(config))
         assert code == 0, err
