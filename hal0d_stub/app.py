@@ -61,6 +61,7 @@ from typing import Any
 import orjson
 from aiohttp import hdrs, web
 
+from hal0d_stub.device_load import DeviceLoad, claim
 from hal0d_stub.slot_api import SlotApi
 from hal0d_stub.slots import ServerSlots, SlotOptions, Turn, token_ids
 
@@ -1122,6 +1123,7 @@ def run_stub(
     slot_options: SlotOptions | None = None,
     props: dict[str, Any] | None = None,
     aliases: tuple[str, ...] = (),
+    device_load: DeviceLoad | None = None,
 ) -> int:
     """Serve until stopped. `startup_delay`: seconds before listening, as a model server loads its
     weights first. `fail_start`: after the delay, print this line and exit 1 instead of serving,
@@ -1129,11 +1131,15 @@ def run_stub(
     also serve the Anthropic Messages API, as llama-server does; `chat_only`: serve no
     Responses API, as llama-cpp-python's server. `slot_options`: its server slots'; a
     --slot-save-path that is not a directory is refused at once, as llama-server refuses it.
-    `props`: what GET /props answers (--props); `aliases`: llama-server's --alias names."""
+    `props`: what GET /props answers (--props); `aliases`: llama-server's --alias names.
+    `device_load`: its footprint on the simulated GPU box, taken as it loads (device_load.py);
+    when it does not fit, llama-server's out-of-memory lines and exit 1."""
     save_path = slot_options.save_path if slot_options else None
     if save_path is not None and not save_path.is_dir():
         print(f"stub: --slot-save-path: not a directory: {save_path}", file=sys.stderr,
               flush=True)
+        return 1
+    if device_load is not None and not claim(device_load):
         return 1
     if startup_delay > 0:
         print(f"stub: loading for {startup_delay:g} s", flush=True)

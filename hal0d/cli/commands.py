@@ -10,12 +10,15 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hal0d import __version__, preflight
 from hal0d import config as configuration
 from hal0d.cli.models import add_models_command, run_models
 from hal0d.config.ports import unused_port
+
+if TYPE_CHECKING:
+    from hal0d_stub.device_load import DeviceLoad
 
 DEFAULT_CONFIG = "/etc/hal0d/hal0d.toml"
 
@@ -125,6 +128,48 @@ def add_stub_command(commands: Any) -> None:
         slots.add_argument(f"--slot-odd-{action}", choices=ODD_ANSWERS, default=None,
                            help=f"every {action} answers 200 with this instead of its object: "
                            "a JSON list, a JSON string, or counts that are no numbers")
+    add_simulated_device_options(slots)
+
+
+def add_simulated_device_options(slots: Any) -> None:
+    """The stub's load on the simulated GPU box (hal0d_stub/device_load.py), among its server
+    slots' options as llama-server's --tensor-split is among its own."""
+    from hal0d_stub.device_load import parse_tensor_split  # as ODD_ANSWERS: only for the parser
+
+    slots.add_argument("--device-state", type=Path, metavar="FILE",
+                       help="load onto the simulated GPU box in FILE (python -m "
+                       "hal0d_stub.devices), on the devices CUDA_VISIBLE_DEVICES names (else "
+                       "HIP_VISIBLE_DEVICES; else device 0): the stub takes --footprint-mib "
+                       "there before it listens, or fails with llama-server's out-of-memory "
+                       "lines and exits 1; it gives the memory back as it exits")
+    slots.add_argument("--footprint-mib", type=whole_number(0, 1 << 30, "number of MiB"),
+                       metavar="MIB", help="the memory the model takes on the simulated box "
+                       "(with --device-state)")
+
+    def tensor_split(text: str) -> tuple[float, ...]:
+        try:
+            return parse_tensor_split(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    slots.add_argument("-ts", "--tensor-split", type=tensor_split, default=(),
+                       metavar="N0,N1,...", help="the footprint's proportions on each visible "
+                       "device, as llama-server's (default: even)")
+
+
+def simulated_device_load(args: argparse.Namespace) -> DeviceLoad | None:
+    """The stub's footprint on the simulated box (a hal0d_stub DeviceLoad), or None without
+    --device-state; ValueError when the options do not go together."""
+    if args.device_state is None:
+        if args.footprint_mib is not None or args.tensor_split:
+            raise ValueError("--footprint-mib and --tensor-split need --device-state")
+        return None
+    if args.footprint_mib is None:
+        raise ValueError("--device-state needs --footprint-mib")
+    from hal0d_stub.device_load import NO_MODEL_PATH, DeviceLoad
+
+    return DeviceLoad(args.device_state, args.footprint_mib, args.tensor_split,
+                      args.model or NO_MODEL_PATH)
 
 
 def add_client_commands(commands: Any) -> None:
@@ -267,13 +312,19 @@ def main(argv: list[str] | None = None) -> int:
             save_delay=args.slot_save_delay, restore_fail=args.slot_restore_fail,
             restore_delay=args.slot_restore_delay, odd_save=args.slot_odd_save,
             odd_restore=args.slot_odd_restore)
+        try:
+            device_load = simulated_device_load(args)
+        except ValueError as exc:
+            print(f"hal0d stub: {exc}", file=sys.stderr)
+            return 2
         return run_stub(args.host, args.port, args.log, args.delay,
                         startup_delay=args.startup_delay, fail_start=args.fail_start,
                         anthropic_native=args.anthropic_native, chat_only=args.chat_only,
                         slot_options=slot_options,
                         props=json.loads(args.props.read_text()) if args.props else None,
                         aliases=tuple(name.strip() for names in args.alias
-                                      for name in names.split(",") if name.strip()))
+                                      for name in names.split(",") if name.strip()),
+                        device_load=device_load)
     if args.command == "print-config":
         config = configuration.Config() if args.defaults else load_or_report(args.config)
         if config is None:
