@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import cast
 
 from hal0d.config import model_files
+from hal0d.lifecycle.out_of_memory import OutOfMemory, out_of_memory
 from hal0d.logs import get_logger
 from hal0d.transport import descriptors
 
@@ -212,6 +213,10 @@ class Child:
         # Its lines are logged at info while it loads (what went wrong is there), at debug once
         # it answers (llama-server writes several lines a request): answering().
         self._line_level = log.info
+        # What it said of device memory it could not have while it loaded: the first such
+        # line that names a size, else the first at all (out_of_memory.py).
+        self.out_of_memory: OutOfMemory | None = None
+        self._loading = True  # until it answers: what it says of memory is read meanwhile
         # In a context of its own: the request that asked for the load is not the one its
         # later lines are about (`journalctl -g request_id=` must not mix them in).
         self._output = asyncio.create_task(self._log_output(), context=contextvars.Context())
@@ -285,6 +290,7 @@ class Child:
     def answering(self) -> None:
         """It answers: what it prints from now on is about requests, logged at debug."""
         self._line_level = log.debug
+        self._loading = False
 
     @property
     def last_line(self) -> str | None:
@@ -297,6 +303,8 @@ class Child:
             # Killed: its last lines are whatever it was doing, not why it ended.
             return f"process killed by signal {-code} ({signal_name(-code)})"
         summary = f"process exited with code {code}"
+        if self.out_of_memory is not None:
+            summary = f"{self.out_of_memory}; {summary}"
         if not self.last_lines:
             return summary
         shown = [line if len(line) <= SUMMARY_LINE else line[:SUMMARY_LINE] + " [...]"
@@ -355,3 +363,14 @@ class Child:
         if text:
             self.last_lines.append(text)
             self._line_level("slot.process_output", slot=self.slot, line=text)
+            if self._loading:
+                self._note_out_of_memory(text)
+
+    def _note_out_of_memory(self, text: str) -> None:
+        found = out_of_memory(text)
+        if found is None or (self.out_of_memory is not None and (
+                self.out_of_memory.asked_mib is not None or found.asked_mib is None)):
+            return
+        self.out_of_memory = found
+        log.warning("slot.load_out_of_memory", slot=self.slot, asked_mib=found.asked_mib,
+                    device=found.device, line=text)

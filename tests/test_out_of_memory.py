@@ -1,0 +1,100 @@
+"""A load that fails for lack of device memory is told as such: the server's own lines (llama.cpp's,
+word for word, as the stub on the simulated GPU box prints them; CUDA's, ROCm's and vLLM's) are
+recognised while it loads, and the failed load's 503, its reason and the log name the memory
+it asked for. Over a real `hal0d serve`, a real stub process and a simulated box."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+from hal0d.lifecycle.out_of_memory import OutOfMemory, out_of_memory
+from hal0d_stub.device import make_box
+from hal0d_stub.llama_gpu_lines import loaded_line, out_of_memory_lines
+from tests.harness.daemons import serving
+from tests.harness.ports import free_port
+
+
+def test_llama_cpps_own_lines_are_recognised_with_what_they_asked() -> None:
+    lines = out_of_memory_lines(6000, 1, "/m/q.gguf")
+    found = [out_of_memory(line) for line in lines]
+    assert found[0] == OutOfMemory(lines[0], 6000.0, 1)  # "allocating 6000.00 MiB on device 1"
+    assert found[1] == OutOfMemory(lines[1], 6000.0, 1)  # "failed to allocate CUDA1 buffer"
+    assert found[2] == OutOfMemory(lines[2])  # "unable to allocate CUDA1 buffer": no size
+    assert found[3:] == [None] * (len(lines) - 3)  # "failed to load model" is any failure
+    rocm = out_of_memory_lines(512, 0, "/m/q.gguf", backend="ROCm")
+    assert out_of_memory(rocm[1]) == OutOfMemory(rocm[1], 512.0, 0)
+    assert out_of_memory(loaded_line(6000, 0)) is None
+
+
+def test_the_runtimes_and_vllms_words_are_recognised_and_others_are_not() -> None:
+    for line in ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+                 "ValueError: No available memory for the cache blocks. Try increasing "
+                 "`gpu_memory_utilization` when initializing the engine.",
+                 "RuntimeError: HIP out of memory", "hipErrorOutOfMemory"):
+        assert out_of_memory(line) == OutOfMemory(line), line
+    for line in ("llama_kv_cache: CUDA0 KV buffer size = 180.00 MiB",
+                 "srv  llama_server: exiting due to model loading error",
+                 "the model keeps talking about memory"):
+        assert out_of_memory(line) is None, line
+    told = "out of memory: 6000 MiB could not be had on device 1"
+    assert str(OutOfMemory("x", 6000.0, 1)) == told
+
+
+async def test_a_load_that_does_not_fit_fails_naming_the_memory_it_asked(
+        tmp_path: Path, http: aiohttp.ClientSession) -> None:
+    box = tmp_path / "box.json"
+    make_box(box, [24576])
+    port, upstream_port = free_port(), free_port()
+
+    def stub(footprint: int, stub_port: int) -> str:
+        return orjson.dumps([sys.executable, "-m", "hal0d", "stub", "--port", str(stub_port),
+                             "--device-state", str(box), "--footprint-mib",
+                             str(footprint)]).decode()
+
+    fits_port = free_port()
+    config = tmp_path / "hal0d.toml"
+    config.write_text(textwrap.dedent(f"""
+        [server]
+        port = {port}
+
+        [[slots]]
+        name = "big"
+        upstream = "http://127.0.0.1:{upstream_port}"
+        models = ["chat"]
+        start = "on_demand"
+        command = {stub(30000, upstream_port)}
+
+        [[slots]]
+        name = "fits"
+        upstream = "http://127.0.0.1:{fits_port}"
+        models = ["reasoning"]
+        start = "on_demand"
+        command = {stub(6000, fits_port)}
+
+        [metrics]
+        database = "{tmp_path / 'history.sqlite3'}"
+
+        [logging]
+        format = "json"
+    """))
+    body = {"model": "chat", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    async with serving(config, port) as hal0d:
+        async with http.post(f"{hal0d.url}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 503, await resp.text()
+            error = (await resp.json())["error"]
+        assert error["code"] == "slot.load_failed"
+        assert error["message"].startswith(
+            "slot 'big' could not load its model: out of memory: 30000 MiB could not be had on "
+            "device 0; process exited with code 1"), error
+        noted = await hal0d.wait_for_event("slot.load_out_of_memory")
+        assert (noted["slot"], noted["asked_mib"], noted["device"]) == ("big", 30000.0, 0)
+        async with http.post(f"{hal0d.url}/v1/chat/completions",
+                             json=body | {"model": "reasoning"}) as resp:
+            assert resp.status == 200, await resp.text()  # what fits loads
+        assert not [line for line in hal0d.named("slot.load_out_of_memory")
+                    if line["slot"] == "fits"]
