@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hal0d.config import Config, SlotConfig, answer_name, context_split, model_files
-from hal0d.lifecycle.process import resolve_program
+from hal0d.programs import resolve_program
 
 # Below this many tokens per llama-server slot a warning says so: Codex's and Claude Code's
 # first request (the system prompt and the tools) fills a few thousand on its own.

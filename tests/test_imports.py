@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                                                   "hal0d.ollama.*"})),
     ("the protocol", frozenset({"hal0d.protocol.*"})),
     ("the base", frozenset({"hal0d", "hal0d.config.*", "hal0d.errors", "hal0d.logs", "hal0d.keys",
-                           "hal0d.systemd", "hal0d.front.*", "hal0d.routing",
+                           "hal0d.systemd", "hal0d.front.*", "hal0d.programs", "hal0d.routing",
                            "hal0d.response_owners", "hal0d.conversations",
                            "hal0d.library.*"})),
 )
