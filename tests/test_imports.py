@@ -27,6 +27,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("the forward path", frozenset({"hal0d.forward.*"})),
     ("observability", frozenset({"hal0d.observability.*"})),
     ("the lifecycle", frozenset({"hal0d.lifecycle.*"})),
+    # Below the lifecycle: placement by measured memory will read them from there.
+    ("the devices", frozenset({"hal0d.devices.*"})),
     ("the transport", frozenset({"hal0d.transport.*"})),
     ("the surfaces' pure translations", frozenset({"hal0d.openai.*", "hal0d.anthropic.*",
                                                   "hal0d.ollama.*"})),
