@@ -28,7 +28,7 @@ from hal0d.appkeys import (
     SURFACES,
 )
 from hal0d.config import Config
-from hal0d.contexts import dispatch_context, recorder_context
+from hal0d.contexts import devices_context, dispatch_context, recorder_context
 from hal0d.errors import ErrorCode, Hal0Error, MethodNotAllowed, NoRoute
 from hal0d.front import access
 from hal0d.front.access import listener_port
@@ -268,6 +268,7 @@ def make_app(config: Config) -> web.Application:
     app[SURFACES] = Surfaces(ollama_address[1] if ollama_address is not None else None)
     app.cleanup_ctx.append(recorder_context)
     app.cleanup_ctx.append(dispatch_context)
+    app.cleanup_ctx.append(devices_context)
     app.on_response_prepare.append(on_prepare)
     app.on_startup.append(warn_if_exposed)
 
@@ -308,6 +309,7 @@ def add_routes(router: web.UrlDispatcher, surfaces: Surfaces) -> None:
         (POST, "/api/slots/{name}/load", admin.load_slot),
         (POST, "/api/slots/{name}/unload", admin.unload_slot),
         (GET, "/api/slots/metrics", admin.slot_metrics),
+        (GET, "/api/devices", admin.devices),
         (GET, "/api/library", admin.library),
         (POST, "/api/library/rescan", admin.rescan_library),
         (GET, "/api/events", admin.events),

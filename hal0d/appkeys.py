@@ -19,6 +19,7 @@ from hal0d.response_owners import ResponseOwners
 from hal0d.routing import RuntimeRef
 
 if TYPE_CHECKING:
+    from hal0d.devices import Devices
     from hal0d.forward import Dispatch
     from hal0d.forward.ollama_models import OllamaModels
     from hal0d.lifecycle.manager import LifecycleManager
@@ -56,6 +57,8 @@ OLLAMA_OPTIONS_LOGGED: web.AppKey[set[tuple[str, str]]] = web.AppKey("ollama_opt
 OLLAMA_MODELS: web.AppKey[OllamaModels] = web.AppKey("ollama_models")
 # The last hour of loads and unloads, and the groups' free memory, for GET /api/timeline.
 TIMELINE: web.AppKey[Timeline] = web.AppKey("timeline")
+# Each GPU's memory and who holds it, read while hal0d runs (GET /api/devices, /metrics).
+DEVICES: web.AppKey[Devices] = web.AppKey("devices")
 # Set by `hal0d serve`: read the config file again, its [[library]] sources rescanned, and
 # return once that reload is done (POST /api/library/rescan; the same as a SIGHUP).
 RESCAN: web.AppKey[Callable[[], Awaitable[None]]] = web.AppKey("rescan")

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from hal0d import appkeys
 from hal0d.appkeys import (
+    DEVICES,
     DISPATCH,
     EVENTS,
     HEADS,
@@ -29,6 +30,7 @@ from hal0d.appkeys import (
 from hal0d.config import SlotConfig
 from hal0d.config.cache_dir import cache_root
 from hal0d.conversations import Affinity
+from hal0d.devices import Devices
 from hal0d.forward import Dispatch
 from hal0d.forward.modes import AnthropicModes, ResponsesModes
 from hal0d.forward.ollama_models import OllamaModels
@@ -109,3 +111,15 @@ async def dispatch_context(app: web.Application) -> AsyncIterator[None]:
         await lifecycle.stop()
     finally:
         await upstreams.close()
+
+
+async def devices_context(app: web.Application) -> AsyncIterator[None]:
+    """Each device's memory, read while hal0d runs (nothing runs on a box without a GPU and
+    without a devices_command); its processes told apart by the slots' processes, so it starts
+    after the lifecycle manager and stops before it."""
+    devices = Devices(app[RUNTIME].current.config.devices, app[LIFECYCLE].slot_pids)
+    app[DEVICES] = devices
+    app[RECORDER].prom.watch_devices(lambda: devices.last)
+    await devices.start()
+    yield
+    await devices.stop()

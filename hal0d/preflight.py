@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hal0d.config import Config, SlotConfig, answer_name, context_split, model_files
-from hal0d.lifecycle.process import resolve_program
+from hal0d.programs import resolve_program
 
 # Below this many tokens per llama-server slot a warning says so: Codex's and Claude Code's
 # first request (the system prompt and the tools) fills a few thousand on its own.
@@ -66,23 +66,28 @@ def check(config: Config) -> Findings:
             problem = api_key_env_problem(slot)
             if problem:
                 findings.warnings.append(Finding(f"{path}.api_key_env", problem))
+    if config.devices.devices_command is not None and (problem := program_problem(
+            config.devices.devices_command, "no device's memory can be read")):
+        findings.warnings.append(Finding("devices.devices_command", problem))
     return findings
 
 
-def program_problem(command: tuple[str, ...]) -> str | None:
-    """Why the lifecycle manager could not start `command` here, looked up as it looks it up."""
+def program_problem(command: tuple[str, ...],
+                    consequence: str = "the slot's process cannot be started") -> str | None:
+    """Why `command` could not be started here, looked up as hal0d looks it up
+    (programs.resolve_program); `consequence`: what that costs, said after it."""
     program = resolve_program(command)[0]
     if "{" in program:
         return None  # a placeholder: what it stands for is known when the process starts
     if os.sep not in program:
         return (
             f"program {program!r} is not found beside {Path(sys.executable).parent} "
-            "(hal0d's Python) nor on PATH; the slot's process cannot be started"
+            f"(hal0d's Python) nor on PATH; {consequence}"
         )
     if not os.path.isfile(program):
-        return f"{program!r} does not exist; the slot's process cannot be started"
+        return f"{program!r} does not exist; {consequence}"
     if not os.access(program, os.X_OK):
-        return f"{program!r} is not executable; the slot's process cannot be started"
+        return f"{program!r} is not executable; {consequence}"
     return None
 
 

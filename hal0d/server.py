@@ -51,7 +51,7 @@ from aiohttp import web
 from hal0d import config as configuration
 from hal0d import logs, preflight, systemd
 from hal0d.app import make_app
-from hal0d.appkeys import DISPATCH, HEADS, LIFECYCLE, RESCAN, RUNTIME, SLOTS
+from hal0d.appkeys import DEVICES, DISPATCH, HEADS, LIFECYCLE, RESCAN, RUNTIME, SLOTS
 from hal0d.config import Config
 from hal0d.front.listeners import close_all, somaxconn, take_sockets
 from hal0d.lifecycle.reload import ConfigDiff
@@ -415,6 +415,7 @@ class Daemon:
         self.app[RUNTIME].current = Runtime.build(effective)
         if (remote := self.app[DISPATCH].placement.remote) is not None:
             remote.watch(effective.slots)
+        await self.app[DEVICES].configure(effective.devices)
         changes = diff.names()
         log.info(
             "config.reloaded",

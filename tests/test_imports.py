@@ -27,12 +27,14 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("the forward path", frozenset({"hal0d.forward.*"})),
     ("observability", frozenset({"hal0d.observability.*"})),
     ("the lifecycle", frozenset({"hal0d.lifecycle.*"})),
+    # Below the lifecycle: placement by measured memory will read them from there.
+    ("the devices", frozenset({"hal0d.devices.*"})),
     ("the transport", frozenset({"hal0d.transport.*"})),
     ("the surfaces' pure translations", frozenset({"hal0d.openai.*", "hal0d.anthropic.*",
                                                   "hal0d.ollama.*"})),
     ("the protocol", frozenset({"hal0d.protocol.*"})),
     ("the base", frozenset({"hal0d", "hal0d.config.*", "hal0d.errors", "hal0d.logs", "hal0d.keys",
-                           "hal0d.systemd", "hal0d.front.*", "hal0d.routing",
+                           "hal0d.systemd", "hal0d.front.*", "hal0d.programs", "hal0d.routing",
                            "hal0d.response_owners", "hal0d.conversations",
                            "hal0d.library.*"})),
 )

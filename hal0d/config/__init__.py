@@ -4,7 +4,7 @@ The rest of hal0d imports from here and needs to know nothing else. Inside, one 
   model.py        the dataclasses everything is handed (Config, SlotConfig, ...)
   reader.py       load and parse: the whole file checked before anything fails
   spec.py         what each table may hold, and the check of a table against it
-  checks.py       slots, groups, routes, aliases, the Ollama listener, allowed names
+  checks.py       slots, groups, routes, aliases, the Ollama listener, devices, allowed names
   client_keys.py  the keys clients present, their secrets read from where they are written
   anonymous.py    a listener's access for requests without a key (scopes, models, networks)
   duration.py     durations as Go and Ollama write them ("5m"), for every `*_s` key
@@ -24,6 +24,7 @@ from hal0d.config.model import (
     AnonymousConfig,
     Config,
     ConfigError,
+    DevicesConfig,
     DispatcherConfig,
     GroupConfig,
     KeyConfig,
@@ -47,6 +48,7 @@ __all__ = [
     "AnonymousConfig",
     "Config",
     "ConfigError",
+    "DevicesConfig",
     "DispatcherConfig",
     "GroupConfig",
     "KeyConfig",

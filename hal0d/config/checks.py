@@ -1,5 +1,5 @@
 """The checks a spec table cannot make, section by section: slots, groups, routes, model
-aliases, the Ollama listener and the names the server lets in.
+aliases, the Ollama listener, the devices and the names the server lets in.
 
 Each takes its decoded TOML, reads it by its spec table (spec.py), appends a problem with its
 key path for all that is still wrong (a required key, a name used twice, a group no [groups]
@@ -36,6 +36,7 @@ from hal0d.config.model import (
 from hal0d.config.ports import with_free_port
 from hal0d.config.spec import (
     ANTHROPIC_MODES,
+    DEVICES_SPEC,
     GROUP_POLICIES,
     GROUP_SPEC,
     OLLAMA_SPEC,
@@ -344,6 +345,19 @@ def check_ollama(raw: Any, server: dict[str, Any], problems: list[str]) -> dict[
         problems.append(f"ollama.listen: port {address[1]} is [server].port's; the Ollama API "
                         "needs a port of its own")
         del good["listen"]
+    return good
+
+
+def check_devices(raw: Any, problems: list[str]) -> dict[str, Any]:
+    """[devices]: its devices_command a non-empty list of strings (an argv, run without a
+    shell)."""
+    good = check_table(raw, DEVICES_SPEC, "devices", problems)
+    if "devices_command" in good:
+        command = string_list(good["devices_command"], "devices.devices_command", problems)
+        if command is None:
+            del good["devices_command"]
+        else:
+            good["devices_command"] = command
     return good
 
 

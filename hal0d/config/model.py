@@ -235,6 +235,22 @@ class GroupConfig:
         return self.policy == POLICY_BATCH
 
 
+# The room kept free on each device by default: what a model's estimate may be short of what its
+# load really takes (GPUStack settled on about 1 GB after its estimates came out too low).
+DEVICES_MARGIN_MIB = 512
+
+
+@dataclass(frozen=True, slots=True)
+class DevicesConfig:
+    """The `[devices]` section: how hal0d reads each GPU's memory (hal0d/devices). Without
+    `devices_command` it asks NVIDIA's NVML, then AMD's amdsmi; with it, that program alone.
+    `margin_mib` is the room to keep free on each device when a load is placed."""
+
+    devices_command: tuple[str, ...] | None = None
+    margin_mib: int = DEVICES_MARGIN_MIB
+    read_interval_s: float = 5.0
+
+
 @dataclass(frozen=True, slots=True)
 class MetricsConfig:
     database: str = "hal0d-history.sqlite3"
@@ -353,6 +369,7 @@ class Config:
     routes: tuple[RouteConfig, ...] = ()
     ollama: OllamaConfig = field(default_factory=OllamaConfig)
     library: tuple[LibraryConfig, ...] = ()
+    devices: DevicesConfig = field(default_factory=DevicesConfig)
     # What the [[library]] sources hold that is not served (a truncated file, a manifest naming
     # a missing blob, a name two sources claim): warnings, one line each; the rest is served.
     library_problems: tuple[str, ...] = field(default=(), compare=False)

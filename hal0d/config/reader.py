@@ -20,6 +20,7 @@ from hal0d.config.checks import (
     allowed_names,
     broken_routes,
     broken_slots,
+    check_devices,
     check_groups,
     check_models,
     check_ollama,
@@ -31,6 +32,7 @@ from hal0d.config.library import check_library
 from hal0d.config.model import (
     Config,
     ConfigError,
+    DevicesConfig,
     DispatcherConfig,
     GroupConfig,
     LibraryConfig,
@@ -60,7 +62,7 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None, find_models: bool =
     slots: for a command that only needs the server's address)."""
     problems: list[str] = []
     known = {"server", "dispatcher", "slots", "groups", "models", "metrics", "logging", "keys",
-             "routes", "ollama", "library"}
+             "routes", "ollama", "library", "devices"}
     for key in raw:
         if key not in known:
             problems.append(f"{key}: unknown section (known: {', '.join(sorted(known))})")
@@ -80,6 +82,7 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None, find_models: bool =
     if logging_.get("format", "auto") not in LOG_FORMATS:
         problems.append(f"logging.format: {logging_['format']!r} is not one of {LOG_FORMATS}")
     ollama = check_ollama(raw.get("ollama", {}), server, problems)
+    devices = check_devices(raw.get("devices", {}), problems)
     has_keys = bool(server.get("accepted_keys")) or bool(raw.get("keys"))
     check_beside_keys({"server.anonymous": server.get("anonymous"),
                        "ollama.anonymous": ollama.get("anonymous")}, has_keys, keys, problems)
@@ -109,6 +112,7 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None, find_models: bool =
         routes=routes,
         ollama=OllamaConfig(**ollama),
         library=found.libraries,
+        devices=DevicesConfig(**devices),
         library_problems=tuple(found.problems),
         base_dir=base_dir,
     )

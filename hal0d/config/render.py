@@ -79,6 +79,7 @@ def to_dict(config: Config) -> dict[str, Any]:
         doc["routes"] = [table(route) for route in config.routes]
     if config.ollama.listen is not None:
         doc["ollama"] = table(config.ollama)
+    doc["devices"] = table(config.devices)
     return doc
 
 

@@ -113,6 +113,11 @@ METRICS_SPEC: dict[str, Range] = {
     "retention_days": (int, 1, 36500),
     "ttft_samples": (int, 1, 1_000_000),
 }
+DEVICES_SPEC: dict[str, Range] = {
+    "devices_command": (list, None, None),
+    "margin_mib": (int, 0, 1 << 20),
+    "read_interval_s": (float, 0.5, 3600.0),
+}
 LOGGING_SPEC: dict[str, Range] = {
     "level": (str, None, None),
     "format": (str, None, None),

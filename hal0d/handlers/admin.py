@@ -1,5 +1,5 @@
-"""The operator's endpoints: health, slot (and route) states, the event feed, live metrics,
-request history, Prometheus."""
+"""The operator's endpoints: health, slot (and route) states, the devices' memory, the event
+feed, live metrics, request history, Prometheus."""
 
 from __future__ import annotations
 
@@ -13,8 +13,19 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hal0d import __version__
-from hal0d.appkeys import DISPATCH, EVENTS, LIFECYCLE, RECORDER, RESCAN, RUNTIME, SLOTS, VIEWS
+from hal0d.appkeys import (
+    DEVICES,
+    DISPATCH,
+    EVENTS,
+    LIFECYCLE,
+    RECORDER,
+    RESCAN,
+    RUNTIME,
+    SLOTS,
+    VIEWS,
+)
 from hal0d.config import DispatcherConfig
+from hal0d.devices.view import devices_view
 from hal0d.errors import Conflict, ErrorCode, InvalidRequest, NoRoute
 from hal0d.forward import Dispatch
 from hal0d.front import access
@@ -228,6 +239,12 @@ async def unload_slot(request: web.Request) -> web.Response:
                        "?force=true fails them and ends the ones in flight")
     await lifecycle.unload(slot.name, UnloadReason.API, force=force)
     return json({"slot": slot.name, "state": str(slot.state)})
+
+
+async def devices(request: web.Request) -> web.Response:
+    """GET /api/devices: the devices' last reading (none read: source null), each with its
+    processes and their slots, and its free memory over the last hour."""
+    return json(devices_view(request.app[DEVICES]))
 
 
 async def library(request: web.Request) -> web.Response:

@@ -45,14 +45,15 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from hal0d.config import GroupConfig
-from hal0d.lifecycle.process import resolve_program
 from hal0d.lifecycle.room import PendingSwap, Pricing
 from hal0d.lifecycle.slots import Slot
 from hal0d.logs import get_logger
+from hal0d.programs import ProgramFailed, run_program
 
 log = get_logger()
 
 FREE_MEMORY_TIMEOUT_S: Final = 10.0
+FREE_MEMORY_OUTPUT: Final = 65536  # nvidia-smi's answer is a line; more is something else
 # The share of time spent swapping is shown over the last hour; the cost of a swap is the median
 # of the group's last few, so one cold disk does not stand for every swap.
 SWAP_WINDOW_S: Final = 3600.0
@@ -164,29 +165,16 @@ async def free_memory_mib(group: GroupConfig) -> int | None:
     """What the group's free_memory_command reports (the first number it prints), or None when
     it cannot be run or read (logged; the load then goes by the static limits alone)."""
     assert group.free_memory_command is not None
-    argv = resolve_program(group.free_memory_command)
     try:
-        process = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-    except OSError as exc:
+        done = await run_program(group.free_memory_command, timeout_s=FREE_MEMORY_TIMEOUT_S,
+                                 max_output=FREE_MEMORY_OUTPUT)
+    except ProgramFailed as exc:
         log.warning("group.free_memory_failed", group=group.name, error=str(exc))
         return None
-    try:
-        async with asyncio.timeout(FREE_MEMORY_TIMEOUT_S):
-            out, err = await process.communicate()
-    except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            process.kill()
-        await process.wait()
-        log.warning("group.free_memory_failed", group=group.name,
-                    error=f"no answer within {FREE_MEMORY_TIMEOUT_S:g} s")
-        return None
-    found = re.search(rb"\d+", out)
-    if process.returncode != 0 or found is None:
-        log.warning("group.free_memory_failed", group=group.name, code=process.returncode,
-                    output=(out or err)[:200].decode("utf-8", "replace").strip())
+    found = re.search(rb"\d+", done.out)
+    if done.code != 0 or found is None:
+        log.warning("group.free_memory_failed", group=group.name, code=done.code,
+                    output=(done.out or done.err)[:200].decode("utf-8", "replace").strip())
         return None
     return int(found.group())
 

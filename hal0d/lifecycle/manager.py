@@ -128,6 +128,12 @@ class LifecycleManager(LoadJobs, Reloads):
                                if name not in self.runners))
         self._spawn(self._probe_forever())
 
+    def slot_pids(self) -> dict[int, str]:
+        """Each running slot process's pid (its process group's too): what a device's
+        processes are told apart by (hal0d/devices)."""
+        return {runner.child.pid: name for name, runner in self.runners.items()
+                if runner.child is not None}
+
     def restarts(self) -> dict[str, int]:  # since hal0d started, of each `always` slot
         return {name: r.restarts for name, r in self.runners.items() if not r.config.on_demand}
 

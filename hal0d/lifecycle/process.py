@@ -20,17 +20,16 @@ import contextvars
 import ctypes
 import os
 import resource
-import shutil
 import signal
 import subprocess
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import cast
 
 from hal0d.config import model_files
 from hal0d.lifecycle.out_of_memory import OutOfMemory, out_of_memory
 from hal0d.logs import get_logger
+from hal0d.programs import resolve_program
 from hal0d.transport import descriptors
 
 log = get_logger()
@@ -120,20 +119,6 @@ def child_setup() -> Callable[[], None] | None:
         resource.setrlimit(resource.RLIMIT_NOFILE, limit)  # one system call: safe after fork
 
     return setup
-
-
-def resolve_program(argv: tuple[str, ...]) -> list[str]:
-    """A bare program name is looked up beside hal0d's own Python first (its virtualenv), then
-    on PATH, so `command = ["hal0d", "stub", ...]` works however hal0d was installed."""
-    program = argv[0]
-    if os.sep not in program:
-        beside = Path(sys.executable).parent / program
-        if beside.exists():
-            return [str(beside), *argv[1:]]
-        found = shutil.which(program)
-        if found:
-            return [found, *argv[1:]]
-    return list(argv)
 
 
 def signal_name(number: int) -> str:

@@ -20,11 +20,12 @@ from typing import Final
 from hal0d.config import SlotConfig
 from hal0d.lifecycle.observers import LifecycleObserver
 from hal0d.lifecycle.probe import port_taken, until_answering
-from hal0d.lifecycle.process import Child, LaunchFailed, resolve_program
+from hal0d.lifecycle.process import Child, LaunchFailed
 from hal0d.lifecycle.prompt_cache import PromptCache, Warmth, make_folder
 from hal0d.lifecycle.slots import Slot
 from hal0d.lifecycle.vocabulary import LoadPhase, SlotState, Started, UnloadReason
 from hal0d.logs import get_logger
+from hal0d.programs import resolve_program
 from hal0d.transport.upstream import UpstreamClient
 
 log = get_logger()

@@ -11,6 +11,10 @@ The model lifecycle (lifecycle/manager.py) is counted by `LifecycleMetrics`, an 
 each load's outcome and duration when it ends, each unload with its reason. Whether a slot is
 loaded and how much memory a group has in use are read from the slot table at scrape time, like
 the gauges.
+
+The devices' memory (hal0d/devices) is read from their last reading at scrape time too: each
+device's total, used and free MiB, what each slot's processes hold there, and what no slot's
+does (other programs, the driver). A scrape never reads a device itself.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from hal0d.devices import Reading
 from hal0d.lifecycle.observers import LifecycleObserver
 from hal0d.lifecycle.room import Swap
 from hal0d.lifecycle.slots import SlotState
@@ -117,6 +122,37 @@ class LifecycleCollector(Collector):
         for group, mib in in_use.items():
             memory.add_metric([group], mib)
         yield from (loaded, memory)
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceCollector(Collector):
+    """The devices' memory from their last reading; a device not read now has no series."""
+
+    reading: Callable[[], Reading]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        named = ["device", "name"]
+        total = GaugeMetricFamily("hal0d_device_memory_total_mib", "the device's memory",
+                                  labels=named)
+        used = GaugeMetricFamily("hal0d_device_memory_used_mib", "the device's memory in use",
+                                 labels=named)
+        free = GaugeMetricFamily("hal0d_device_memory_free_mib", "the device's memory free",
+                                 labels=named)
+        slots = GaugeMetricFamily(
+            "hal0d_device_slot_memory_mib", "the memory a slot's processes hold on the device",
+            labels=["device", "slot"])
+        other = GaugeMetricFamily(
+            "hal0d_device_other_memory_mib", "the memory in use on the device that no slot's "
+            "process holds (other programs, the driver)", labels=["device"])
+        for device in self.reading().devices:
+            index = str(device.index)
+            total.add_metric([index, device.name], device.total_mib)
+            used.add_metric([index, device.name], device.used_mib)
+            free.add_metric([index, device.name], device.free_mib)
+            for slot, mib in sorted(device.held_by_slots().items()):
+                slots.add_metric([index, slot], mib)
+            other.add_metric([index], device.other_mib)
+        yield from (total, used, free, slots, other)
 
 
 class LifecycleMetrics(LifecycleObserver):
@@ -254,6 +290,10 @@ class PromMetrics:
     def watch_connections(self, closed: Callable[[], int]) -> None:
         """The connections closed for sending no whole request head in time (HeadWatch)."""
         self.registry.register(ConnectionCollector(closed))
+
+    def watch_devices(self, reading: Callable[[], Reading]) -> None:
+        """The devices' last reading (devices.Devices.last)."""
+        self.registry.register(DeviceCollector(reading))
 
     def watch_lifecycle(
         self,
