@@ -19,6 +19,7 @@ from hal0d.appkeys import (
     DEVICES,
     DISPATCH,
     EVENTS,
+    FOOTPRINTS,
     HEADS,
     LIFECYCLE,
     OLLAMA_MODELS,
@@ -35,6 +36,7 @@ from hal0d.forward import Dispatch
 from hal0d.forward.modes import AnthropicModes, ResponsesModes
 from hal0d.forward.ollama_models import OllamaModels
 from hal0d.forward.placement import Placement
+from hal0d.lifecycle.footprints import Footprints
 from hal0d.lifecycle.manager import LifecycleManager
 from hal0d.lifecycle.remote import RemoteModels
 from hal0d.lifecycle.table import SlotTable
@@ -117,9 +119,16 @@ async def devices_context(app: web.Application) -> AsyncIterator[None]:
     """Each device's memory, read while hal0d runs (nothing runs on a box without a GPU and
     without a devices_command); its processes told apart by the slots' processes, so it starts
     after the lifecycle manager and stops before it."""
-    devices = Devices(app[RUNTIME].current.config.devices, app[LIFECYCLE].slot_pids)
+    lifecycle = app[LIFECYCLE]
+    devices = Devices(app[RUNTIME].current.config.devices, lifecycle.slot_pids)
     app[DEVICES] = devices
     app[RECORDER].prom.watch_devices(lambda: devices.last)
+    # What each model took, learned after its loads, replaces its memory_mib in its group.
+    footprints = Footprints(devices.read, lifecycle.configs.get)
+    app[FOOTPRINTS] = footprints
+    lifecycle.footprint_of = footprints.learned_mib
+    lifecycle.subscribe(footprints)
     await devices.start()
     yield
+    await footprints.close()
     await devices.stop()

@@ -17,6 +17,7 @@ from hal0d.appkeys import (
     DEVICES,
     DISPATCH,
     EVENTS,
+    FOOTPRINTS,
     LIFECYCLE,
     RECORDER,
     RESCAN,
@@ -84,9 +85,20 @@ def loadable(slot: Slot) -> bool:
 
 
 async def slots(request: web.Request) -> web.Response:
-    return json({"slots": [request.app[VIEWS](slot) for slot in request.app[SLOTS]],
+    return json({"slots": [with_memory(request, request.app[VIEWS](slot))
+                           for slot in request.app[SLOTS]],
                  "routes": route_views(request.app[DISPATCH]),
                  "groups": request.app[LIFECYCLE].group_views()})
+
+
+def with_memory(request: web.Request, view: dict[str, Any]) -> dict[str, Any]:
+    """A slot's view with `memory`: its configured figure, a library model's estimate, and what
+    it took at its last load (lifecycle/footprints.py), side by side."""
+    footprints = request.app.get(FOOTPRINTS)
+    config = request.app[LIFECYCLE].configs.get(view["name"])
+    if footprints is not None and config is not None:
+        view["memory"] = footprints.view(config)
+    return view
 
 
 def route_views(dispatch: Dispatch) -> list[dict[str, Any]]:

@@ -153,7 +153,7 @@ class LoadJobs(Teller):
         when nothing was unloaded for it. NoRoom when none can be made; Withdrawn (batch) when
         nobody waits for the load any more."""
         limits, me, config = group.config, runner.slot, runner.config
-        need = config.memory_mib or 0
+        need = self.memory_of(config)
         swapped: Member | None = None
         began: float | None = None
         planned = False

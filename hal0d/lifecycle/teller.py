@@ -69,6 +69,9 @@ class Teller:
         # The conversations slots hold warm, and where their saved caches live (prompt_cache.py).
         self.warmth = warmth
         self.cache_root = cache_root
+        # What a model took on the devices at its last load (footprints.py; set where the
+        # devices are read): None, not measured.
+        self.footprint_of: Callable[[SlotConfig], int | None] = lambda config: None
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
         for slot in table:
@@ -168,7 +171,7 @@ class Teller:
         for name, config in self.configs.items():
             runner = self.runners.get(name)
             if config.group == group and name in self.table:
-                yield Member(self.table[name], config.memory_mib or 0,
+                yield Member(self.table[name], self.memory_of(config),
                              evictable=runner is not None and config.on_demand,
                              last_used=runner.last_used if runner else 0.0,
                              loaded_at=runner.loaded_at if runner else None,
@@ -176,6 +179,12 @@ class Teller:
                              settling=runner is not None and runner.busy
                              and runner.child is not None,
                              without_process=runner is not None and runner.child is None)
+
+    def memory_of(self, config: SlotConfig) -> int:
+        """What a slot's model takes where its group counts memory: what it took at its last
+        load with this command (footprints.py, once the devices are read), else its
+        `memory_mib`."""
+        return self.footprint_of(config) or config.memory_mib or 0
 
     def turn_wait_s(self, config: SlotConfig) -> float:
         """The longest a request for `config`'s slot may wait for its model's turn in its group

@@ -1,0 +1,102 @@
+"""What each model takes on the devices, learned: after each load that answered, the devices are
+read and what the slot's processes hold on each is its footprint, kept per slot and command
+(a context or a `--parallel` changed is another command: another footprint). The one writer of
+the learned footprints; the lifecycle reads them (`learned_mib`) where a group counts memory,
+so a `memory_mib` guessed wrong is replaced by what the model really took after one load, and
+/api/slots shows the guess (or a library model's estimate) and the measure side by side.
+
+Nothing is learned without devices to read (no GPU and no devices_command), nor from a read
+that failed or that shows nothing of the slot's processes (a server that keeps its weights on
+the CPU): the configured figure stands then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from hal0d.config import SlotConfig
+from hal0d.devices.reading import Reading
+from hal0d.lifecycle.observers import LifecycleObserver
+from hal0d.lifecycle.vocabulary import LoadPhase
+from hal0d.logs import get_logger
+
+log = get_logger()
+
+# A slot's footprint is learned per command: the same model with another context is another.
+Key = tuple[str, tuple[str, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class Footprint:
+    by_device: dict[int, int]  # device index -> MiB its processes held once it answered
+    measured_at: float  # unix seconds
+
+    @property
+    def total_mib(self) -> int:
+        return sum(self.by_device.values())
+
+
+class Footprints(LifecycleObserver):
+    """Handed how to read the devices (a fresh read: Devices.read) and each slot's config by
+    name (the lifecycle manager's, as it is now)."""
+
+    def __init__(self, read: Callable[[], Awaitable[Reading]],
+                 config_of: Callable[[str], SlotConfig | None]) -> None:
+        self._read = read
+        self._config_of = config_of
+        self._learned: dict[Key, Footprint] = {}
+        self._measuring: set[asyncio.Task[None]] = set()
+
+    def learned_mib(self, config: SlotConfig) -> int | None:
+        """What the slot's model took at its last load with this command; None: not measured."""
+        learned = self._learned.get(_key(config))
+        return learned.total_mib if learned is not None else None
+
+    def view(self, config: SlotConfig) -> dict[str, object]:
+        """The guess and the measure, as /api/slots shows them under `memory`."""
+        learned = self._learned.get(_key(config))
+        return {
+            "configured_mib": config.memory_mib,
+            "estimate_mib": config.library.estimate_mib if config.library else None,
+            "measured_mib": learned.total_mib if learned else None,
+            "by_device": {str(index): mib for index, mib in learned.by_device.items()}
+            if learned else None,
+            "measured_at": learned.measured_at if learned else None,
+        }
+
+    async def close(self) -> None:
+        for task in list(self._measuring):
+            task.cancel()
+        await asyncio.gather(*self._measuring, return_exceptions=True)
+
+    # LifecycleObserver (lifecycle/manager.py)
+    def load_phase(self, slot: str, phase: LoadPhase, elapsed_s: float,
+                   reason: str | None) -> None:
+        if phase is LoadPhase.READY:
+            task = asyncio.get_running_loop().create_task(self._measure(slot))
+            self._measuring.add(task)
+            task.add_done_callback(self._measuring.discard)
+
+    async def _measure(self, slot: str) -> None:
+        reading = await self._read()
+        config = self._config_of(slot)
+        if config is None or reading.error is not None:
+            return
+        held = {device.index: mib for device in reading.devices
+                if (mib := device.held_by_slots().get(slot))}
+        if not held:
+            return
+        footprint = Footprint(held, reading.read_at or time.time())
+        before = self._learned.get(_key(config))
+        self._learned[_key(config)] = footprint
+        log.info("slot.footprint_measured", slot=slot, mib=footprint.total_mib,
+                 devices={str(index): mib for index, mib in held.items()},
+                 configured_mib=config.memory_mib,
+                 was_mib=before.total_mib if before else None)
+
+
+def _key(config: SlotConfig) -> Key:
+    return config.name, config.command or ()
