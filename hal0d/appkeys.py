@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from hal0d.devices import Devices
     from hal0d.forward import Dispatch
     from hal0d.forward.ollama_models import OllamaModels
-    from hal0d.lifecycle.footprints import Footprints
     from hal0d.lifecycle.manager import LifecycleManager
     from hal0d.observability.events import EventHub, SlotViews
     from hal0d.observability.recorder import Recorder
@@ -60,8 +59,7 @@ OLLAMA_MODELS: web.AppKey[OllamaModels] = web.AppKey("ollama_models")
 TIMELINE: web.AppKey[Timeline] = web.AppKey("timeline")
 # Each GPU's memory and who holds it, read while hal0d runs (GET /api/devices, /metrics).
 DEVICES: web.AppKey[Devices] = web.AppKey("devices")
-# What each model took on the devices at its last load, learned (lifecycle/footprints.py).
-FOOTPRINTS: web.AppKey[Footprints] = web.AppKey("footprints")
+
 # Set by `hal0d serve`: read the config file again, its [[library]] sources rescanned, and
 # return once that reload is done (POST /api/library/rescan; the same as a SIGHUP).
 RESCAN: web.AppKey[Callable[[], Awaitable[None]]] = web.AppKey("rescan")

@@ -19,7 +19,6 @@ from hal0d.appkeys import (
     DEVICES,
     DISPATCH,
     EVENTS,
-    FOOTPRINTS,
     HEADS,
     LIFECYCLE,
     OLLAMA_MODELS,
@@ -36,7 +35,6 @@ from hal0d.forward import Dispatch
 from hal0d.forward.modes import AnthropicModes, ResponsesModes
 from hal0d.forward.ollama_models import OllamaModels
 from hal0d.forward.placement import Placement
-from hal0d.lifecycle.footprints import Footprints
 from hal0d.lifecycle.manager import LifecycleManager
 from hal0d.lifecycle.remote import RemoteModels
 from hal0d.lifecycle.table import SlotTable
@@ -123,10 +121,9 @@ async def devices_context(app: web.Application) -> AsyncIterator[None]:
     devices = Devices(app[RUNTIME].current.config.devices, lifecycle.slot_pids)
     app[DEVICES] = devices
     app[RECORDER].prom.watch_devices(lambda: devices.last)
-    # What each model took, learned after its loads, replaces its memory_mib in its group.
-    footprints = Footprints(devices.read, lifecycle.configs.get)
-    app[FOOTPRINTS] = footprints
-    lifecycle.footprint_of = footprints.learned_mib
+    # What each model took, measured after its loads, replaces its memory_mib in its group.
+    footprints = lifecycle.footprints
+    footprints.attach(devices.read)
     lifecycle.subscribe(footprints)
     await devices.start()
     yield

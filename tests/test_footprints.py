@@ -76,7 +76,8 @@ async def test_a_measured_footprint_replaces_a_wrong_guess_after_one_load(
         before = await views(http, hal0d.url)
         assert before["a"]["memory"] == {"configured_mib": 15000, "estimate_mib": None,
                                          "measured_mib": None, "by_device": None,
-                                         "measured_at": None}
+                                         "measured_at": None,
+                                         "raised_by_out_of_memory": False}
         await ask(http, hal0d.url, "chat")
         measured = await hal0d.wait_for_event("slot.footprint_measured", timeout=10)
         assert (measured["slot"], measured["mib"], measured["configured_mib"]) == ("a", 6000, 15000)

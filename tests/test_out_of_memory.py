@@ -98,3 +98,61 @@ async def test_a_load_that_does_not_fit_fails_naming_the_memory_it_asked(
             assert resp.status == 200, await resp.text()  # what fits loads
         assert not [line for line in hal0d.named("slot.load_out_of_memory")
                     if line["slot"] == "fits"]
+
+
+async def test_a_load_out_of_memory_is_retried_once_with_room_made_for_what_it_asked(
+        tmp_path: Path, http: aiohttp.ClientSession) -> None:
+    """`b` is guessed at 10 GiB and takes 20: beside `a` (8 GiB) on a 24 GiB GPU it runs out
+    of memory. Its footprint is raised to the 20 GiB it asked, `a` (idle) is unloaded for it,
+    and the one retry loads it: the client gets its answer, never the failed load."""
+    box = tmp_path / "box.json"
+    make_box(box, [24576])
+    port = free_port()
+
+    def stub_slot(name: str, model: str, footprint: int, guess: int) -> str:
+        stub_port = free_port()
+        command = [sys.executable, "-m", "hal0d", "stub", "--port", str(stub_port),
+                   "--device-state", str(box), "--footprint-mib", str(footprint)]
+        return textwrap.dedent(f"""
+            [[slots]]
+            name = "{name}"
+            upstream = "http://127.0.0.1:{stub_port}"
+            models = ["{model}"]
+            start = "on_demand"
+            group = "gpu"
+            memory_mib = {guess}
+            command = {orjson.dumps(command).decode()}
+        """)
+
+    config = tmp_path / "hal0d.toml"
+    config.write_text(textwrap.dedent(f"""
+        [server]
+        port = {port}
+
+        [groups.gpu]
+        memory_mib = 24000
+    """) + stub_slot("a", "chat", 8000, 8000) + stub_slot("b", "reasoning", 20000, 10000)
+        + textwrap.dedent(f"""
+        [metrics]
+        database = "{tmp_path / 'history.sqlite3'}"
+
+        [logging]
+        format = "json"
+    """))
+    body = {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    async with serving(config, port) as hal0d:
+        for model in ("chat", "reasoning"):
+            async with http.post(f"{hal0d.url}/v1/chat/completions",
+                                 json=body | {"model": model}) as resp:
+                assert resp.status == 200, await resp.text()
+        retried = hal0d.named("slot.load_retrying")
+        assert [(line["slot"], line["need_mib"]) for line in retried] == [("b", 20000)]
+        raised = hal0d.named("slot.footprint_raised")
+        assert [(line["slot"], line["mib"], line["was_mib"]) for line in raised] == [
+            ("b", 20000, 10000)]
+        unloaded = [line["slot"] for line in hal0d.named("slot.unloaded")]
+        assert unloaded == ["a"], unloaded  # made room for the 20 GiB it asked
+        async with http.get(f"{hal0d.url}/api/slots") as resp:
+            views = {view["name"]: view for view in (await resp.json())["slots"]}
+        assert views["b"]["state"] == "ready" and views["a"]["state"] == "stopped"
+        assert views["b"]["memory"]["raised_by_out_of_memory"] is True

@@ -17,7 +17,6 @@ from hal0d.appkeys import (
     DEVICES,
     DISPATCH,
     EVENTS,
-    FOOTPRINTS,
     LIFECYCLE,
     RECORDER,
     RESCAN,
@@ -94,10 +93,9 @@ async def slots(request: web.Request) -> web.Response:
 def with_memory(request: web.Request, view: dict[str, Any]) -> dict[str, Any]:
     """A slot's view with `memory`: its configured figure, a library model's estimate, and what
     it took at its last load (lifecycle/footprints.py), side by side."""
-    footprints = request.app.get(FOOTPRINTS)
-    config = request.app[LIFECYCLE].configs.get(view["name"])
-    if footprints is not None and config is not None:
-        view["memory"] = footprints.view(config)
+    lifecycle = request.app[LIFECYCLE]
+    if (config := lifecycle.configs.get(view["name"])) is not None:
+        view["memory"] = lifecycle.footprints.view(config)
     return view
 
 

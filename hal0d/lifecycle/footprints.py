@@ -1,7 +1,8 @@
 """What each model takes on the devices, learned: after each load that answered, the devices are
 read and what the slot's processes hold on each is its footprint, kept per slot and command
-(a context or a `--parallel` changed is another command: another footprint). The one writer of
-the learned footprints; the lifecycle reads them (`learned_mib`) where a group counts memory,
+(a context or a `--parallel` changed is another command: another footprint); a load that ran
+out of memory raises it to what it asked (`raise_to`) until a load is measured. The one writer
+of the footprints; the lifecycle reads them (`learned_mib`) where a group counts memory,
 so a `memory_mib` guessed wrong is replaced by what the model really took after one load, and
 /api/slots shows the guess (or a library model's estimate) and the measure side by side.
 
@@ -33,6 +34,7 @@ Key = tuple[str, tuple[str, ...]]
 class Footprint:
     by_device: dict[int, int]  # device index -> MiB its processes held once it answered
     measured_at: float  # unix seconds
+    raised: bool = False  # not measured: what an out-of-memory load asked (raise_to)
 
     @property
     def total_mib(self) -> int:
@@ -40,15 +42,27 @@ class Footprint:
 
 
 class Footprints(LifecycleObserver):
-    """Handed how to read the devices (a fresh read: Devices.read) and each slot's config by
-    name (the lifecycle manager's, as it is now)."""
+    """The lifecycle manager's: handed each slot's config by name (the manager's, as it is
+    now), and, where hal0d reads devices, how to read them afresh (`attach`: Devices.read)."""
 
-    def __init__(self, read: Callable[[], Awaitable[Reading]],
-                 config_of: Callable[[str], SlotConfig | None]) -> None:
-        self._read = read
+    def __init__(self, config_of: Callable[[str], SlotConfig | None]) -> None:
+        self._read: Callable[[], Awaitable[Reading]] | None = None
         self._config_of = config_of
         self._learned: dict[Key, Footprint] = {}
         self._measuring: set[asyncio.Task[None]] = set()
+
+    def attach(self, read: Callable[[], Awaitable[Reading]]) -> None:
+        self._read = read
+
+    def raise_to(self, config: SlotConfig, mib: int, device: int | None) -> int:
+        """A load that ran out of memory asked for `mib` on `device`: its footprint is at least
+        that from now on (until a load that answers is measured); returns the footprint."""
+        learned = self._learned.get(_key(config))
+        known = max(learned.total_mib if learned else 0, config.memory_mib or 0)
+        raised = max(known, mib)
+        self._learned[_key(config)] = Footprint({device or 0: raised}, time.time(), raised=True)
+        log.info("slot.footprint_raised", slot=config.name, mib=raised, was_mib=known or None)
+        return raised
 
     def learned_mib(self, config: SlotConfig) -> int | None:
         """What the slot's model took at its last load with this command; None: not measured."""
@@ -65,6 +79,7 @@ class Footprints(LifecycleObserver):
             "by_device": {str(index): mib for index, mib in learned.by_device.items()}
             if learned else None,
             "measured_at": learned.measured_at if learned else None,
+            "raised_by_out_of_memory": learned.raised if learned else False,
         }
 
     async def close(self) -> None:
@@ -75,12 +90,13 @@ class Footprints(LifecycleObserver):
     # LifecycleObserver (lifecycle/manager.py)
     def load_phase(self, slot: str, phase: LoadPhase, elapsed_s: float,
                    reason: str | None) -> None:
-        if phase is LoadPhase.READY:
+        if phase is LoadPhase.READY and self._read is not None:
             task = asyncio.get_running_loop().create_task(self._measure(slot))
             self._measuring.add(task)
             task.add_done_callback(self._measuring.discard)
 
     async def _measure(self, slot: str) -> None:
+        assert self._read is not None, "measured only where devices are read"
         reading = await self._read()
         config = self._config_of(slot)
         if config is None or reading.error is not None:

@@ -129,6 +129,17 @@ class LoadJobs(Teller):
             slot.generation += 1
             self.report(runner, generation, Event.LAUNCH, runner.launch_words())
             cause = await runner.bring_up(self.client, progress)
+            if cause is not None and (oom := runner.out_of_memory()) is not None:
+                # Out of memory: its footprint raised to what it asked, room made for that in
+                # the same turn, one more try. Only a second failure is its waiters' 503.
+                need = self.footprints.raise_to(config, round(oom.asked_mib or 0), oom.device)
+                log.warning("slot.load_retrying", slot=config.name, reason=str(oom),
+                            need_mib=need)
+                await runner.stop_child()
+                if group is not None:
+                    swap_began = await self._make_room(group, runner, urgent=True,
+                                                       failed=None) or swap_began
+                cause = await runner.bring_up(self.client, progress)
             if cause is None and group is not None and swap_began is not None:
                 self._swapped(group, slot, swap_began)
             return cause

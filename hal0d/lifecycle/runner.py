@@ -19,6 +19,7 @@ from typing import Final
 
 from hal0d.config import SlotConfig
 from hal0d.lifecycle.observers import LifecycleObserver
+from hal0d.lifecycle.out_of_memory import OutOfMemory
 from hal0d.lifecycle.probe import port_taken, until_answering
 from hal0d.lifecycle.process import Child, LaunchFailed
 from hal0d.lifecycle.prompt_cache import PromptCache, Warmth, make_folder
@@ -310,6 +311,11 @@ class Runner:
         child.answering()
         await self.warm_up(client)
         return None
+
+    def out_of_memory(self) -> OutOfMemory | None:
+        """What its process said of memory it could not have while it loaded (the load that
+        just failed, before `ended` stops it)."""
+        return self.child.out_of_memory if self.child is not None else None
 
     async def ended(self, cause: str | None, progress: Progress) -> Started:
         """A start's outcome from its cause: a failed one's process stopped and its backoff

@@ -19,6 +19,7 @@ from typing import Any, Final
 
 from hal0d.config import GroupConfig, SlotConfig
 from hal0d.lifecycle import prompt_cache
+from hal0d.lifecycle.footprints import Footprints
 from hal0d.lifecycle.groups import Groups
 from hal0d.lifecycle.machine import Action, Event, allows
 from hal0d.lifecycle.observers import LifecycleObserver, Observers
@@ -69,9 +70,9 @@ class Teller:
         # The conversations slots hold warm, and where their saved caches live (prompt_cache.py).
         self.warmth = warmth
         self.cache_root = cache_root
-        # What a model took on the devices at its last load (footprints.py; set where the
-        # devices are read): None, not measured.
-        self.footprint_of: Callable[[SlotConfig], int | None] = lambda config: None
+        # What each model took on the devices at its last load (footprints.py: measured where
+        # the devices are read, raised by a load that ran out of memory).
+        self.footprints = Footprints(self.configs.get)
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
         for slot in table:
@@ -184,7 +185,7 @@ class Teller:
         """What a slot's model takes where its group counts memory: what it took at its last
         load with this command (footprints.py, once the devices are read), else its
         `memory_mib`."""
-        return self.footprint_of(config) or config.memory_mib or 0
+        return self.footprints.learned_mib(config) or config.memory_mib or 0
 
     def turn_wait_s(self, config: SlotConfig) -> float:
         """The longest a request for `config`'s slot may wait for its model's turn in its group
