@@ -12,10 +12,11 @@ a box with.
     python -m hal0d_stub.devices FILE --release desktop everything that owner took
 
 The box printed, as devices_command's JSON (used_mib: every living allocation of the device; one
-entry in processes per pid, an owner's memory under pid 0):
+entry in processes per pid; an owner's memory, a desktop's, is in used_mib and in no process,
+as a driver shows memory it tells no process of, and as hal0d reads pid 0: no process):
 
     {"devices": [{"index": 0, "name": "sim-24G", "total_mib": 24576, "used_mib": 1200,
-                  "processes": [{"pid": 123, "used_mib": 900}, {"pid": 0, "used_mib": 300}]}]}
+                  "processes": [{"pid": 123, "used_mib": 900}]}]}
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def as_devices_command(box: device.Box) -> dict[str, Any]:
     for dev in box.devices:
         by_pid: dict[int, int] = {}
         for allocation in box.allocations:
-            if allocation.device == dev.index:
+            if allocation.device == dev.index and allocation.pid != device.NO_PROCESS:
                 by_pid[allocation.pid] = by_pid.get(allocation.pid, 0) + allocation.mib
         listed.append({"index": dev.index, "name": dev.name, "total_mib": dev.total_mib,
                        "used_mib": box.used_mib(dev.index),

@@ -64,6 +64,11 @@ class Footprints(LifecycleObserver):
         log.info("slot.footprint_raised", slot=config.name, mib=raised, was_mib=known or None)
         return raised
 
+    def devices_of(self, config: SlotConfig) -> tuple[int, ...]:
+        """The devices its last measured load was on (where it fits again)."""
+        learned = self._learned.get(_key(config))
+        return tuple(learned.by_device) if learned is not None and not learned.raised else ()
+
     def learned_mib(self, config: SlotConfig) -> int | None:
         """What the slot's model took at its last load with this command; None: not measured."""
         learned = self._learned.get(_key(config))

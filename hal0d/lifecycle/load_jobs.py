@@ -128,7 +128,7 @@ class LoadJobs(Teller):
             # A new run of the slot's process: what was learnt of the last one is asked anew.
             slot.generation += 1
             self.report(runner, generation, Event.LAUNCH, runner.launch_words())
-            cause = await runner.bring_up(self.client, progress)
+            cause = await runner.bring_up(self.client, progress, await self.placed(config))
             if cause is not None and (oom := runner.out_of_memory()) is not None:
                 # Out of memory: its footprint raised to what it asked, room made for that in
                 # the same turn, one more try. Only a second failure is its waiters' 503.
@@ -139,7 +139,7 @@ class LoadJobs(Teller):
                 if group is not None:
                     swap_began = await self._make_room(group, runner, urgent=True,
                                                        failed=None) or swap_began
-                cause = await runner.bring_up(self.client, progress)
+                cause = await runner.bring_up(self.client, progress, await self.placed(config))
             if cause is None and group is not None and swap_began is not None:
                 self._swapped(group, slot, swap_began)
             return cause

@@ -23,7 +23,7 @@ import resource
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import cast
 
 from hal0d.config import model_files
@@ -207,7 +207,9 @@ class Child:
         self._output = asyncio.create_task(self._log_output(), context=contextvars.Context())
 
     @classmethod
-    async def start(cls, slot: str, command: tuple[str, ...]) -> Child:
+    async def start(cls, slot: str, command: tuple[str, ...],
+                    env: Mapping[str, str] | None = None) -> Child:
+        """`command` started, with `env` beside hal0d's environment (its devices: placement)."""
         argv = resolve_program(command)
         loop = asyncio.get_running_loop()
         exited: asyncio.Future[int] = loop.create_future()
@@ -219,6 +221,7 @@ class Child:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
+                env={**os.environ, **env} if env else None,
                 start_new_session=True,  # its own process group: stop() ends its children too
                 preexec_fn=child_setup(),  # and a kill -9 of hal0d ends the process itself
             )
@@ -227,7 +230,8 @@ class Child:
             log.error("slot.process_failed", slot=slot, argv=argv, error=str(exc), reason=reason)
             raise LaunchFailed(reason) from None
         process = asyncio.subprocess.Process(transport, protocol, loop)
-        log.info("slot.process_started", slot=slot, pid=process.pid, argv=argv)
+        log.info("slot.process_started", slot=slot, pid=process.pid, argv=argv,
+                 **({"env": dict(env)} if env else {}))
         return cls(slot, argv, process, exited)
 
     @property

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Final
 
 from hal0d.config import SlotConfig
+from hal0d.devices.placement import Placement
 from hal0d.lifecycle.observers import LifecycleObserver
 from hal0d.lifecycle.out_of_memory import OutOfMemory
 from hal0d.lifecycle.probe import port_taken, until_answering
@@ -282,11 +283,12 @@ class Runner:
             what += f" (the last attempt failed: {self.cause})"
         return what
 
-    async def bring_up(self, client: UpstreamClient, progress: Progress) -> str | None:
-        """The launch, the probe until it answers, and the restore of its saved caches, in
-        its group's turn (load_jobs.py holds it): None once the new process answers and has
-        its caches back, else why not (a process that was launched is left for `ended` to
-        stop). A stop cancels this whole, the restore too."""
+    async def bring_up(self, client: UpstreamClient, progress: Progress,
+                       placement: Placement | None = None) -> str | None:
+        """The launch (on `placement`'s devices), the probe until it answers, and the restore
+        of its saved caches, in its group's turn (load_jobs.py holds it): None once the new
+        process answers and has its caches back, else why not (a process that was launched is
+        left for `ended` to stop). A stop cancels this whole, the restore too."""
         config = self.config
         try:
             progress.enter(LoadPhase.STARTING)
@@ -297,7 +299,7 @@ class Runner:
             if (cache := self.prompt_cache()) is not None:
                 cache.launching(config.command or ())
             launched = time.monotonic()
-            child = await self.launch()
+            child = await self.launch(placement)
             progress.enter(LoadPhase.PROBING)
             # load_timeout_s is the load's own: its wait for a turn in its group is not in it.
             failure = await until_answering(client, config, child,
@@ -334,10 +336,14 @@ class Runner:
         progress.enter(LoadPhase.READY)
         return Started.ANSWERED
 
-    async def launch(self) -> Child:
-        """Child.start, never left half done: cancelled while the process is being created, the
-        process is still recorded (and so stopped by whoever cancelled)."""
-        starting = asyncio.ensure_future(Child.start(self.name, self.config.command or ()))
+    async def launch(self, placement: Placement | None = None) -> Child:
+        """Child.start (on `placement`'s devices), never left half done: cancelled while the
+        process is being created, the process is still recorded (and so stopped by whoever
+        cancelled)."""
+        command = self.config.command or ()
+        argv, env = (tuple(placement.command(command)), placement.environment(command)) if (
+            placement is not None) else (command, {})
+        starting = asyncio.ensure_future(Child.start(self.name, argv, env))
         try:
             self.child = await asyncio.shield(starting)
         except asyncio.CancelledError:

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Final
 
 from hal0d.config import GroupConfig, SlotConfig
+from hal0d.devices.placement import Placement
 from hal0d.lifecycle import prompt_cache
 from hal0d.lifecycle.footprints import Footprints
 from hal0d.lifecycle.groups import Groups
@@ -73,6 +74,9 @@ class Teller:
         # What each model took on the devices at its last load (footprints.py: measured where
         # the devices are read, raised by a load that ran out of memory).
         self.footprints = Footprints(self.configs.get)
+        # Where a load needing N MiB goes on the devices (Devices.place; set where the devices
+        # are read): None, nothing placed.
+        self.placing: Callable[[int, tuple[int, ...]], Awaitable[Placement | None]] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
         for slot in table:
@@ -186,6 +190,16 @@ class Teller:
         load with this command (footprints.py, once the devices are read), else its
         `memory_mib`."""
         return self.footprints.learned_mib(config) or config.memory_mib or 0
+
+    async def placed(self, config: SlotConfig) -> Placement | None:
+        """The device(s) a load of `config` goes to, where devices are read."""
+        if self.placing is None or not config.command:
+            return None
+        placement = await self.placing(self.memory_of(config), self.footprints.devices_of(config))
+        if placement is not None:
+            log.info("slot.placed", slot=config.name, devices=list(placement.devices),
+                     why=placement.why)
+        return placement
 
     def turn_wait_s(self, config: SlotConfig) -> float:
         """The longest a request for `config`'s slot may wait for its model's turn in its group
