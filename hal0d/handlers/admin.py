@@ -91,10 +91,10 @@ async def slots(request: web.Request) -> web.Response:
 
 
 def with_memory(request: web.Request, view: dict[str, Any]) -> dict[str, Any]:
-    """A slot's view with `memory`: its configured figure, a library model's estimate, and what
-    it took at its last load (lifecycle/footprints.py), side by side."""
+    """A slot's view with, for a slot hal0d starts, `memory`: a library model's estimate and
+    what it took at its last load (lifecycle/footprints.py), beside its `memory_mib`."""
     lifecycle = request.app[LIFECYCLE]
-    if (config := lifecycle.configs.get(view["name"])) is not None:
+    if (config := lifecycle.configs.get(view["name"])) is not None and config.command:
         view["memory"] = lifecycle.footprints.view(config)
     return view
 

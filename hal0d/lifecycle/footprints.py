@@ -75,10 +75,10 @@ class Footprints(LifecycleObserver):
         return learned.total_mib if learned is not None else None
 
     def view(self, config: SlotConfig) -> dict[str, object]:
-        """The guess and the measure, as /api/slots shows them under `memory`."""
+        """The estimate and the measure, as /api/slots shows them under `memory` (beside the
+        slot's `memory_mib`, the figure configured)."""
         learned = self._learned.get(_key(config))
         return {
-            "configured_mib": config.memory_mib,
             "estimate_mib": config.library.estimate_mib if config.library else None,
             "measured_mib": learned.total_mib if learned else None,
             "by_device": {str(index): mib for index, mib in learned.by_device.items()}
