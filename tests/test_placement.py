@@ -33,6 +33,9 @@ def test_a_load_goes_where_it_fits_its_last_device_first_then_the_most_free() ->
     nowhere = place(20000, reading(8000, 12000), 512)
     assert nowhere is not None and nowhere.devices == (1,)
     assert "fit on no device" in nowhere.why
+    pinned = place(6000, reading(8000, 12000), 512, allowed=(0,))  # a slot's `devices`
+    assert pinned is not None and pinned.devices == (0,)
+    assert place(6000, reading(8000, 12000), 512, allowed=(5,)) is None  # no such device
     assert place(1, Reading(None), 512) is None  # nothing read: nothing placed
     assert place(1, Reading("command", error="devices_command: timed out"), 512) is None
 
@@ -92,3 +95,22 @@ async def test_a_model_is_started_on_the_gpu_where_it_fits(
         assert started["env"] == {"CUDA_VISIBLE_DEVICES": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
         assert mib_of(box, started["pid"]) == {1: 10000}
         assert not hal0d.named("slot.load_out_of_memory")
+
+
+def test_a_slots_devices_are_device_indexes_each_once() -> None:
+    from hal0d.config import ConfigError, parse
+
+    def slot(devices: object) -> dict[str, object]:
+        return {"slots": [{"name": "a", "upstream": "http://127.0.0.1:1", "models": ["m"],
+                           "command": ["srv"], "devices": devices}]}
+
+    assert parse(slot([1, 0])).slots[0].devices == (1, 0)
+    for bad in ([], [0, 0], [-1], ["0"], [True]):
+        try:
+            parse(slot(bad))
+        except ConfigError as exc:
+            assert exc.problems == ["slots[0].devices: must be a non-empty list of device "
+                                    "indexes (0-1023), each once, as /api/devices numbers "
+                                    "them (slot \"a\")"], exc.problems
+        else:
+            raise AssertionError(f"devices = {bad!r} was taken")

@@ -77,6 +77,8 @@ def check_slots(raw: Any, problems: list[str], base_dir: Path,
             good["models"] = string_list(good["models"], f"{path}.models", problems)
         if "command" in good:
             good["command"] = string_list(good["command"], f"{path}.command", problems)
+        if "devices" in good:
+            good["devices"] = device_list(good["devices"], f"{path}.devices", problems)
         if "capabilities" in good:
             good["capabilities"] = check_capabilities(
                 good["capabilities"], good.get("models") or (), f"{path}.capabilities", problems)
@@ -113,6 +115,16 @@ def check_slots(raw: Any, problems: list[str], base_dir: Path,
         elif isinstance(name, str) and name:
             problems[before:] = [f'{problem} (slot "{name}")' for problem in problems[before:]]
     return tuple(slots)
+
+
+def device_list(value: list[Any], where: str, problems: list[str]) -> tuple[int, ...] | None:
+    """A slot's `devices`: device indexes, at least one, none twice."""
+    if not value or not all(type(item) is int and 0 <= item < 1024 for item in value) or len(
+            set(value)) != len(value):
+        problems.append(f"{where}: must be a non-empty list of device indexes (0-1023), each "
+                        "once, as /api/devices numbers them")
+        return None
+    return tuple(value)
 
 
 def _named(good: dict[str, Any], key: str, path: str, problems: list[str]) -> str | None:

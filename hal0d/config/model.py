@@ -94,7 +94,7 @@ PROMPT_CACHE_MODES = ("off", PROMPT_CACHE_SAVE)
 START_ON_DEMAND = "on_demand"
 # The keys that only mean something for a slot hal0d starts and stops itself (it has a command).
 LIFECYCLE_KEYS = ("idle_unload_s", "group", "load_timeout_s", "prompt_cache", "save_timeout_s",
-                  "prompt_cache_max_mib")
+                  "prompt_cache_max_mib", "devices")
 # The keys that only mean something for a slot hal0d stops when it is idle (start = "on_demand").
 ON_DEMAND_KEYS = ("idle_unload_s",)
 
@@ -153,6 +153,9 @@ class SlotConfig:
     load_timeout_s: float = 600.0
     group: str | None = None
     memory_mib: int | None = None
+    # The devices its loads may go to (devices/placement.py; indexes as /api/devices shows
+    # them); None: any.
+    devices: tuple[int, ...] | None = None
     # The Anthropic Messages surface for this slot's models: "translate" (to chat completions),
     # "native" (relayed raw to the upstream's own /v1/messages), "auto" (native when it has one).
     anthropic: str = "translate"

@@ -69,6 +69,7 @@ SLOT_SPEC: dict[str, Range] = {
     "load_timeout_s": (float, 1.0, 86400.0),
     "group": (str, None, None),
     "memory_mib": (int, 1, 1 << 30),
+    "devices": (list, None, None),
     "anthropic": (str, None, None),
     "responses": (str, None, None),
     "kind": (str, None, None),

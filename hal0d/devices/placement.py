@@ -53,10 +53,12 @@ class Placement:
         return {"CUDA_VISIBLE_DEVICES": gpus, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
-def place(need_mib: int, reading: Reading, margin_mib: int,
-          preferred: Sequence[int] = ()) -> Placement | None:
-    """The device for a load needing `need_mib`; None when there is none to place on."""
-    devices = reading.devices
+def place(need_mib: int, reading: Reading, margin_mib: int, preferred: Sequence[int] = (),
+          allowed: Sequence[int] | None = None) -> Placement | None:
+    """The device for a load needing `need_mib`, among `allowed` (a slot's `devices`; None:
+    any); None when there is none to place on."""
+    devices = tuple(device for device in reading.devices
+                    if allowed is None or device.index in allowed)
     if reading.error is not None or not devices:
         return None
     fits = [device for device in devices if device.free_mib - margin_mib >= need_mib]

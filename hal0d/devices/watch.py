@@ -165,12 +165,13 @@ class Devices:
             log.info("devices.read_ok", source=reading.source, devices=len(reading.devices),
                      names=[device.name for device in reading.devices])
 
-    async def place(self, need_mib: int, preferred: Sequence[int]) -> Placement | None:
-        """Where a load needing `need_mib` goes, from a fresh read (placement.py); None when
-        there is nothing to read."""
+    async def place(self, need_mib: int, preferred: Sequence[int],
+                    allowed: Sequence[int] | None = None) -> Placement | None:
+        """Where a load needing `need_mib` goes, among `allowed`, from a fresh read
+        (placement.py); None when there is nothing to read."""
         if self.source() is None:
             return None
-        return place(need_mib, await self.read(), self.config.margin_mib, preferred)
+        return place(need_mib, await self.read(), self.config.margin_mib, preferred, allowed)
 
     def history(self, index: int) -> list[tuple[float, int]]:
         """The device's free MiB over the last hour: (unix seconds, MiB), oldest first."""

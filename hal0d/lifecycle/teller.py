@@ -76,7 +76,8 @@ class Teller:
         self.footprints = Footprints(self.configs.get)
         # Where a load needing N MiB goes on the devices (Devices.place; set where the devices
         # are read): None, nothing placed.
-        self.placing: Callable[[int, tuple[int, ...]], Awaitable[Placement | None]] | None = None
+        self.placing: Callable[[int, tuple[int, ...], tuple[int, ...] | None],
+                               Awaitable[Placement | None]] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
         for slot in table:
@@ -195,7 +196,8 @@ class Teller:
         """The device(s) a load of `config` goes to, where devices are read."""
         if self.placing is None or not config.command:
             return None
-        placement = await self.placing(self.memory_of(config), self.footprints.devices_of(config))
+        placement = await self.placing(self.memory_of(config), self.footprints.devices_of(config),
+                                       config.devices)
         if placement is not None:
             log.info("slot.placed", slot=config.name, devices=list(placement.devices),
                      why=placement.why)
