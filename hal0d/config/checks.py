@@ -73,12 +73,7 @@ def check_slots(raw: Any, problems: list[str], base_dir: Path,
         for required in ("name", "upstream", "models"):
             if isinstance(table, dict) and required not in table:
                 problems.append(f"{path}.{required}: is required")
-        if "models" in good:
-            good["models"] = string_list(good["models"], f"{path}.models", problems)
-        if "command" in good:
-            good["command"] = string_list(good["command"], f"{path}.command", problems)
-        if "devices" in good:
-            good["devices"] = device_list(good["devices"], f"{path}.devices", problems)
+        _check_lists(good, path, problems)
         if "capabilities" in good:
             good["capabilities"] = check_capabilities(
                 good["capabilities"], good.get("models") or (), f"{path}.capabilities", problems)
@@ -115,6 +110,14 @@ def check_slots(raw: Any, problems: list[str], base_dir: Path,
         elif isinstance(name, str) and name:
             problems[before:] = [f'{problem} (slot "{name}")' for problem in problems[before:]]
     return tuple(slots)
+
+
+def _check_lists(good: dict[str, Any], path: str, problems: list[str]) -> None:
+    """A slot's list keys, each made a tuple (None, with a problem, when it is no such list)."""
+    for key, check in (("models", string_list), ("command", string_list),
+                       ("devices", device_list)):
+        if key in good:
+            good[key] = check(good[key], f"{path}.{key}", problems)
 
 
 def device_list(value: list[Any], where: str, problems: list[str]) -> tuple[int, ...] | None:
