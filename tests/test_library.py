@@ -289,3 +289,33 @@ def test_check_and_print_config_show_what_the_libraries_find(tmp_path: Path) -> 
     tables = hal0d("models", "--config", "--file", str(config)).stdout
     assert 'name = "one"' in tables and "{free_port}" in tables, tables
     assert str(folder / "one.gguf") in tables and "--mmproj" not in tables, tables
+
+
+def test_the_readmes_eight_lines_serve_a_folder_and_an_ollama_store_in_one_group(
+        tmp_path: Path) -> None:
+    """The newcomer's config, as the README writes it (8 lines, comments aside), with its two
+    paths pointed here: three GGUFs in a folder and two Ollama models, room for two at once."""
+    import re
+    import subprocess
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("## Coming from Ollama", 1)[1].split("```toml\n", 1)[1].split("```")[0]
+    lines = [re.sub(r"\s+#.*", "", line) for line in block.splitlines() if line.strip()]
+    assert len(lines) == 8, lines
+    for name in ("a", "b", "c"):
+        write_model(tmp_path / "models" / f"{name}.gguf", name=name)
+    store = OllamaStore(tmp_path / "ollama")
+    store.pull("smollm2:135m", write_model(tmp_path / "made" / "s.gguf", name="s")[0].read_bytes())
+    store.pull("tinychat", write_model(tmp_path / "made" / "t.gguf", name="t")[0].read_bytes())
+    text = "\n".join(lines).replace('"/srv/models"', f'"{tmp_path / "models"}"').replace(
+        '"ollama"', f'"{store.root}"')
+    config = tmp_path / "hal0d.toml"
+    config.write_text(text + f'\n[metrics]\ndatabase = "{tmp_path / "h.sqlite3"}"\n')
+    checked = subprocess.run([sys.executable, "-m", "hal0d", "check-config", "--config",
+                              str(config)], capture_output=True, text=True, timeout=30)
+    assert checked.returncode == 0, checked.stderr
+    assert checked.stdout.startswith(f"{config}: ok (5 slots, 5 of them models found"), (
+        checked.stdout)
+    tables = subprocess.run([sys.executable, "-m", "hal0d", "models", "--config", "--file",
+                             str(config)], capture_output=True, text=True, timeout=30).stdout
+    assert tables.count('group = "gpu"') == 5 and "tinychat:latest" in tables, tables
