@@ -124,10 +124,10 @@ async def devices_context(app: web.Application) -> AsyncIterator[None]:
     # What each model took, measured after its loads, replaces its memory_mib in its group.
     footprints = lifecycle.footprints
     footprints.attach(devices.read)
-    lifecycle.placing = devices.place  # each load on the device where it fits
+    lifecycle.devices = devices  # each load placed where it fits, room made by cost
     lifecycle.subscribe(footprints)
     await devices.start()
     yield
-    lifecycle.placing = None
+    lifecycle.devices = None
     await footprints.close()
     await devices.stop()

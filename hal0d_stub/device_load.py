@@ -4,8 +4,9 @@ GPUs its environment lets it see, and fails the load with llama.cpp's own out-of
 when they lack room.
 
     CUDA_VISIBLE_DEVICES ("1", "0,1"; else HIP_VISIBLE_DEVICES; neither: the box's device 0)
-      -> the devices it sees, in that order -> the footprint split over them (evenly, or by
-         --tensor-split as llama-server's -ts) -> one all-or-nothing allocation
+      -> the devices it sees, in that order -> the footprint split over them (by --tensor-split
+         as llama-server's -ts, else as llama.cpp splits by default: in proportion to each
+         device's free memory) -> one all-or-nothing allocation
       -> it fits: "load_tensors: CUDA0 model buffer size = ..." per device, and the stub serves;
          its memory is released when it exits (normal exit, SIGTERM, SIGINT), and by the box's
          own rule for a process that is gone when it is killed
@@ -85,6 +86,11 @@ def split_footprint(footprint_mib: int, devices: Sequence[int],
     return {d: mib for d, mib in zip(devices, shares, strict=True) if mib > 0}
 
 
+def free_memory(box: device.Box, devices: Sequence[int]) -> tuple[float, ...]:
+    """Each of `devices`' free MiB: llama.cpp's default split (no -ts) is in proportion to it."""
+    return tuple(float(max(0, box.free_mib(index))) for index in devices)
+
+
 def claim(load: DeviceLoad, environ: Mapping[str, str] = os.environ) -> bool:
     """Takes this process's footprint from the box (True), or prints llama-server's
     out-of-memory lines and takes nothing (False: the caller exits 1 as llama-server does)."""
@@ -97,7 +103,8 @@ def claim(load: DeviceLoad, environ: Mapping[str, str] = os.environ) -> bool:
     if not devices:
         print("stub: no simulated GPU visible: the model loads on the CPU", flush=True)
         return True
-    shares = split_footprint(load.footprint_mib, devices, load.tensor_split)
+    shares = split_footprint(load.footprint_mib, devices,
+                             load.tensor_split or free_memory(box, devices))
     release_when_exiting(load.state)
     shortfall = device.allocate(load.state, os.getpid(), shares)
     if shortfall is None:

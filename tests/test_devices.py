@@ -298,6 +298,9 @@ async def test_a_library_reads_its_devices_through_the_one_interface(open_librar
     ('[devices]\ndevices_command = "nvidia-smi"\n',
      "devices.devices_command: 'nvidia-smi' is not a list"),
     ("[devices]\ncommand = 1\n", "devices.command: unknown key"),
+    ("[devices]\nmargins_mib = { gpu0 = 1024 }\n",
+     "devices.margins_mib: must map device indexes, as /api/devices numbers them, to MiB"),
+    ("[devices]\nmargins_mib = { 0 = -5 }\n", "devices.margins_mib: must map device indexes"),
 ])
 def test_bad_devices_keys_are_named_by_their_path(tmp_path: Path, toml: str, problem: str
                                                   ) -> None:
@@ -309,19 +312,21 @@ def test_bad_devices_keys_are_named_by_their_path(tmp_path: Path, toml: str, pro
 def test_the_devices_table_round_trips_through_print_config(tmp_path: Path) -> None:
     assert configuration.load(write(tmp_path, SLOT)).devices == DevicesConfig()
     result = hal0d_cli("print-config", "--config", str(write(tmp_path, SLOT)))
-    assert tomllib.loads(result.stdout)["devices"] == {"margin_mib": 512,
+    assert tomllib.loads(result.stdout)["devices"] == {"margin_mib": 512, "margins_mib": {},
                                                        "read_interval_s": 5.0}
     path = write(tmp_path, SLOT + textwrap.dedent("""
         [devices]
         devices_command = ["hal0d-no-such-devices-program", "--json"]
         margin_mib = 0
+        margins_mib = { 1 = 2048 }
         read_interval_s = "1m"
     """))
     result = hal0d_cli("print-config", "--config", str(path))
     assert result.returncode == 0, result.stderr
     assert tomllib.loads(result.stdout)["devices"] == {
         "devices_command": ["hal0d-no-such-devices-program", "--json"], "margin_mib": 0,
-        "read_interval_s": 60.0}
+        "margins_mib": {"1": 2048}, "read_interval_s": 60.0}
+    assert configuration.load(path).devices.margins_mib == {1: 2048}
     again = tmp_path / "printed.toml"
     again.write_text(result.stdout)
     assert configuration.load(again) == configuration.load(path)

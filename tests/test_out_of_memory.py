@@ -16,6 +16,7 @@ from hal0d.lifecycle.out_of_memory import OutOfMemory, out_of_memory
 from hal0d_stub.device import make_box
 from hal0d_stub.llama_gpu_lines import loaded_line, out_of_memory_lines
 from tests.harness.daemons import serving
+from tests.harness.gpu_box import box_config, box_slot, run_devices
 from tests.harness.ports import free_port
 
 
@@ -156,3 +157,32 @@ async def test_a_load_out_of_memory_is_retried_once_with_room_made_for_what_it_a
             views = {view["name"]: view for view in (await resp.json())["slots"]}
         assert views["b"]["state"] == "ready" and views["a"]["state"] == "stopped"
         assert views["b"]["memory"]["raised_by_out_of_memory"] is True
+
+
+async def test_a_load_placed_on_the_second_gpu_is_told_out_of_memory_there_and_refused_by_it(
+        tmp_path: Path, http: aiohttp.ClientSession) -> None:
+    """A model guessed at 1 GiB takes 30: placed on device 1 (a desktop fills device 0), its
+    server, which sees device 1 as its CUDA0, runs out of memory "on device 0": hal0d tells it
+    of device 1. With its footprint raised to the 30 GiB it asked, it fits on no device and
+    nothing hal0d runs can be unloaded for it: the retry is not tried, and the client is told
+    the figures."""
+    state = tmp_path / "box.json"
+    make_box(state, [24576, 24576])
+    assert (await run_devices(state, "--take", "24000", "--device", "0"))[0] == 0
+    port = free_port()
+    config = tmp_path / "hal0d.toml"
+    config.write_text(box_config(port, state, tmp_path,
+                                 box_slot("big", "chat", state, 30000, 1024)))
+    body = {"model": "chat", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    async with serving(config, port) as hal0d:
+        async with http.post(f"{hal0d.url}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 503, await resp.text()
+            error = (await resp.json())["error"]
+        noted = hal0d.named("slot.load_out_of_memory")
+        assert [(line["asked_mib"], line["device"]) for line in noted] == [(30000.0, 1)]
+        assert error["message"] == (
+            "slot 'big' could not load its model: out of memory: 30000 MiB could not be had on "
+            "device 1; no room on the devices: big needs 30000 MiB (device 0: 576 MiB free, 512 "
+            "kept, device 1: 24576 MiB free, 512 kept); no model hal0d may unload frees "
+            "enough"), error
+        assert len(hal0d.named("slot.process_started")) == 1  # no retry bound to fail

@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from hal0d.devices.placement import Placement, place
+from hal0d.devices.placement import Margins, Placement, anywhere, capacity_mib, place
 from hal0d.devices.reading import DeviceMemory, Reading
 from hal0d_stub.device import make_box
 from tests.harness.daemons import serving
@@ -27,17 +27,34 @@ def reading(*free: int, total: int = 24576) -> Reading:
 
 
 def test_a_load_goes_where_it_fits_its_last_device_first_then_the_most_free() -> None:
-    assert place(6000, reading(8000, 12000), 512).devices == (1,)  # the most free
-    assert place(6000, reading(8000, 12000), 512, preferred=(0,)).devices == (0,)  # its last
-    assert place(7600, reading(8000, 12000), 512, preferred=(0,)).devices == (1,)  # 0: no margin
-    nowhere = place(20000, reading(8000, 12000), 512)
-    assert nowhere is not None and nowhere.devices == (1,)
-    assert "fit on no device" in nowhere.why
-    pinned = place(6000, reading(8000, 12000), 512, allowed=(0,))  # a slot's `devices`
+    margins = Margins(512)
+    assert place(6000, reading(8000, 12000), margins).devices == (1,)  # the most free
+    assert place(6000, reading(8000, 12000), margins, preferred=(0,)).devices == (0,)  # its last
+    assert place(7600, reading(8000, 12000), margins, preferred=(0,)).devices == (1,)  # margin
+    assert place(7600, reading(8000, 12000), Margins(512, {0: 0}), preferred=(0,)).devices == (
+        0,)  # device 0's own margin
+    pinned = place(6000, reading(8000, 12000), margins, allowed=(0,))  # a slot's `devices`
     assert pinned is not None and pinned.devices == (0,)
-    assert place(6000, reading(8000, 12000), 512, allowed=(5,)) is None  # no such device
-    assert place(1, Reading(None), 512) is None  # nothing read: nothing placed
-    assert place(1, Reading("command", error="devices_command: timed out"), 512) is None
+    assert place(6000, reading(8000, 12000), margins, allowed=(5,)) is None  # no such device
+    assert place(1, Reading(None), margins) is None  # nothing read: nothing placed
+    assert place(1, Reading("command", error="devices_command: timed out"), margins) is None
+
+
+def test_a_model_no_one_device_holds_is_split_over_the_fewest_that_hold_it() -> None:
+    margins = Margins(512)
+    split = place(16000, reading(8000, 12000, 4000), margins)
+    assert split is not None and split.devices == (0, 1)  # the two with the most room
+    # In proportion to the 7488 and 11488 MiB each has to spare: 6313.7 and 9686.3.
+    assert split.shares_mib == (6314, 9686)
+    assert split.command(["srv", "-ts", "{tensor_split}", "-dev", "{gpus}"]) == [
+        "srv", "-ts", "6314,9686", "-dev", "0,1"]
+    assert "split" in split.why
+    assert place(20000, reading(8000, 12000), margins) is None  # 19 GiB to spare in all
+    nowhere = anywhere(20000, reading(8000, 12000), margins)
+    assert nowhere is not None and nowhere.devices == (1,) and "the most free" in nowhere.why
+    assert capacity_mib(reading(8000, 12000), margins) == 2 * (24576 - 512)
+    assert capacity_mib(reading(8000, 12000), Margins(512, {1: 4096}), allowed=(1,)) == 20480
+    assert capacity_mib(Reading(None), margins) is None
 
 
 def test_the_command_is_told_its_device_by_placeholder_else_by_environment() -> None:

@@ -54,13 +54,16 @@ async def test_stubs_take_their_footprint_on_the_devices_their_environment_names
 ) -> None:
     on_0 = await stubs.start(4000, "0")
     on_1 = await stubs.start(6000, "1")
-    on_both = await stubs.start(10000, "0,1")
-    split_3_to_1 = await stubs.start(4000, "1,0", "--tensor-split", "3,1")
-    for stub in (on_0, on_1, on_both, split_3_to_1):
+    for stub in (on_0, on_1):  # before the split one, whose shares follow the free memory
         assert await stub.fate(http) == "serving", stub.err_lines()
+    on_both = await stubs.start(10000, "0,1")
+    assert await on_both.fate(http) == "serving", on_both.err_lines()
+    split_3_to_1 = await stubs.start(4000, "1,0", "--tensor-split", "3,1")
+    assert await split_3_to_1.fate(http) == "serving", split_3_to_1.err_lines()
     assert mib_of(state, on_0.pid) == {0: 4000}
     assert mib_of(state, on_1.pid) == {1: 6000}
-    assert mib_of(state, on_both.pid) == {0: 5000, 1: 5000}
+    # Without -ts, as llama.cpp: in proportion to each device's free memory (20576 and 18576).
+    assert mib_of(state, on_both.pid) == {0: 5256, 1: 4744}
     assert mib_of(state, split_3_to_1.pid) == {1: 3000, 0: 1000}
     # Each names its devices as it numbers them, as llama.cpp does: the box's device 1 is CUDA0
     # to a process that sees only it, or sees it first.
@@ -69,7 +72,7 @@ async def test_stubs_take_their_footprint_on_the_devices_their_environment_names
         "load_tensors:        CUDA0 model buffer size =  3000.00 MiB",
         "load_tensors:        CUDA1 model buffer size =  1000.00 MiB"]
     devices = (await devices_json(state))["devices"]
-    assert [d["used_mib"] for d in devices] == [4000 + 5000 + 1000, 6000 + 5000 + 3000]
+    assert [d["used_mib"] for d in devices] == [4000 + 5256 + 1000, 6000 + 4744 + 3000]
     assert {p["pid"] for p in devices[0]["processes"]} == {on_0.pid, on_both.pid,
                                                             split_3_to_1.pid}
     assert {p["pid"] for p in devices[1]["processes"]} == {on_1.pid, on_both.pid,
@@ -96,24 +99,26 @@ class Crowded(NamedTuple):
     footprint: int
     visible: str
     expected: list[str]
+    args: tuple[str, ...] = ()
 
 
 @pytest.mark.parametrize("case", [
-    # Split over both: device 0 has room for its 8000, device 1 (4576 free) does not.
-    Crowded(20000, 16000, "0,1", out_of_memory("8000.00", 1, 8000 * 1024 * 1024)),
+    # Split evenly over both: device 0 has room for its 8000, device 1 (4576 free) does not.
+    Crowded(20000, 16000, "0,1", out_of_memory("8000.00", 1, 8000 * 1024 * 1024),
+            ("--tensor-split", "1,1")),
     # The box's device 1, which this process calls device 0.
     Crowded(0, 30000, "1", out_of_memory("30000.00", 0, 30000 * 1024 * 1024)),
 ], ids=["split-over-both", "device-1-seen-as-0"])
 async def test_a_stub_that_does_not_fit_prints_llama_cpps_lines_exits_1_and_takes_nothing(
     state: Path, stubs: BoxStubs, http: aiohttp.ClientSession, case: Crowded
 ) -> None:
-    desktop_mib, footprint, visible, expected = case
+    desktop_mib, footprint, visible, expected, args = case
     if desktop_mib:
         assert await run_devices(state, "--take", str(desktop_mib), "--device", "1") == (
             0, "", "")
     before = await devices_json(state)
     written = state.stat().st_mtime_ns  # every change to the box rewrites its file
-    stub = await stubs.start(footprint, visible)
+    stub = await stubs.start(footprint, visible, *args)
     assert await stub.fate(http) == "exited 1"
     assert stub.err_lines() == expected
     assert stub.out_lines() == []

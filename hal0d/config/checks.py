@@ -365,7 +365,7 @@ def check_ollama(raw: Any, server: dict[str, Any], problems: list[str]) -> dict[
 
 def check_devices(raw: Any, problems: list[str]) -> dict[str, Any]:
     """[devices]: its devices_command a non-empty list of strings (an argv, run without a
-    shell)."""
+    shell); margins_mib a table of device index to MiB (`{ 1 = 2048 }`)."""
     good = check_table(raw, DEVICES_SPEC, "devices", problems)
     if "devices_command" in good:
         command = string_list(good["devices_command"], "devices.devices_command", problems)
@@ -373,6 +373,14 @@ def check_devices(raw: Any, problems: list[str]) -> dict[str, Any]:
             del good["devices_command"]
         else:
             good["devices_command"] = command
+    if "margins_mib" in good:
+        margins = {int(key): value for key, value in good["margins_mib"].items()
+                   if key.isdigit() and int(key) < 1024 and isinstance(value, int)
+                   and not isinstance(value, bool) and 0 <= value <= 1 << 20}
+        if len(margins) != len(good["margins_mib"]):
+            problems.append("devices.margins_mib: must map device indexes, as /api/devices "
+                            "numbers them, to MiB (0-1048576), e.g. { 1 = 2048 }")
+        good["margins_mib"] = margins
     return good
 
 

@@ -13,6 +13,7 @@ import dataclasses
 import fnmatch
 import ipaddress
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -247,10 +248,12 @@ DEVICES_MARGIN_MIB = 512
 class DevicesConfig:
     """The `[devices]` section: how hal0d reads each GPU's memory (hal0d/devices). Without
     `devices_command` it asks NVIDIA's NVML, then AMD's amdsmi; with it, that program alone.
-    `margin_mib` is the room to keep free on each device when a load is placed."""
+    `margin_mib` is the room to keep free on each device when a load is placed, `margins_mib`
+    a device's own (device index -> MiB)."""
 
     devices_command: tuple[str, ...] | None = None
     margin_mib: int = DEVICES_MARGIN_MIB
+    margins_mib: Mapping[int, int] = field(default_factory=dict)
     read_interval_s: float = 5.0
 
 

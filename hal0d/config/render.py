@@ -12,6 +12,7 @@ and round-trips. A field kept out of repr (a secret as read) is kept out here to
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import tomli_w
@@ -49,6 +50,8 @@ def table(obj: Any) -> dict[str, Any]:
                 REDACTED_SECRET)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             out[item.name] = table(value)
+        elif isinstance(value, Mapping):  # TOML's keys are strings: { 1 = 2048 }
+            out[item.name] = {str(key): entry for key, entry in value.items()}
         else:
             out[item.name] = list(value) if isinstance(value, tuple) else value
     return out

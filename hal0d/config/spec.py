@@ -117,6 +117,7 @@ METRICS_SPEC: dict[str, Range] = {
 DEVICES_SPEC: dict[str, Range] = {
     "devices_command": (list, None, None),
     "margin_mib": (int, 0, 1 << 20),
+    "margins_mib": (dict, None, None),
     "read_interval_s": (float, 0.5, 3600.0),
 }
 LOGGING_SPEC: dict[str, Range] = {

@@ -21,13 +21,13 @@ import collections
 import contextvars
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Final
 
 from hal0d.config import DevicesConfig
 from hal0d.devices.command import CommandSource
 from hal0d.devices.owners import owner_of
-from hal0d.devices.placement import Placement, place
+from hal0d.devices.placement import Margins
 from hal0d.devices.reading import NOTHING, DeviceMemory, ReadFailed, Reading
 from hal0d.devices.sources import LibrarySource, Source, find_library
 from hal0d.logs import get_logger
@@ -165,13 +165,13 @@ class Devices:
             log.info("devices.read_ok", source=reading.source, devices=len(reading.devices),
                      names=[device.name for device in reading.devices])
 
-    async def place(self, need_mib: int, preferred: Sequence[int],
-                    allowed: Sequence[int] | None = None) -> Placement | None:
-        """Where a load needing `need_mib` goes, among `allowed`, from a fresh read
-        (placement.py); None when there is nothing to read."""
-        if self.source() is None:
-            return None
-        return place(need_mib, await self.read(), self.config.margin_mib, preferred, allowed)
+    def reads(self) -> bool:
+        """Whether there is a source to read: loads are placed and room made on the devices."""
+        return self.source() is not None
+
+    def margins(self) -> Margins:
+        """The room kept free on each device ([devices] margin_mib, margins_mib)."""
+        return Margins(self.config.margin_mib, self.config.margins_mib)
 
     def history(self, index: int) -> list[tuple[float, int]]:
         """The device's free MiB over the last hour: (unix seconds, MiB), oldest first."""

@@ -61,7 +61,8 @@ class Footprints(LifecycleObserver):
         known = max(learned.total_mib if learned else 0, config.memory_mib or 0)
         raised = max(known, mib)
         self._learned[_key(config)] = Footprint({device or 0: raised}, time.time(), raised=True)
-        log.info("slot.footprint_raised", slot=config.name, mib=raised, was_mib=known or None)
+        if raised > known:
+            log.info("slot.footprint_raised", slot=config.name, mib=raised, was_mib=known or None)
         return raised
 
     def devices_of(self, config: SlotConfig) -> tuple[int, ...]:

@@ -52,6 +52,8 @@ from hal0d.programs import ProgramFailed, run_program
 
 log = get_logger()
 
+# The box's own turn where devices are read (device_jobs.py), named as a group is.
+DEVICES_GROUP: Final = "devices"
 FREE_MEMORY_TIMEOUT_S: Final = 10.0
 FREE_MEMORY_OUTPUT: Final = 65536  # nvidia-smi's answer is a line; more is something else
 # The share of time spent swapping is shown over the last hour; the cost of a swap is the median

@@ -12,29 +12,49 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
-from hal0d.errors import SlotLoading
+from hal0d.devices.placement import Placement
 from hal0d.lifecycle import room
+from hal0d.lifecycle.device_jobs import DeviceJobs
 from hal0d.lifecycle.groups import Group, free_memory_mib
 from hal0d.lifecycle.machine import Event, allows
 from hal0d.lifecycle.process import Child, launch_problem
-from hal0d.lifecycle.room import Member, NoRoom, Room, Settle, Swap, Withdrawn
+from hal0d.lifecycle.room import Member, NoRoom, Room, Settle, Withdrawn
 from hal0d.lifecycle.runner import Progress, Runner
 from hal0d.lifecycle.slots import Slot
-from hal0d.lifecycle.teller import Teller, log
+from hal0d.lifecycle.teller import log
 from hal0d.lifecycle.vocabulary import (
     EVICTABLE,
     LoadPhase,
-    SlotState,
     Started,
     SwapPhase,
     UnloadReason,
 )
 
-FORCED_RETRY_AFTER_S = 5.0
+
+@dataclass(frozen=True, slots=True)
+class RoomMade:
+    """What a load's room making did: when its first victim began to go, in whose turn (the
+    group's or the box's: whose swap it is), and where the load goes."""
+
+    began: float | None = None
+    swapped: Group | None = None
+    placement: Placement | None = None
+
+    def then(self, later: RoomMade) -> RoomMade:
+        """This, then `later` (a second round: the box's after the group's, a retry's)."""
+        return RoomMade(self.began or later.began, self.swapped or later.swapped,
+                        later.placement)
+
+    def placed(self, slot: str) -> Placement | None:
+        if self.placement is not None:
+            log.info("slot.placed", slot=slot, devices=list(self.placement.devices),
+                     why=self.placement.why)
+        return self.placement
 
 
-class LoadJobs(Teller):
+class LoadJobs(DeviceJobs):
     """The manager's load and stop jobs, and the room a load makes."""
 
     def _bring_up(self, runner: Runner) -> None:
@@ -100,35 +120,31 @@ class LoadJobs(Teller):
                         f"{runner.cause}; retrying in {runner.retry_in_s:g} s")
 
     async def _load(self, runner: Runner, generation: int, progress: Progress) -> str | None:
-        """The group's turn, room made in it, then the process brought up in it: None once it
-        answers with its caches back, else why not. Withdrawn, NoRoom: as room.py says."""
+        """The group's turn and the box's, room made in them, then the process brought up in
+        them: None once it answers with its caches back, else why not. Withdrawn, NoRoom: as
+        room.py and device_room.py say."""
         slot, config = runner.slot, runner.config
         urgent = runner.take_urgent()
-        if self.groups.get(config.group) is not None:
+        # An `always` slot starts even when no room can be made: the config check made sure the
+        # group's `always` slots fit together. An urgent load (pinned, or asked for by the API)
+        # waits for no batch; a model whose last load failed unloads no other for a load likely
+        # to fail again, unless an operator asks.
+        pinned = not config.on_demand
+        failed = None if pinned or urgent else runner.load_error
+        if self.groups.get(config.group) is not None or (
+                self.devices is not None and self.devices.reads()):
             if (problem := launch_problem(config.command or ())) is not None:
                 return runner.cannot_launch(problem)
             progress.enter(LoadPhase.WAITING_FOR_ROOM)
             slot.turn_wait(True)
-        swap_began: float | None = None
-        async with self.groups.turn(slot, config.group) as group:
-            if group is not None:
-                # An `always` slot starts even when no room can be made: the config check made
-                # sure the group's `always` slots fit together. An urgent load (pinned, or asked
-                # for by the API) waits for no batch; a model whose last load failed unloads no
-                # other for a load likely to fail again, unless an operator asks.
-                pinned = not config.on_demand
-                failed = None if pinned or urgent else runner.load_error
-                try:
-                    swap_began = await self._make_room(group, runner, urgent=urgent or pinned,
-                                                       failed=failed)
-                except NoRoom:
-                    if not pinned:
-                        raise
+        async with self.groups.turn(slot, config.group) as group, \
+                self.device_turn(slot) as box:
+            made = await self._room(group, box, runner, urgent=urgent or pinned, failed=failed)
             slot.turn_wait(False)
             # A new run of the slot's process: what was learnt of the last one is asked anew.
             slot.generation += 1
             self.report(runner, generation, Event.LAUNCH, runner.launch_words())
-            cause = await runner.bring_up(self.client, progress, await self.placed(config))
+            cause = await runner.bring_up(self.client, progress, made.placed(config.name))
             if cause is not None and (oom := runner.out_of_memory()) is not None:
                 # Out of memory: its footprint raised to what it asked, room made for that in
                 # the same turn, one more try. Only a second failure is its waiters' 503.
@@ -136,13 +152,33 @@ class LoadJobs(Teller):
                 log.warning("slot.load_retrying", slot=config.name, reason=str(oom),
                             need_mib=need)
                 await runner.stop_child()
-                if group is not None:
-                    swap_began = await self._make_room(group, runner, urgent=True,
-                                                       failed=None) or swap_began
-                cause = await runner.bring_up(self.client, progress, await self.placed(config))
-            if cause is None and group is not None and swap_began is not None:
-                self._swapped(group, slot, swap_began)
+                try:
+                    again = await self._room(group, box, runner, urgent=True, failed=None)
+                except NoRoom as exc:  # launched once already: the load failed, for memory
+                    return f"{oom}; {exc}"
+                made = made.then(again)
+                cause = await runner.bring_up(self.client, progress, made.placed(config.name))
+            if cause is None and made.swapped is not None:
+                self._swapped(made.swapped, slot, made.began or time.monotonic())
             return cause
+
+    async def _room(self, group: Group | None, box: Group | None, runner: Runner, *,
+                    urgent: bool, failed: str | None) -> RoomMade:
+        """Room in the load's group, then on the devices: what was unloaded for it and where it
+        goes. An `always` slot's load goes on when none can be made."""
+        made = RoomMade()
+        try:
+            if group is not None and (began := await self._make_room(
+                    group, runner, urgent=urgent, failed=failed)) is not None:
+                made = RoomMade(began, group)
+            if box is not None:
+                placement, began = await self.device_room(box, runner, urgent=urgent,
+                                                          failed=failed)
+                made = made.then(RoomMade(began, box if began is not None else None, placement))
+        except NoRoom:
+            if runner.config.on_demand:
+                raise
+        return made
 
     def _swapped(self, group: Group, slot: Slot, began: float) -> None:
         """A swap is over once its model answers with its caches back: what it cost, logged,
@@ -238,26 +274,6 @@ class LoadJobs(Teller):
             if next_wake is not None:
                 group.pending = room.pending(pricing, me, member, now)
 
-    def _tell_swap(self, group: Group, phase: SwapPhase, me: Slot, victim: Member,
-                   why: str) -> None:
-        """A step of a swap in a group, told to the log and the observers; the waiting slot's
-        turn has come once it starts."""
-        since = me.oldest_waiting_since()
-        waited = 0.0 if since is None else round(time.monotonic() - since, 3)
-        limits = group.config
-        swap = Swap(limits.name, phase, me.name, victim.slot.name, waited, why, limits.policy,
-                    limits.max_wait_s)
-        if phase is SwapPhase.STARTED:
-            me.turn_wait(False)
-        log.info(f"swap.{swap.phase}", group=swap.group, slot=swap.slot, victim=swap.victim,
-                 waited_s=swap.waited_s, why=swap.why)
-        self.observers.swap(swap)
-
-    async def _settled(self, name: str) -> None:
-        runner = self.runners.get(name)
-        if runner is not None and runner.job is not None:
-            await asyncio.wait({runner.job})
-
     async def _watch(self, runner: Runner, child: Child) -> None:
         """A process that exits on its own (not stopped by hal0d) is told as `exited`."""
         code = await child.wait()
@@ -268,21 +284,6 @@ class LoadJobs(Teller):
             self.tell(runner, Event.EXITED, cause)
 
     # -- stops ---------------------------------------------------------------------------------
-
-    async def unload(self, name: str, reason: UnloadReason, *, force: bool = False) -> None:
-        """Drains the slot (nothing new admitted, in-flight requests run to their end; with
-        `force`, they are ended with their surface's terminal frame and the queued get a 503),
-        then stops its process; returns once the process is gone."""
-        runner = self.runners[name]
-        if force:
-            ended = self.end_streams(name, "unloaded")
-            runner.slot.fail_waiters(SlotLoading(f"slot {name!r} was unloaded",
-                                                 retry_after=FORCED_RETRY_AFTER_S))
-            log.info("slot.unload_forced", slot=name, streams_ended=ended)
-        self._unload_now(runner, reason)
-        job = runner.job
-        if runner.slot.state is SlotState.STOPPING and job is not None:
-            await asyncio.wait({job})
 
     def _stop_process(self, runner: Runner) -> None:
         cancelled, runner.job = runner.job, None

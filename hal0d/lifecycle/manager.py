@@ -37,12 +37,12 @@ from typing import Any
 
 from hal0d.errors import SlotLoadFailed, SlotLoading
 from hal0d.lifecycle import views
-from hal0d.lifecycle.load_jobs import FORCED_RETRY_AFTER_S, LoadJobs
+from hal0d.lifecycle.load_jobs import LoadJobs
 from hal0d.lifecycle.machine import Event
 from hal0d.lifecycle.reload import Reloads
 from hal0d.lifecycle.runner import BACKOFF_FIRST_S, Runner
 from hal0d.lifecycle.slots import Slot
-from hal0d.lifecycle.teller import EXIT_SEEN_S
+from hal0d.lifecycle.teller import EXIT_SEEN_S, FORCED_RETRY_AFTER_S
 from hal0d.lifecycle.vocabulary import UP, SlotState
 
 __all__ = ["EXIT_SEEN_S", "LifecycleManager"]

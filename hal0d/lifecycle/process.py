@@ -18,6 +18,7 @@ import collections
 import contextlib
 import contextvars
 import ctypes
+import dataclasses
 import os
 import resource
 import signal
@@ -183,9 +184,12 @@ class Child:
     """One run of a slot's command."""
 
     def __init__(self, slot: str, argv: list[str], process: asyncio.subprocess.Process,
-                 exited: asyncio.Future[int]) -> None:
+                 exited: asyncio.Future[int], devices: tuple[int, ...] = ()) -> None:
         self.slot = slot
         self.argv = argv
+        # The devices it was placed on, in the order it numbers them (its CUDA0 is the first):
+        # what it says of "device 1" is said of devices[1].
+        self.devices = devices
         self.process = process
         self.pid = process.pid
         self._exited = exited
@@ -208,8 +212,10 @@ class Child:
 
     @classmethod
     async def start(cls, slot: str, command: tuple[str, ...],
-                    env: Mapping[str, str] | None = None) -> Child:
-        """`command` started, with `env` beside hal0d's environment (its devices: placement)."""
+                    env: Mapping[str, str] | None = None,
+                    devices: tuple[int, ...] = ()) -> Child:
+        """`command` started, with `env` beside hal0d's environment, on `devices` (placement:
+        the environment or the command names them)."""
         argv = resolve_program(command)
         loop = asyncio.get_running_loop()
         exited: asyncio.Future[int] = loop.create_future()
@@ -232,7 +238,7 @@ class Child:
         process = asyncio.subprocess.Process(transport, protocol, loop)
         log.info("slot.process_started", slot=slot, pid=process.pid, argv=argv,
                  **({"env": dict(env)} if env else {}))
-        return cls(slot, argv, process, exited)
+        return cls(slot, argv, process, exited, devices)
 
     @property
     def returncode(self) -> int | None:
@@ -360,6 +366,8 @@ class Child:
         if found is None or (self.out_of_memory is not None and (
                 self.out_of_memory.asked_mib is not None or found.asked_mib is None)):
             return
+        if found.device is not None and found.device < len(self.devices):
+            found = dataclasses.replace(found, device=self.devices[found.device])
         self.out_of_memory = found
         log.warning("slot.load_out_of_memory", slot=self.slot, asked_mib=found.asked_mib,
                     device=found.device, line=text)

@@ -40,6 +40,8 @@ HEALTHY_RUN_S: Final = 60.0
 # How many of a slot's last loads its measured load time is the median of: a few, so a cache
 # that was cold once does not stand for every load, and a changed model shows within as many.
 LOAD_HISTORY: Final = 5
+# The busy spells a model's use is counted by (Runner.uses_since): enough for an hour of use.
+USE_HISTORY: Final = 256
 
 
 PhaseTeller = Callable[[str, "LoadPhase", float, "str | None"], None]
@@ -91,6 +93,10 @@ class Runner:
     # broken model never unloads a working one again and again.
     load_error: str | None = None
     last_used: float = field(default_factory=time.monotonic)
+    # When its model began its last busy spells (monotonic): how often it is used, which the
+    # price of unloading it for room on the devices weighs (device_room.reload_cost).
+    busy_since: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=USE_HISTORY))
     loaded_at: float | None = None
     # When its last unload's requests in flight were done: a swap's cost begins there.
     drained_at: float | None = None
@@ -148,6 +154,13 @@ class Runner:
         held = await cache.restore(client, self.config) if cache is not None else []
         if held and self.warmth is not None:
             self.warmth.adopt(self.name, held)
+
+    def used(self, at: float) -> None:
+        self.busy_since.append(at)
+
+    def uses_since(self, since: float) -> int:
+        """How many busy spells began since `since` (monotonic), of the last USE_HISTORY."""
+        return sum(1 for at in self.busy_since if at >= since)
 
     @property
     def busy(self) -> bool:
@@ -343,7 +356,9 @@ class Runner:
         command = self.config.command or ()
         argv, env = (tuple(placement.command(command)), placement.environment(command)) if (
             placement is not None) else (command, {})
-        starting = asyncio.ensure_future(Child.start(self.name, argv, env))
+        # Where hal0d's environment names its devices, it numbers them in placement's order.
+        devices = placement.devices if placement is not None and env else ()
+        starting = asyncio.ensure_future(Child.start(self.name, argv, env, devices))
         try:
             self.child = await asyncio.shield(starting)
         except asyncio.CancelledError:

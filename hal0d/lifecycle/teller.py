@@ -13,30 +13,33 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Final
 
 from hal0d.config import GroupConfig, SlotConfig
-from hal0d.devices.placement import Placement
+from hal0d.devices.watch import Devices
+from hal0d.errors import SlotLoading
 from hal0d.lifecycle import prompt_cache
 from hal0d.lifecycle.footprints import Footprints
-from hal0d.lifecycle.groups import Groups
+from hal0d.lifecycle.groups import DEVICES_GROUP, Group, Groups
 from hal0d.lifecycle.machine import Action, Event, allows
 from hal0d.lifecycle.observers import LifecycleObserver, Observers
 from hal0d.lifecycle.probe import probe
 from hal0d.lifecycle.prompt_cache import Warmth
-from hal0d.lifecycle.room import Member, queue_bound_s
+from hal0d.lifecycle.room import Member, Swap, queue_bound_s
 from hal0d.lifecycle.runner import Runner
 from hal0d.lifecycle.slots import Slot
 from hal0d.lifecycle.table import SlotTable
-from hal0d.lifecycle.vocabulary import UP, LoadPhase, SlotState, UnloadReason
+from hal0d.lifecycle.vocabulary import UP, LoadPhase, SlotState, SwapPhase, UnloadReason
 from hal0d.logs import get_logger
 from hal0d.transport.upstream import UpstreamClient
 
 log = get_logger()
 
 PROBE_INTERVAL_S: Final = 10.0
+# What a request queued for a slot that was unloaded by force is told to wait before it retries.
+FORCED_RETRY_AFTER_S: Final = 5.0
 # How long a refused connect waits for its process's exit to be seen: the kernel closes a dying
 # process's sockets a moment before its parent learns of the exit. A process still running after
 # this refused on its own.
@@ -74,10 +77,11 @@ class Teller:
         # What each model took on the devices at its last load (footprints.py: measured where
         # the devices are read, raised by a load that ran out of memory).
         self.footprints = Footprints(self.configs.get)
-        # Where a load needing N MiB goes on the devices (Devices.place; set where the devices
-        # are read): None, nothing placed.
-        self.placing: Callable[[int, tuple[int, ...], tuple[int, ...] | None],
-                               Awaitable[Placement | None]] | None = None
+        # The devices' memory, read afresh for each load (device_jobs.py; set where hal0d
+        # reads devices): None, nothing placed.
+        self.devices: Devices | None = None
+        # The box's own turn, swaps and pricing: loads take it where devices are read.
+        self.on_devices = Group(GroupConfig(name=DEVICES_GROUP))
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
         for slot in table:
@@ -175,33 +179,28 @@ class Teller:
 
     def _members(self, group: str) -> Iterator[Member]:
         for name, config in self.configs.items():
-            runner = self.runners.get(name)
-            if config.group == group and name in self.table:
-                yield Member(self.table[name], self.memory_of(config),
-                             evictable=runner is not None and config.on_demand,
-                             last_used=runner.last_used if runner else 0.0,
-                             loaded_at=runner.loaded_at if runner else None,
-                             load_s=runner.load_s if runner else None,
-                             settling=runner is not None and runner.busy
-                             and runner.child is not None,
-                             without_process=runner is not None and runner.child is None)
+            if config.group == group and (member := self.member_of(name)) is not None:
+                yield member
+
+    def member_of(self, name: str) -> Member | None:
+        """What room making needs to know of a slot (room.Member); None for no slot."""
+        config = self.configs.get(name)
+        if config is None or name not in self.table:
+            return None
+        runner = self.runners.get(name)
+        return Member(self.table[name], self.memory_of(config),
+                      evictable=runner is not None and config.on_demand,
+                      last_used=runner.last_used if runner else 0.0,
+                      loaded_at=runner.loaded_at if runner else None,
+                      load_s=runner.load_s if runner else None,
+                      settling=runner is not None and runner.busy and runner.child is not None,
+                      without_process=runner is not None and runner.child is None)
 
     def memory_of(self, config: SlotConfig) -> int:
         """What a slot's model takes where its group counts memory: what it took at its last
         load with this command (footprints.py, once the devices are read), else its
         `memory_mib`."""
         return self.footprints.learned_mib(config) or config.memory_mib or 0
-
-    async def placed(self, config: SlotConfig) -> Placement | None:
-        """The device(s) a load of `config` goes to, where devices are read."""
-        if self.placing is None or not config.command:
-            return None
-        placement = await self.placing(self.memory_of(config), self.footprints.devices_of(config),
-                                       config.devices)
-        if placement is not None:
-            log.info("slot.placed", slot=config.name, devices=list(placement.devices),
-                     why=placement.why)
-        return placement
 
     def turn_wait_s(self, config: SlotConfig) -> float:
         """The longest a request for `config`'s slot may wait for its model's turn in its group
@@ -230,8 +229,11 @@ class Teller:
         if runner is None or runner.slot is not slot:
             return
         self.groups.poke(runner.config.group)
+        self.on_devices.poke()
         if new in UP:
             runner.last_used = time.monotonic()
+        if new is SlotState.SERVING:
+            runner.used(runner.last_used)
         if new is SlotState.READY:
             runner.arm_idle(self._idle)
         else:
@@ -241,6 +243,7 @@ class Teller:
         runner = self.runners.get(slot.name)
         if runner is not None and runner.slot is slot:
             self.groups.poke(runner.config.group)
+            self.on_devices.poke()
 
     def _idle(self, runner: Runner) -> None:
         slot = runner.slot
@@ -295,6 +298,43 @@ class Teller:
         if self.cache_root is not None:
             prompt_cache.sweep(self.cache_root, [*self.configs.values(),
                                                  *(r.config for r in self.runners.values())])
+
+    # -- what the jobs share ----------------------------------------------------------------
+
+    async def unload(self, name: str, reason: UnloadReason, *, force: bool = False) -> None:
+        """Drains the slot (nothing new admitted, in-flight requests run to their end; with
+        `force`, they are ended with their surface's terminal frame and the queued get a 503),
+        then stops its process; returns once the process is gone."""
+        runner = self.runners[name]
+        if force:
+            ended = self.end_streams(name, "unloaded")
+            runner.slot.fail_waiters(SlotLoading(f"slot {name!r} was unloaded",
+                                                 retry_after=FORCED_RETRY_AFTER_S))
+            log.info("slot.unload_forced", slot=name, streams_ended=ended)
+        self._unload_now(runner, reason)
+        job = runner.job
+        if runner.slot.state is SlotState.STOPPING and job is not None:
+            await asyncio.wait({job})
+
+    def _tell_swap(self, group: Group, phase: SwapPhase, me: Slot, victim: Member,
+                   why: str) -> None:
+        """A step of a swap in a group, told to the log and the observers; the waiting slot's
+        turn has come once it starts."""
+        since = me.oldest_waiting_since()
+        waited = 0.0 if since is None else round(time.monotonic() - since, 3)
+        limits = group.config
+        swap = Swap(limits.name, phase, me.name, victim.slot.name, waited, why, limits.policy,
+                    limits.max_wait_s)
+        if phase is SwapPhase.STARTED:
+            me.turn_wait(False)
+        log.info(f"swap.{swap.phase}", group=swap.group, slot=swap.slot, victim=swap.victim,
+                 waited_s=swap.waited_s, why=swap.why)
+        self.observers.swap(swap)
+
+    async def _settled(self, name: str) -> None:
+        runner = self.runners.get(name)
+        if runner is not None and runner.job is not None:
+            await asyncio.wait({runner.job})
 
     # -- probing -----------------------------------------------------------------------------
 

@@ -143,3 +143,29 @@ async def stubs_on(state: Path) -> AsyncIterator[BoxStubs]:
         yield stubs
     finally:
         await stubs.kill_all()
+
+
+def box_slot(name: str, models: str | tuple[str, ...], state: Path, footprint_mib: int,
+             guess_mib: int | None, *extra: str, keys: str = "") -> str:
+    """A `[[slots]]` table of an on-demand stub serving `models` that takes `footprint_mib` on
+    the box, guessed at `guess_mib` (memory_mib; None: not written); `extra`: more `hal0d stub`
+    options, `keys`: more TOML lines of the slot."""
+    port = free_port()
+    names = (models,) if isinstance(models, str) else models
+    command = [sys.executable, "-m", "hal0d", "stub", "--port", str(port), "-m", MODEL,
+               "--alias", ",".join(names), "--device-state", str(state), "--footprint-mib",
+               str(footprint_mib), *extra]
+    guess = f"memory_mib = {guess_mib}\n" if guess_mib is not None else ""
+    return (f'\n[[slots]]\nname = "{name}"\nupstream = "http://127.0.0.1:{port}"\n'
+            f'models = {json.dumps(list(names))}\nstart = "on_demand"\n{guess}'
+            f"command = {json.dumps(command)}\n{keys}\n")
+
+
+def box_config(port: int, state: Path, folder: Path, *slots: str, devices: str = "") -> str:
+    """A hal0d config on the box: the devices read through its command (and `devices`, more
+    lines of [devices]), `slots`, the history in `folder`, the log as JSON lines."""
+    return (f"[server]\nport = {port}\n\n[devices]\n"
+            f"devices_command = {json.dumps(list(devices_command(state)))}\n"
+            f"read_interval_s = 60\n{devices}\n" + "".join(slots)
+            + f'\n[metrics]\ndatabase = "{folder / "history.sqlite3"}"\n\n'
+            '[logging]\nformat = "json"\n')
