@@ -32,6 +32,7 @@ from bench import (
     inprocess,
     keepalive,
     lifecycle,
+    placement,
     procs,
     router,
     router_rows,
@@ -407,6 +408,8 @@ async def measure(run: Run, peers: bool, profile: bool, sections: set[str],
             await swaps.measure(run, procset, say)
         if "warm" in sections:
             await warm.measure(run, procset, say, baseline=baseline)
+        if "placement" in sections:
+            await placement.measure(run, procset, say)
         if "router" in sections:
             await router.measure(run, procset, say)
         if profile:
@@ -646,6 +649,7 @@ def build_rows(run: Run) -> list[dict[str, Any]]:
     rows.extend(keepalive.rows(run))
     rows.extend(swaps.rows(run))
     rows.extend(warm.rows(run))
+    rows.extend(placement.rows(run))
     rows.extend(router_rows.rows(run))
     return rows
 
@@ -719,7 +723,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="py-spy hal0d during long streams; writes bench/results/profile*")
     parser.add_argument("--sections",
                         default="latency,throughput,anthropic,paced,memory,lifecycle,failover,"
-                        "keepalive,swaps,warm",
+                        "keepalive,swaps,warm,placement",
                         help="comma-separated subset of the default, or `router` (not in the "
                         "default: `make bench-router`, ~11 min on llama-server)")
     parser.add_argument("--uvloop", action="store_true",
