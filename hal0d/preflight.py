@@ -52,8 +52,7 @@ def check(config: Config) -> Findings:
                                          "rescan finds some"))
     findings.warnings.extend(Finding("library", problem) for problem in config.library_problems)
     for index, slot in enumerate(config.slots):
-        path = f"slots[{index}]" if slot.library is None else (
-            f'library model "{slot.library.names[0]}"')
+        path = slot_path(slot, index)
         if slot.command:
             problem = program_problem(slot.command)
             if problem:
@@ -70,6 +69,13 @@ def check(config: Config) -> Findings:
             config.devices.devices_command, "no device's memory can be read")):
         findings.warnings.append(Finding("devices.devices_command", problem))
     return findings
+
+
+def slot_path(slot: SlotConfig, index: int | None = None) -> str:
+    """How a finding names a slot: its place in the file, or the library model it is."""
+    if slot.library is not None:
+        return f'library model "{slot.library.names[0]}"'
+    return f"slots[{index}]" if index is not None else f'slot "{slot.name}"'
 
 
 def program_problem(command: tuple[str, ...],

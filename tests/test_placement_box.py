@@ -32,6 +32,7 @@ from typing import Any
 import aiohttp
 
 from hal0d_stub.device import make_box, read_box
+from tests.harness.cli import hal0d_cli
 from tests.harness.daemons import serving
 from tests.harness.gpu_box import box_config, box_slot, run_devices
 from tests.harness.poll import eventually
@@ -165,3 +166,54 @@ async def test_six_models_share_two_gpus_by_what_they_measurably_take(
     assert samples, "the box was never sampled"
     over = [sample for sample in samples if any(used > total for used, total in sample.values())]
     assert not over, over[:3]
+
+
+def test_check_config_names_a_model_that_can_never_fit_on_the_devices(tmp_path: Path) -> None:
+    """check-config reads the devices once, as hal0d would, and warns of each model larger than
+    its devices could ever hold; a box whose devices cannot be read is said to be so."""
+    state = tmp_path / "box.json"
+    make_box(state, [24 * GIB, 24 * GIB])
+    config = tmp_path / "hal0d.toml"
+    config.write_text(box_config(
+        free_port(), state, tmp_path, box_slot("m30", "m30", state, 30 * GIB, 30 * GIB),
+        box_slot("m60", "m60", state, 60 * GIB, 60 * GIB),
+        box_slot("pinned", "pinned", state, 30 * GIB, 30 * GIB, keys="devices = [1]\n")))
+    checked = hal0d_cli("check-config", "--config", str(config))
+    assert checked.returncode == 0, checked.stderr
+    assert checked.stderr.splitlines() == [
+        "warning: slots[1]: needs 61440 MiB (memory_mib) and the devices it may use hold at "
+        "most 48128 MiB, each emptied to its margin (device 0: 24576 MiB, device 1: 24576 "
+        "MiB): its loads are refused",
+        "warning: slots[2]: needs 30720 MiB (memory_mib) and the devices it may use hold at "
+        "most 24064 MiB, each emptied to its margin (device 1: 24576 MiB): its loads are "
+        "refused"], checked.stderr
+    state.unlink()  # the box gone: its command fails
+    checked = hal0d_cli("check-config", "--config", str(config))
+    assert checked.returncode == 0, checked.stderr
+    assert checked.stderr.startswith("warning: devices: cannot be read now (devices_command: "
+                                     ), checked.stderr
+
+
+async def test_a_model_goes_back_to_the_gpu_its_last_process_was_on(
+        tmp_path: Path, http: aiohttp.ClientSession) -> None:
+    """m12 is placed on device 1 while a desktop fills device 0; the desktop leaves, m12 is
+    unloaded and asked for again: it goes back to device 1 (measured there, where the process
+    that saved its caches ran), though device 0 now has the more free memory."""
+    state = tmp_path / "box.json"
+    make_box(state, [24 * GIB, 24 * GIB])
+    assert (await run_devices(state, "--take", "20000", "--device", "0"))[0] == 0
+    port = free_port()
+    config = tmp_path / "hal0d.toml"
+    config.write_text(box_config(port, state, tmp_path,
+                                 box_slot("m12", "m12", state, 12 * GIB, 12 * GIB)))
+    async with serving(config, port) as hal0d:
+        assert (await ask(http, hal0d.url, "m12"))[0] == 200
+        await eventually(lambda: measured(http, hal0d.url, "m12"), 10, "m12 measured")
+        assert (await run_devices(state, "--release", "desktop"))[0] == 0
+        async with http.post(f"{hal0d.url}/api/slots/m12/unload") as resp:
+            assert resp.status == 200, await resp.text()
+        assert (await ask(http, hal0d.url, "m12"))[0] == 200
+        whys = [line["why"] for line in hal0d.named("slot.placed")]
+        assert placed(hal0d, "m12") == [[1], [1]], whys
+        assert whys[1] == ("device 1: 12288 MiB fit with 512 MiB to spare, where its last "
+                           "process was"), whys

@@ -5,6 +5,7 @@ daemon.py."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import signal
 import sys
@@ -243,6 +244,7 @@ def check_config(path: str) -> int:
     if config is None:
         return 1
     findings = preflight.check(config)
+    findings.warnings.extend(device_findings(config))
     for error in findings.errors:
         print(error, file=sys.stderr)
     for warning in findings.warnings:
@@ -256,6 +258,21 @@ def check_config(path: str) -> int:
         summary += f" with {plural(len(findings.warnings), 'warning')}"
     print(summary)
     return 0
+
+
+def device_findings(config: configuration.Config) -> list[preflight.Finding]:
+    """The devices read once (check-config only: serve reads them as it runs): a warning for
+    each model that can never fit on its devices, or for devices that cannot be read."""
+    from hal0d.devices import fit  # here: a read of NVML is not what every command pays for
+
+    reading = asyncio.run(fit.read_once(config))
+    if reading is None:
+        return []
+    if reading.error is not None:
+        return [preflight.Finding("devices", f"cannot be read now ({reading.error}): no "
+                                  "model's size was checked against them")]
+    return [preflight.Finding(preflight.slot_path(config.slots[index], index), problem)
+            for index, problem in fit.never_fits(config, reading)]
 
 
 def serve(args: argparse.Namespace) -> int:
