@@ -78,10 +78,12 @@ browser:
 	fi
 
 # `make screenshot`: docs/dashboard.png (1440x900) and docs/dashboard-390.png (390x844), the status
-# page of the demo `make run` serves, after a few of the tour's requests, photographed by Debian's
-# chromium (tests/screenshot.py).
+# page of the demo `make run` serves, after a few of the tour's requests, and docs/page-devices.png,
+# the page of a hal0d on a simulated box of two GPUs, photographed by Debian's chromium
+# (tests/screenshot.py).
 screenshot: $(STAMP) browser
 	$(BIN)/python -m tests.screenshot docs/dashboard.png
+	$(BIN)/python -m tests.screenshot --devices docs/page-devices.png
 
 lint: $(STAMP)
 	$(BIN)/ruff check hal0d hal0d_stub tests

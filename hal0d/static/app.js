@@ -4,6 +4,7 @@
 // in the Authorization header.
 
 import { WINDOW_S, clock, drawMemory, drawSlotCharts, el, pickedText, timeline, windowOf } from "./charts.js";
+import { followDevices } from "./devices.js";
 import { drawGroups, waiting } from "./groups.js";
 
 const KEY_STORE = "hal0d.api_key";
@@ -581,6 +582,7 @@ function askForKey() {
   $("key").focus();
 }
 
+let devicesFollowed = false;
 async function run() {
   let delay = 500;
   for (;;) {
@@ -589,6 +591,10 @@ async function run() {
       $("key-form").hidden = true;
       $("live").hidden = false;
       render();
+      if (!devicesFollowed) {
+        devicesFollowed = true; // after the first snapshot: the key, when asked for, is known
+        followDevices($("devices-section"), () => api("/api/devices"), () => [...state.slots.keys()]);
+      }
       delay = 500;
       await follow();
     } catch (error) {
