@@ -127,6 +127,7 @@ async def devices_context(app: web.Application) -> AsyncIterator[None]:
     lifecycle.devices = devices  # each load placed where it fits, room made by cost
     lifecycle.subscribe(footprints)
     await devices.start()
+    lifecycle.refresh_bounds(None)  # the slots sharing the box wait their turns there
     yield
     lifecycle.devices = None
     await footprints.close()

@@ -207,6 +207,10 @@ async def test_a_model_goes_back_to_the_gpu_its_last_process_was_on(
     config.write_text(box_config(port, state, tmp_path,
                                  box_slot("m12", "m12", state, 12 * GIB, 12 * GIB)))
     async with serving(config, port) as hal0d:
+        # Sharing the box, its requests may wait a turn there beyond the load's own bound.
+        async with http.get(f"{hal0d.url}/api/slots") as resp:
+            view = {v["name"]: v for v in (await resp.json())["slots"]}["m12"]
+        assert view["turn_wait_s"] >= 600, view  # a load_timeout_s (600 s) at least
         assert (await ask(http, hal0d.url, "m12"))[0] == 200
         await eventually(lambda: measured(http, hal0d.url, "m12"), 10, "m12 measured")
         assert (await run_devices(state, "--release", "desktop"))[0] == 0

@@ -189,7 +189,7 @@ class LoadJobs(DeviceJobs):
                  cost_s=round(cost_s, 3), median_s=clock.cost_s(),
                  share=clock.share(time.monotonic()),
                  turn_s=round(group.pricing().turn_s(None), 1))
-        self.refresh_bounds(group.config.name)
+        self.refresh_bounds(None if group is self.on_devices else group.config.name)
 
     # -- room in the load's turn (room.py decides, this carries it out) -----------------------
 

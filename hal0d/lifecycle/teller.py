@@ -27,7 +27,7 @@ from hal0d.lifecycle.machine import Action, Event, allows
 from hal0d.lifecycle.observers import LifecycleObserver, Observers
 from hal0d.lifecycle.probe import probe
 from hal0d.lifecycle.prompt_cache import Warmth
-from hal0d.lifecycle.room import Member, Swap, queue_bound_s
+from hal0d.lifecycle.room import Member, Pricing, Swap, queue_bound_s
 from hal0d.lifecycle.runner import Runner
 from hal0d.lifecycle.slots import Slot
 from hal0d.lifecycle.table import SlotTable
@@ -177,7 +177,7 @@ class Teller:
         """A runner's first event: an on-demand slot rests, an `always` one starts."""
         self.tell(runner, Event.REST if runner.config.on_demand else Event.START)
 
-    def _members(self, group: str) -> Iterator[Member]:
+    def _members(self, group: str | None) -> Iterator[Member]:
         for name, config in self.configs.items():
             if config.group == group and (member := self.member_of(name)) is not None:
                 yield member
@@ -203,23 +203,32 @@ class Teller:
         return self.footprints.learned_mib(config) or config.memory_mib or 0
 
     def turn_wait_s(self, config: SlotConfig) -> float:
-        """The longest a request for `config`'s slot may wait for its model's turn in its group
-        (room.queue_bound_s), on top of the load's own bound."""
-        group = self.groups.get(config.group)
-        if group is None or not config.on_demand:
+        """The longest a request for `config`'s slot may wait for its model's turn in its group,
+        or on the box where devices are read (room.queue_bound_s), on top of the load's own
+        bound."""
+        if not config.on_demand or (shared := self._sharing(config.group)) is None:
             return 0.0
-        return queue_bound_s(group.pricing(), self._members(group.config.name))
+        return queue_bound_s(*shared)
 
     def refresh_bounds(self, name: str | None) -> None:
-        """Every slot of the group given its wait bound anew: a member came, or a load or a
-        swap of the group was measured."""
-        group = self.groups.get(name)
-        if group is None:
+        """Every slot of the group (None: of none, sharing the box) given its wait bound anew:
+        a member came, or a load or a swap was measured."""
+        if (shared := self._sharing(name)) is None:
             return
-        members = list(self._members(group.config.name))
-        bound = queue_bound_s(group.pricing(), members)
+        pricing, members = shared
+        bound = queue_bound_s(pricing, members)
         for member in members:
             member.slot.turn_wait_s = bound if member.evictable else 0.0
+
+    def _sharing(self, group_name: str | None) -> tuple[Pricing, list[Member]] | None:
+        """The pricing and members of a group, or, for the slots in none, of the box where
+        devices are read; None: the slot shares nothing it waits a turn for."""
+        group = self.groups.get(group_name)
+        if group is not None:
+            return group.pricing(), list(self._members(group.config.name))
+        if group_name is None and self.devices is not None and self.devices.reads():
+            return self.on_devices.pricing(), list(self._members(None))
+        return None
 
     def state_changed(self, slot: Slot, old: SlotState, new: SlotState,
                       reason: str | None) -> None:

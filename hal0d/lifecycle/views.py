@@ -55,6 +55,8 @@ def slot_view(slot: Slot, config: SlotConfig | None, group: Group | None,
                                 and slot.name in (pending.slot, pending.victim) else None)
     if runner is not None and runner.config.on_demand:
         view.update(_load_view(runner, now))
+        if group is None:  # sharing the box where devices are read: its turn there; else 0
+            view["turn_wait_s"] = slot.turn_wait_s
     view["conversations_warm"] = warm
     cache = runner.prompt_cache() if runner is not None else None
     view["prompt_cache"] = cache.status.view() if cache is not None else None
