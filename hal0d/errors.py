@@ -3,6 +3,7 @@ below; on the Ollama API every one is Ollama's `{"error": message}` with the sam
 
     Hal0Error                      status  OpenAI type / code                       Anthropic type
      ├── InvalidRequest            400     invalid_request_error / request.invalid  invalid_request_error
+     │    └── ContextExceeded      400     invalid_request_error / context_length_exceeded  invalid_request_error
      ├── Unauthorized              401     authentication_error / auth.invalid_key  authentication_error
      ├── Forbidden                 403     permission_error / access.forbidden      permission_error
      ├── NoRoute                   404     not_found_error / dispatch.no_route      not_found_error
@@ -57,6 +58,7 @@ class ErrorCode(StrEnum):
     STREAM_STALL = "stream_stall_"  # prefix: stream_stall(reason)
     # Refused by hal0d (a Hal0Error).
     INVALID = "invalid"
+    CONTEXT_EXCEEDED = "context_exceeded"  # the prompt (and max_tokens) past the context
     INVALID_KEY = "invalid_key"
     FORBIDDEN = "forbidden"
     NO_ROUTE = "no_route"
@@ -136,6 +138,35 @@ class InvalidRequest(Hal0Error):
     code = "request.invalid"
     error_code = ErrorCode.INVALID
     anthropic_type = "invalid_request_error"
+
+
+class ContextExceeded(InvalidRequest):
+    """The prompt, with the answer's max_tokens, does not fit the model's context: refused in
+    the words each client acts on (the openai SDK and Codex read `context_length_exceeded`,
+    Claude Code compacts on "prompt is too long")."""
+
+    code = "context_length_exceeded"
+    error_code = ErrorCode.CONTEXT_EXCEEDED
+
+    def __init__(self, prompt_tokens: int, context: int, max_tokens: int | None = None) -> None:
+        self.prompt_tokens, self.context, self.max_tokens = prompt_tokens, context, max_tokens
+        message = (f"This model's maximum context length is {context} tokens. However, your "
+                   f"messages resulted in {prompt_tokens} tokens")
+        if max_tokens:
+            message += (f" ({prompt_tokens + max_tokens} with the {max_tokens} of max_tokens "
+                        "for the answer)")
+        super().__init__(message + ". Please reduce the length of the messages.",
+                         field="messages")
+
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's own two messages: the prompt alone too long, or with max_tokens."""
+        if self.prompt_tokens > self.context or not self.max_tokens:
+            message = f"prompt is too long: {self.prompt_tokens} tokens > {self.context} maximum"
+        else:
+            message = (f"input length and `max_tokens` exceed context limit: "
+                       f"{self.prompt_tokens} + {self.max_tokens} > {self.context}, decrease "
+                       "input length or `max_tokens` and try again")
+        return {"type": "error", "error": {"type": self.anthropic_type, "message": message}}
 
 
 class Unauthorized(Hal0Error):
