@@ -32,6 +32,7 @@ from hal0d.config.cache_dir import cache_root
 from hal0d.conversations import Affinity
 from hal0d.devices import Devices
 from hal0d.forward import Dispatch
+from hal0d.forward.contexts import Contexts
 from hal0d.forward.modes import AnthropicModes, ResponsesModes
 from hal0d.forward.ollama_models import OllamaModels
 from hal0d.forward.placement import Placement
@@ -87,7 +88,7 @@ async def dispatch_context(app: web.Application) -> AsyncIterator[None]:
                         tokens=TokenCounter(upstreams), anthropic_modes=AnthropicModes(),
                         responses_modes=ResponsesModes(), streams=set(),
                         on_failover=recorder.prom.failover, on_keepalive=recorder.prom.keepalive,
-                        placement=placement)
+                        placement=placement, contexts=Contexts(table, upstreams))
     app[DISPATCH] = dispatch
     lifecycle = LifecycleManager(table, config.slots, upstreams, groups=config.groups,
                                  end_streams=dispatch.end_streams, warmth=affinity,

@@ -1039,6 +1039,7 @@ async def tokenize(request: web.Request) -> web.Response:
     if not isinstance(content, str):
         return web.json_response(error_body("content is required"), status=400)
     add_special = body.get("add_special", False) is True
+    request.app[LOG_KEY].write("tokenize")
     return web.json_response(
         {"tokens": list(range(count_tokens(content, add_special=add_special)))}
     )
@@ -1049,6 +1050,7 @@ async def template(request: web.Request) -> web.Response:
     body = await read_json(request)
     if not isinstance(body.get("messages"), list):
         return web.json_response(error_body("messages: an array is required"), status=400)
+    request.app[LOG_KEY].write("apply-template")
     return web.json_response({"prompt": apply_template(body)})
 
 

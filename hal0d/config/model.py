@@ -141,6 +141,9 @@ class SlotConfig:
     api_key_env: str | None = None
     command: tuple[str, ...] | None = None
     max_output_tokens: int | None = None
+    # The tokens a request may use here (prompt and answer): what its server says (/props,
+    # max_model_len) when unset (forward/contexts.py).
+    context: int | None = None
     # This slot's own stall and read bounds; None means the [dispatcher] value. A remote
     # provider and a local 70B model deserve different bounds, and so does the demo's stub.
     direct_read_timeout_s: float | None = None

@@ -63,6 +63,7 @@ SLOT_SPEC: dict[str, Range] = {
     "api_key_env": (str, None, None),
     "command": (list, None, None),
     "max_output_tokens": (int, 1, 10_000_000),
+    "context": (int, 1, 1 << 24),
     **{key: DISPATCHER_SPEC[key] for key in SLOT_TIMEOUT_KEYS},  # the same ranges, per slot
     "start": (str, None, None),
     "idle_unload_s": (float, 0.0, 30 * 86400.0),

@@ -27,12 +27,14 @@ from hal0d.errors import (
     UpstreamInvalid,
     UpstreamUnavailable,
 )
+from hal0d.forward.context_guard import ContextNeed, measure, refusal
+from hal0d.forward.contexts import Contexts
 from hal0d.forward.exchange import Answer, Call, Exchange, upstream_refusal
 from hal0d.forward.keepalive import Waiting
 from hal0d.forward.modes import AnthropicModes, ResponsesModes
 from hal0d.lifecycle.slots import Lease
 from hal0d.lifecycle.table import SlotTable
-from hal0d.lifecycle.vocabulary import LOADING
+from hal0d.lifecycle.vocabulary import LOADING, UP
 from hal0d.observability.requestinfo import INFO, RequestInfo
 from hal0d.protocol.transform import Transform
 from hal0d.routing import Route, RuntimeRef
@@ -89,6 +91,9 @@ class Collaborators(Protocol):
     def streams(self) -> set[StallGuard]: ...
 
     def warm(self, route: Route) -> bool: ...
+
+    @property
+    def contexts(self) -> Contexts | None: ...
 
 
 class Forward:
@@ -152,6 +157,8 @@ class Forward:
         exchange.prepare(self.route)
         if (unleased := exchange.unleased(self)) is not None:
             return unleased
+        if (need := exchange.need()) is not None:
+            await self._fits(need)
         if self.waiting is not None:
             self.waiting.start()
         async with AsyncExitStack() as held:
@@ -180,6 +187,26 @@ class Forward:
             return await self._whole(shape, answer)
         # AsyncExitStack may swallow an exception by its type; none of what it holds does.
         raise AssertionError("unreachable: the block returns or raises")
+
+    async def _fits(self, need: ContextNeed) -> None:
+        """The context guard (context_guard.py), before the lease: a prompt that does not fit
+        goes on to the route's next slot, or is refused in the client's words."""
+        contexts = self.dispatch.contexts
+        if contexts is None:
+            return
+        live = self.dispatch.slots.get(self.slot.name)
+        fit = await measure(need, contexts, self.dispatch.tokens, self.slot,
+                            up=live is not None and live.state in UP,
+                            busy=live is not None and live.in_flight > 0)
+        if fit.counted is not None:
+            self.info.prompt_tokens = fit.counted
+        if fit.fits or fit.context is None:
+            return
+        self.info.context_tokens = fit.context.tokens
+        refused = refusal(need, fit, self.slot.name, hands_on=self.hands_on)
+        if self.hands_on:
+            raise HandOn("context") from refused
+        raise refused
 
     async def _take_lease(self, held: AsyncExitStack) -> None:
         """The slot made ready, here and only here (see the module's docstring); the lease is

@@ -33,6 +33,7 @@ from multidict import CIMultiDictProxy
 
 from hal0d.config import SlotConfig
 from hal0d.errors import Hal0Error, UpstreamStatus, upstream_message
+from hal0d.forward.context_guard import ContextNeed
 from hal0d.observability.requestinfo import RequestInfo
 from hal0d.protocol.sse import comment
 from hal0d.protocol.transform import Transform
@@ -141,6 +142,11 @@ class Exchange:
     def unleased(self, fwd: Attempt) -> web.StreamResponse | None:
         """An answer given without taking the slot, so without loading it (a token count for a
         model that is not loaded, an unload asked of one that is not), or None to take it."""
+        return None
+
+    def need(self) -> ContextNeed | None:
+        """What the request needs of the slot's context, measured before the lease
+        (context_guard.py); None: not a generation the guard measures."""
         return None
 
     async def call(self, fwd: Attempt) -> Call | web.StreamResponse:

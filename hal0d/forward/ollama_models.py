@@ -22,7 +22,6 @@ from hal0d.lifecycle.slots import SlotState
 from hal0d.ollama import capabilities
 from hal0d.ollama import response as shapes
 from hal0d.routing import Plan, Route
-from hal0d.transport.props import UpstreamProps
 
 # The models are hal0d's configuration's: known since it started.
 STARTED: Final = time.time()
@@ -38,7 +37,8 @@ class OllamaModels:
     def __init__(self, dispatch: Dispatch, unloads_in: Callable[[str], float | None]) -> None:
         self.dispatch = dispatch
         self.unloads_in = unloads_in
-        self.props = UpstreamProps()
+        assert dispatch.contexts is not None, "the app's dispatch knows the slots' contexts"
+        self.contexts = dispatch.contexts
 
     def listed(self, key: Key | None) -> list[Plan]:
         """Every model `key` may use."""
@@ -87,21 +87,15 @@ class OllamaModels:
         return [route for route in dispatch.order(plan) if dispatch.state_of(route) in UP]
 
     async def described(self, route: Route) -> tuple[tuple[str, ...], int]:
-        """What the route's model can do (ollama/capabilities.py) and the context its server
-        holds: what the slot declares, else what its server says of itself (while it is not up,
-        what its last process of the same command said)."""
+        """What the route's model can do (ollama/capabilities.py) and the context a request
+        has there (forward/contexts.py): what the slot declares, else what its server says of
+        itself (while it is not up, what its last process of the same command said)."""
         config = route.slot
-        live = self.dispatch.slots.get(config.name)
-        if live is not None and str(live.state) in UP:
-            props = await self.props.of(self.dispatch.upstreams, config, live.generation)
-        else:
-            props = self.props.last(config)
+        props = await self.contexts.server_props(config)
         entry = config.library
         from_file = capabilities.of_file(entry.chat_template, entry.mmproj is not None) if (
             entry is not None) else None
         can = capabilities.capabilities(config.declared_capabilities(route.served_model),
                                         config.command, props, from_file)
-        context = capabilities.context_length(props)
-        if not context and config.library is not None:
-            context = config.library.context  # what its command gives it: -c {context}
-        return can, context
+        context = self.contexts.from_server(props, config)
+        return can, context.tokens if context is not None else 0

@@ -49,6 +49,7 @@ from aiohttp import web
 from hal0d import conversations
 from hal0d.errors import ErrorCode, Hal0Error
 from hal0d.forward.attempt import Forward, HandOn
+from hal0d.forward.contexts import Contexts
 from hal0d.forward.exchange import Exchange
 from hal0d.forward.keepalive import Waiting
 from hal0d.forward.modes import AnthropicModes, ResponsesModes
@@ -84,6 +85,8 @@ class Dispatch:
     on_keepalive: Callable[[str], None] | None = None
     # The order of a route's slots (placement.py): its conversations' slots, its failing ones.
     placement: Placement = field(default_factory=lambda: Placement(SlotTable(())))
+    # Each slot's context (contexts.py): what the guard measures a prompt against.
+    contexts: Contexts | None = None
 
     async def serve(self, request: web.Request, model: str, exchange: Exchange, *,
                     client: str | None = None, slot: str | None = None,

@@ -92,10 +92,15 @@ async def slots(request: web.Request) -> web.Response:
 
 def with_memory(request: web.Request, view: dict[str, Any]) -> dict[str, Any]:
     """A slot's view with, for a slot hal0d starts, `memory`: a library model's estimate and
-    what it took at its last load (lifecycle/footprints.py), beside its `memory_mib`."""
+    what it took at its last load (lifecycle/footprints.py), beside its `memory_mib`; and for
+    every slot its `context` (forward/contexts.py: tokens and where the figure comes from)."""
     lifecycle = request.app[LIFECYCLE]
-    if (config := lifecycle.configs.get(view["name"])) is not None and config.command:
+    config = lifecycle.configs.get(view["name"])
+    if config is not None and config.command:
         view["memory"] = lifecycle.footprints.view(config)
+    contexts = request.app[DISPATCH].contexts
+    context = contexts.known(config) if config is not None and contexts is not None else None
+    view["context"] = context.view() if context is not None else None
     return view
 
 

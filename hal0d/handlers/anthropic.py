@@ -33,6 +33,7 @@ from hal0d.anthropic.transform import AnthropicTransform
 from hal0d.appkeys import DISPATCH
 from hal0d.errors import Hal0Error, InvalidRequest, UpstreamInvalid
 from hal0d.forward import Answer, Attempt, Call, Exchange
+from hal0d.forward.context_guard import ContextNeed, as_one_message
 from hal0d.forward.exchange import upstream_refusal
 from hal0d.forward.modes import NATIVE, TRANSLATE
 from hal0d.handlers.body import check_model_and_stream, parse_json_object, read_body
@@ -132,6 +133,21 @@ class Messages(Exchange):
         if self.translating:
             self.request()
 
+    def need(self) -> ContextNeed | None:
+        """The prompt and max_tokens, measured against the slot's context (the slot's
+        max_output_tokens clamps the answer)."""
+        return ContextNeed.of_body(self.native.raw, self.body.get("max_tokens"), self.as_chat,
+                                   clamped=True)
+
+    def as_chat(self) -> dict[str, Any]:
+        """The request as the chat completion a count reads; one a translator cannot read
+        (fields only a native upstream knows) as one message of all its text."""
+        try:
+            return to_openai(self.request(), served_model=self.native.model)
+        except InvalidRequest:
+            return as_one_message(self.body.get("system"), self.body.get("messages"),
+                                  self.body.get("tools"))
+
     def opened(self) -> bool:
         """Whether a keepalive sent this stream's message_start."""
         return self._transform is not None and self._transform.translator.state is not State.IDLE
@@ -209,6 +225,9 @@ class CountTokens(Messages):
     """count_tokens: counted with the slot's own tokenizer, or by a native upstream itself. A
     model that is not loaded is never loaded for a count (in a group that holds one model at a
     time it would evict the one serving): its count is an estimate, and says so."""
+
+    def need(self) -> ContextNeed | None:
+        return None  # a count, not a generation: it fits nothing
 
     def unleased(self, fwd: Attempt) -> web.StreamResponse | None:
         if fwd.warm:

@@ -16,7 +16,8 @@ from aiohttp import web
 from hal0d import conversations
 from hal0d.appkeys import DISPATCH
 from hal0d.errors import InvalidRequest
-from hal0d.forward import Answer, Attempt, Call, Exchange
+from hal0d.forward import Answer, Attempt, Call, Dispatch, Exchange
+from hal0d.forward.context_guard import ContextNeed
 from hal0d.handlers.body import (
     check_model_and_stream,
     multipart_field,
@@ -29,7 +30,7 @@ from hal0d.observability.requestinfo import INFO, client_of
 from hal0d.openai.transform import Passthrough
 from hal0d.protocol.limits import MAX_MESSAGES, MAX_TOKENS_LIMIT
 from hal0d.protocol.transform import Transform
-from hal0d.routing import best
+from hal0d.routing import Plan, best
 from hal0d.transport.upstream import response_headers
 
 ENDPOINTS = (
@@ -83,22 +84,23 @@ def check_fields(endpoint: str, payload: dict[str, Any]) -> None:
 
 
 async def requested_model(request: web.Request, endpoint: str, body: bytes
-                          ) -> tuple[str, bool, str, str | None]:
+                          ) -> tuple[str, bool, str, str | None, object]:
     """The model name, whether the client asked for a stream, whose turn it waits for
-    (client_of) and the conversation it continues (conversations.py). The parsed body is not
-    kept: a long conversation's parse tree would live as long as the stream, where the body's
-    bytes are all the attempts need."""
+    (client_of), the conversation it continues (conversations.py) and the answer's max tokens.
+    The parsed body is not kept: a long conversation's parse tree would live as long as the
+    stream, where the body's bytes are all the attempts need."""
     if endpoint == "audio/transcriptions":
         model = await multipart_field(request, body, "model")
         if not model:
             raise InvalidRequest("multipart field 'model' is required", field="model")
-        return model, False, client_of(request[INFO], None), None
+        return model, False, client_of(request[INFO], None), None, None
     payload = parse_json_object(body)
     model, stream = model_and_stream(payload)
     check_fields(endpoint, payload)
     conversation = (conversations.of_chat(request.headers, payload)
                     if endpoint in ("chat/completions", "completions") else None)
-    return model, stream, client_of(request[INFO], payload), conversation
+    answer = payload.get("max_completion_tokens", payload.get("max_tokens"))
+    return model, stream, client_of(request[INFO], payload), conversation, answer
 
 
 def model_and_stream(payload: dict[str, Any]) -> tuple[str, bool]:
@@ -117,13 +119,21 @@ class Relayed(Exchange):
     """An OpenAI request at the slot's same endpoint, its answer passed on as it came: each slot
     gets the body as the client sent it, its own model name in it."""
 
-    __slots__ = ("body", "endpoint", "model", "params", "sse", "stream")
+    __slots__ = ("body", "endpoint", "max_tokens", "model", "params", "sse", "stream")
 
     def __init__(self, endpoint: str, body: bytes, model: str, *, stream: bool,
-                 params: Any) -> None:
+                 params: Any, max_tokens: object = None) -> None:
         self.endpoint, self.body, self.model, self.params = endpoint, body, model, params
         self.stream = stream or endpoint in ALWAYS_STREAMING
         self.sse = endpoint in SSE_ENDPOINTS
+        self.max_tokens = max_tokens
+
+    def need(self) -> ContextNeed | None:
+        """A chat completion's prompt and answer, measured against the slot's context (the
+        body parsed again only near the limit)."""
+        if self.endpoint != "chat/completions":
+            return None
+        return ContextNeed.of_body(self.body, self.max_tokens, lambda: orjson.loads(self.body))
 
     async def call(self, fwd: Attempt) -> Call:
         served_model = fwd.route.served_model
@@ -148,8 +158,9 @@ class Relayed(Exchange):
 async def dispatch(request: web.Request) -> web.StreamResponse:
     endpoint = request.match_info["endpoint"]
     body = await read_body(request)
-    model, stream, client, conversation = await requested_model(request, endpoint, body)
-    exchange = Relayed(endpoint, body, model, stream=stream, params=request.query)
+    model, stream, client, conversation, answer = await requested_model(request, endpoint, body)
+    exchange = Relayed(endpoint, body, model, stream=stream, params=request.query,
+                       max_tokens=answer)
     return await request.app[DISPATCH].serve(request, model, exchange, client=client,
                                              conversation=conversation)
 
@@ -163,9 +174,22 @@ async def list_models(request: web.Request) -> web.Response:
     data = []
     for plan in dispatch.runtime.current.router.listed(request.get(KEY)):
         shown, state = best(dispatch.order(plan), dispatch.state_of)
-        entry = {"id": plan.model, "object": "model", "created": 0,
-                 "owned_by": shown.slot.name, "state": state}
+        entry: dict[str, Any] = {"id": plan.model, "object": "model", "created": 0,
+                                 "owned_by": shown.slot.name, "state": state}
         if plan.route is not None:
             entry["slots"] = list(plan.route.slots)
+        if (context := await longest_context(dispatch, plan)) is not None:
+            # The most a request may use (a route sends a long prompt where it fits), under
+            # the name clients of vLLM read too.
+            entry["context_length"] = entry["max_model_len"] = context
         data.append(entry)
     return web.json_response({"object": "list", "data": data})
+
+
+async def longest_context(dispatch: Dispatch, plan: Plan) -> int | None:
+    """The longest context among the plan's slots (forward/contexts.py); None: none known."""
+    if dispatch.contexts is None:
+        return None
+    known = [context.tokens for route in plan.routes
+             if (context := await dispatch.contexts.of(route.slot)) is not None]
+    return max(known) if known else None

@@ -27,6 +27,7 @@ from hal0d import conversations
 from hal0d.appkeys import DISPATCH, RESPONSE_OWNERS
 from hal0d.errors import InvalidRequest, NoRoute, UpstreamInvalid
 from hal0d.forward import Answer, Attempt, Call, Exchange
+from hal0d.forward.context_guard import ContextNeed, as_one_message
 from hal0d.forward.modes import NATIVE, TRANSLATE
 from hal0d.handlers.body import parse_json_object, read_body
 from hal0d.handlers.openai import model_and_stream, with_model
@@ -113,6 +114,23 @@ class Responses(Exchange):
         # A request to translate is checked whole before the slot is taken; a native upstream
         # (and one that may turn out native, "auto") gets what the client sent.
         self.chat = bridged(route, self.payload) if route.slot.responses == TRANSLATE else None
+
+    def need(self) -> ContextNeed | None:
+        """The input and max_output_tokens, measured against the slot's context (the slot's
+        max_output_tokens clamps a translated answer)."""
+        return ContextNeed.of_body(self.native.body, self.payload.get("max_output_tokens"),
+                                   self.as_chat, clamped=True)
+
+    def as_chat(self) -> dict[str, Any]:
+        """The request as the chat completion a count reads; one the bridge cannot read as one
+        message of all its text."""
+        if self.chat is not None:
+            return self.chat.body
+        try:
+            return chat_request(self.payload, served_model=self.model).body
+        except InvalidRequest:
+            return as_one_message(self.payload.get("instructions"), self.payload.get("input"),
+                                  self.payload.get("tools"))
 
     async def call(self, fwd: Attempt) -> Call:
         if self.chat is None and await fwd.responses_mode() == NATIVE:

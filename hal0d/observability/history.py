@@ -64,6 +64,7 @@ class RequestRecord:
     failover: str | None = None  # the slots that handed it on and why: `box1=connect_refused`
     turn_ms: float | None = None  # of load_ms, the wait for the model's turn in its group
     cached_tokens: int | None = None  # of prompt_tokens, those the upstream's prompt cache held
+    context_tokens: int | None = None  # the context a `context_exceeded` prompt did not fit
 
 
 COLUMNS: Final[tuple[str, ...]] = tuple(f.name for f in dataclasses.fields(RequestRecord))
@@ -111,7 +112,8 @@ _SCHEMA: Final = (
 )
 # Columns later versions added: a database an earlier version wrote gains them in place at open
 # (ALTER TABLE keeps every row; old rows read NULL there).
-_ADDED_COLUMNS: Final = ("load_ms", "key", "attempts", "failover", "turn_ms", "cached_tokens")
+_ADDED_COLUMNS: Final = ("load_ms", "key", "attempts", "failover", "turn_ms", "cached_tokens",
+                               "context_tokens")
 
 _INSERT: Final = (
     f"INSERT INTO requests ({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)})"

@@ -39,6 +39,7 @@ class RequestInfo:
     ttft_ms: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    context_tokens: int | None = None  # the context a refused prompt did not fit (context_guard)
     # Of prompt_tokens, those the upstream took from its prompt cache (None: it did not say).
     cached_tokens: int | None = None
     tokens_per_s: float | None = None

@@ -126,7 +126,10 @@ def capabilities(declared: Sequence[str] | None, command: Sequence[str] | None,
 
 
 def context_length(props: Mapping[str, Any] | None) -> int:
-    """The context a slot of the server holds, from /props; 0 when not known (Ollama's 0)."""
-    settings = props.get("default_generation_settings") if props is not None else None
-    n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+    """The context a slot of the server holds, from /props (llama-server's n_ctx) or from its
+    model list (vLLM's max_model_len); 0 when not known (Ollama's 0)."""
+    if props is None:
+        return 0
+    settings = props.get("default_generation_settings")
+    n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else props.get("max_model_len")
     return n_ctx if type(n_ctx) is int and n_ctx > 0 else 0

@@ -38,6 +38,7 @@ from hal0d.transport.upstream import UpstreamClient
 log = get_logger()
 
 PROPS_PATH = "/props"
+MODELS_PATH = "/v1/models"  # where vLLM, which has no /props, says max_model_len
 # A model list waits at most this for a server's self-description (it is read from memory).
 PROPS_TIMEOUT_S = 2.0
 # A failed ask is asked again after this, the pause doubling with each failure of the same
@@ -116,13 +117,35 @@ class UpstreamProps:
         status, body = await client.ask(slot, hdrs.METH_GET, PROPS_PATH,
                                         during=f"waiting for GET {PROPS_PATH}",
                                         timeout_s=PROPS_TIMEOUT_S)
+        if status == 404:  # vLLM has no /props: its model list says its context
+            return await _max_model_len(client, slot)
         if status != 200:
             return None
-        try:
-            props = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            return None
-        if not isinstance(props, dict):
+        props = _json_object(body)
+        if props is None:
             return None
         log.debug("upstream.props_read", slot=slot.name, model=props.get("model_alias"))
         return essentials(props)
+
+
+async def _max_model_len(client: UpstreamClient, slot: SlotConfig) -> dict[str, Any] | None:
+    """{"max_model_len": N} from a vLLM model list's first entry that has one; None when the
+    list says none."""
+    status, body = await client.ask(slot, hdrs.METH_GET, MODELS_PATH,
+                                    during=f"waiting for GET {MODELS_PATH}",
+                                    timeout_s=PROPS_TIMEOUT_S)
+    listed = _json_object(body) if status == 200 else None
+    entries = listed.get("data") if listed is not None else None
+    for entry in entries if isinstance(entries, list) else ():
+        length = entry.get("max_model_len") if isinstance(entry, dict) else None
+        if type(length) is int and length > 0:
+            return {"max_model_len": length}
+    return None
+
+
+def _json_object(body: bytes) -> dict[str, Any] | None:
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return parsed if isinstance(parsed, dict) else None

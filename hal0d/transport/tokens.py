@@ -52,6 +52,7 @@ TOKENIZE = "/tokenize"
 EXTRAS = "/extras/tokenize/count"
 WAYS = (TEMPLATE, TOKENIZE, EXTRAS)
 SOURCE = {TEMPLATE: "template", TOKENIZE: "tokenize", EXTRAS: "extras"}
+ESTIMATED = "estimate"  # the source of a count no tokenizer made
 # Statuses that say "this server has no such endpoint"; any other failure may pass (a model still
 # loading answers 503), so it is not remembered.
 ABSENT_STATUSES = frozenset({400, 404, 405, 422})
@@ -195,9 +196,14 @@ class TokenCounter:
             reason = (exc.cause if isinstance(exc, UpstreamUnavailable) else None) or str(exc)
             log.info("tokens.estimated", slot=slot.name, reason=reason, bound_s=bound_s,
                      fallback="estimate (chars / 4)")
-            return estimate(text), "estimate"
+            return estimate(text), ESTIMATED
         self._counted.add(key)
         if known == "unknown" and conclusive:
             self._ways[key] = None
             log.info("tokens.no_tokenizer", slot=slot.name, fallback="estimate (chars / 4)")
-        return estimate(text), "estimate"
+        return estimate(text), ESTIMATED
+
+    def interrupts(self, slot: SlotConfig) -> bool:
+        """Whether a count may interrupt a generation running on the slot's server: one whose
+        tokenizer is llama-cpp-python's (extras), or not known yet to be another's."""
+        return self._ways.get((slot.name, slot.upstream), EXTRAS) not in (TEMPLATE, TOKENIZE)
