@@ -49,10 +49,15 @@ class Contexts:
         self.props = props or UpstreamProps()
 
     async def of(self, config: SlotConfig) -> Context | None:
-        """The slot's context; its server asked when it is up and was not asked yet."""
+        """The slot's context; a server hal0d runs asked when it is up and was not asked yet
+        (once per run of its process), a server it does not run asked in the background (its
+        retries never on a request's way)."""
         if config.context:
             return Context(config.context, CONFIG)
-        return self.from_server(await self.server_props(config), config)
+        live = self.slots.get(config.name)
+        if config.command or live is None or live.state not in UP:
+            return self.from_server(await self.server_props(config), config)
+        return self.from_server(self.props.now(self.upstreams, config, live.generation), config)
 
     def known(self, config: SlotConfig) -> Context | None:
         """The slot's context by what is known now, nothing asked (the operator's views)."""
