@@ -228,3 +228,64 @@ async def test_a_model_not_loaded_is_not_loaded_for_a_prompt_far_past_its_contex
         assert view["state"] == "stopped", view
         assert not hal0d.named("slot.load_started")
         assert hal0d.named("request.context_exceeded")[0]["counted_by"] == "estimate"
+
+
+def conversation(turns: int, words_each: int) -> list[dict[str, str]]:
+    """A system prompt, then `turns` user and assistant messages, then a short question."""
+    said = [{"role": "system", "content": "You are terse."}]
+    for turn in range(turns):
+        said.append({"role": "user" if turn % 2 == 0 else "assistant",
+                     "content": f"turn{turn} " + words(words_each)})
+    return [*said, {"role": "user", "content": "and now?"}]
+
+
+async def test_ollamas_surface_leaves_out_the_oldest_messages_and_says_so(
+        tmp_path: Path, http: aiohttp.ClientSession) -> None:
+    """As Ollama does, a conversation past the context is answered from its newest messages
+    (the system prompt kept), but said: the log, the history row and prompt_eval_count.
+    `[ollama] truncate = false` refuses it in Ollama's words instead."""
+    import ollama
+
+    for truncate in (True, False):
+        port, ollama_port = free_port(), free_port()
+        path = config(tmp_path, port, stub_slot(tmp_path, f"a{truncate}", ["chat"], context=300),
+                      extra=f'[ollama]\nlisten = "127.0.0.1:{ollama_port}"\n'
+                      f"truncate = {str(truncate).lower()}\n")
+        async with serving(path, port) as hal0d:
+            await ready(http, hal0d.url)
+            client = ollama.AsyncClient(host=f"http://127.0.0.1:{ollama_port}")
+            if not truncate:
+                with pytest.raises(ollama.ResponseError) as refused:
+                    await client.chat(model="chat", messages=conversation(10, 50))
+                assert refused.value.status_code == 400
+                assert "maximum context length is 300 tokens" in refused.value.error
+                continue
+            answer = await client.chat(model="chat", messages=conversation(10, 50),
+                                       options={"num_predict": 8})
+            assert answer.message.content
+            assert answer.prompt_eval_count is not None and answer.prompt_eval_count + 8 <= 300
+            told = hal0d.named("ollama.truncated")
+            assert len(told) == 1 and told[0]["dropped_messages"] >= 5, told
+            # The system prompt and the newest messages: what is left is the conversation's end.
+            assert told[0]["kept_messages"] == 12 - told[0]["dropped_messages"], told
+            row = await history_row(http, hal0d.url)
+            assert (row["status"], row["dropped_messages"], row["context_tokens"]) == (
+                200, told[0]["dropped_messages"], None), row
+
+
+def test_the_oldest_go_first_the_system_prompt_and_the_newest_stay_and_calls_keep_answers(
+        ) -> None:
+    from hal0d.ollama.truncate import drop_oldest_messages
+
+    said = conversation(6, 10)
+    kept, gone = drop_oldest_messages(said, shed=30, counted=100)
+    assert kept[0]["role"] == "system" and kept[-1] == said[-1]
+    assert gone == 3 and kept[1:] == said[4:]  # the three oldest turns, ~33 tokens
+    kept, gone = drop_oldest_messages(said[:1] + said[-1:], shed=50, counted=100)
+    assert gone == 0  # only the system prompt and the question: nothing may go
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "c1", "type": "function",
+                            "function": {"name": "ls", "arguments": "{}"}}]}
+    answer = {"role": "tool", "tool_call_id": "c1", "content": "a b c"}
+    kept, gone = drop_oldest_messages([said[0], call, answer, said[-1]], shed=1, counted=100)
+    assert kept == [said[0], said[-1]] and gone == 2  # the call went, its answer with it

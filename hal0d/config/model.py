@@ -297,6 +297,9 @@ class OllamaConfig:
     listen: str | None = None  # "host:port", e.g. "127.0.0.1:11434"
     # Requests without a key on this listener (Home Assistant sends none), beside the keys.
     anonymous: AnonymousConfig | None = None
+    # A conversation longer than the model's context loses its oldest messages, as Ollama's
+    # does (said in the log and the history); false: refused with Ollama's error instead.
+    truncate: bool = True
 
     @property
     def address(self) -> tuple[str, int] | None:

@@ -127,6 +127,7 @@ LOGGING_SPEC: dict[str, Range] = {
 }
 OLLAMA_SPEC: dict[str, Range] = {
     "listen": (str, None, None),
+    "truncate": (bool, None, None),
     "anonymous": (dict, None, None),
 }
 # A listener's `anonymous` table ([server], [ollama]): client_keys.check_anonymous.

@@ -78,6 +78,9 @@ class ContextNeed:
     chat: Callable[[], dict[str, Any]]
     text: Callable[[dict[str, Any]], str] = chat_text
     clamped: bool = False  # the slot's max_output_tokens clamps the answer (Anthropic, Responses)
+    # Ollama's surface: drops the oldest messages that may go (the system prompt and the newest
+    # stay) until about `tokens` are shed; False when none may go any more (shorten()).
+    drop_oldest: Callable[[int, int], bool] | None = None
 
     @classmethod
     def of_body(cls, body: bytes, max_tokens: object, chat: Callable[[], dict[str, Any]], *,
@@ -120,6 +123,25 @@ async def measure(need: ContextNeed, contexts: Contexts, tokens: TokenCounter,
             return Fit(counted + answer <= context.tokens, context, counted, how, answer)
     likely = estimate(need.text(chat))
     return Fit(likely <= context.tokens, context, likely, ESTIMATED, answer)
+
+
+# How many times a conversation is shortened and measured again before it is refused.
+SHORTEN_ROUNDS: Final = 4
+
+
+async def shortened(need: ContextNeed, fit: Fit, measure_again: Callable[[], Any]) -> Fit:
+    """Ollama's way with a conversation past the context: its oldest messages dropped (the
+    system prompt and the newest kept) until it fits, measured again after each cut; the last
+    measure (not fitting when even that could not make it fit)."""
+    assert need.drop_oldest is not None and fit.context is not None
+    rounds = 0
+    while not fit.fits and rounds < SHORTEN_ROUNDS and fit.counted is not None:
+        over = fit.counted + fit.answer - fit.context.tokens
+        if not need.drop_oldest(max(1, over), fit.counted):
+            break
+        fit = await measure_again()
+        rounds += 1
+    return fit
 
 
 def refusal(need: ContextNeed, fit: Fit, slot: str, *, hands_on: bool) -> ContextExceeded:

@@ -26,6 +26,7 @@ from hal0d import conversations
 from hal0d.appkeys import DISPATCH, LIFECYCLE, OLLAMA_MODELS, OLLAMA_OPTIONS_LOGGED, RUNTIME
 from hal0d.errors import Forbidden, Hal0Error, InvalidRequest, NoRoute, UpstreamInvalid
 from hal0d.forward import Answer, Attempt, Call, Exchange
+from hal0d.forward.context_guard import TEMPLATE_ALLOWANCE, ContextNeed
 from hal0d.forward.exchange import upstream_refusal
 from hal0d.handlers.body import parse_json_object, read_body
 from hal0d.keys import KEY
@@ -49,6 +50,7 @@ from hal0d.ollama.stream import (
     timestamp,
 )
 from hal0d.ollama.transform import OllamaTransform
+from hal0d.ollama.truncate import drop_oldest_messages
 from hal0d.protocol.transform import Transform
 from hal0d.routing import Plan
 from hal0d.transport.upstream import NDJSON_HEADERS
@@ -128,13 +130,15 @@ async def unmanaged(request: web.Request) -> web.Response:
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
-    return await converse(request, parse_chat(parse_json_object(await read_body(request))),
-                          chat=True)
+    raw = await read_body(request)
+    return await converse(request, parse_chat(parse_json_object(raw)), chat=True,
+                          raw_size=len(raw))
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    return await converse(request, parse_generate(parse_json_object(await read_body(request))),
-                          chat=False)
+    raw = await read_body(request)
+    return await converse(request, parse_generate(parse_json_object(raw)), chat=False,
+                          raw_size=len(raw))
 
 
 def log_ignored(request: web.Request, req: OllamaRequest) -> None:
@@ -212,9 +216,31 @@ class OllamaExchange(Exchange):
 class Converse(OllamaExchange):
     """/api/chat and /api/generate as a chat completion, the answer as Ollama's objects."""
 
-    def __init__(self, req: OllamaRequest, lifecycle: LifecycleManager, *, chat: bool) -> None:
+    def __init__(self, req: OllamaRequest, lifecycle: LifecycleManager, *, chat: bool,
+                 raw_size: int = 0, truncate: bool = True) -> None:
         super().__init__(req, lifecycle)
         self.req, self.chat, self.stream = req, chat, req.stream
+        self.raw_size, self.truncate = raw_size, truncate
+        self.dropped = 0  # the oldest messages left out for the context (drop_oldest)
+
+    def need(self) -> ContextNeed | None:
+        """The conversation and num_predict, measured against the slot's context: one that does
+        not fit loses its oldest messages, as Ollama's does (`[ollama] truncate`), but said."""
+        if self.req.load_only:
+            return None
+        chat = lambda: self.req.payload("")  # noqa: E731 - read again after each cut
+        return ContextNeed(self.raw_size + TEMPLATE_ALLOWANCE, self.req.options.get("max_tokens"),
+                           chat, drop_oldest=self.drop_oldest if self.truncate else None)
+
+    def drop_oldest(self, shed: int, counted: int) -> bool:
+        """About `shed` tokens' worth of the oldest messages dropped (each weighed by its share
+        of the text): the system prompts and the newest message stay, and a tool's answer goes
+        with the call it answers. False when nothing may go."""
+        kept, dropped = drop_oldest_messages(self.req.messages, shed, counted)
+        if not dropped:
+            return False
+        self.req.messages, self.dropped = kept, self.dropped + dropped
+        return True
 
     def _quiet(self) -> Translator:
         """A translator for what is said outside the answer (no clocks: no counts)."""
@@ -244,6 +270,11 @@ class Converse(OllamaExchange):
         self.under_lease(fwd)
         if self.req.load_only:
             return loaded(self.req, chat=self.chat)
+        if self.dropped:
+            fwd.info.dropped_messages = self.dropped
+            log.info("ollama.truncated", slot=fwd.slot.name, dropped_messages=self.dropped,
+                     kept_messages=len(self.req.messages), prompt_tokens=fwd.info.prompt_tokens,
+                     context=fwd.info.context_tokens)
         return Call("/v1/chat/completions",
                     orjson.dumps(self.req.payload(fwd.route.served_model)))
 
@@ -289,11 +320,12 @@ def client_keep_alive(request: web.Request, model: str, keep_alive_s: float | No
 
 
 async def converse(request: web.Request, req: OllamaRequest, *,
-                   chat: bool) -> web.StreamResponse:
+                   chat: bool, raw_size: int = 0) -> web.StreamResponse:
     log_ignored(request, req)
     req.keep_alive_s = client_keep_alive(request, req.model, req.keep_alive_s,
                                          unload_only=req.load_only)
-    exchange = Converse(req, request.app[LIFECYCLE], chat=chat)
+    exchange = Converse(req, request.app[LIFECYCLE], chat=chat, raw_size=raw_size,
+                        truncate=request.app[RUNTIME].current.config.ollama.truncate)
     conversation = conversations.of_chat(
         request.headers, {"model": req.model, "messages": req.messages, "tools": req.tools})
     return await serve(request, req.model, exchange, conversation)

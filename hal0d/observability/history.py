@@ -65,6 +65,7 @@ class RequestRecord:
     turn_ms: float | None = None  # of load_ms, the wait for the model's turn in its group
     cached_tokens: int | None = None  # of prompt_tokens, those the upstream's prompt cache held
     context_tokens: int | None = None  # the context a `context_exceeded` prompt did not fit
+    dropped_messages: int | None = None  # the oldest messages left out to fit (Ollama's surface)
 
 
 COLUMNS: Final[tuple[str, ...]] = tuple(f.name for f in dataclasses.fields(RequestRecord))
@@ -113,7 +114,7 @@ _SCHEMA: Final = (
 # Columns later versions added: a database an earlier version wrote gains them in place at open
 # (ALTER TABLE keeps every row; old rows read NULL there).
 _ADDED_COLUMNS: Final = ("load_ms", "key", "attempts", "failover", "turn_ms", "cached_tokens",
-                               "context_tokens")
+                               "context_tokens", "dropped_messages")
 
 _INSERT: Final = (
     f"INSERT INTO requests ({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)})"

@@ -40,6 +40,7 @@ class RequestInfo:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     context_tokens: int | None = None  # the context a refused prompt did not fit (context_guard)
+    dropped_messages: int | None = None  # the oldest messages Ollama's surface left out to fit
     # Of prompt_tokens, those the upstream took from its prompt cache (None: it did not say).
     cached_tokens: int | None = None
     tokens_per_s: float | None = None
