@@ -14,7 +14,9 @@ completions run on llama-server's server slots and their prompt cache (slots.py:
 `id_slot`, `cache_prompt`, `timings`, `usage.prompt_tokens_details.cached_tokens`, a prefill paced
 by the uncached tokens), with its GET /slots and POST /slots/{id}?action=save|restore|erase
 (slot_api.py). Made with `props`, it describes itself at GET /props as llama-server does (the
-tests hand it a capture of the real one).
+tests hand it a capture of the real one), its n_ctx the one its slots hold. A prompt that does
+not fit that context is refused as llama-server refuses it, and an answer stops where the context
+is full (context.py); made with `max_model_len`, the stub checks as vLLM does instead.
 
 It misbehaves on demand through the model name, on every endpoint, streamed or not:
 
@@ -61,6 +63,7 @@ from typing import Any
 import orjson
 from aiohttp import hdrs, web
 
+from hal0d_stub.context import ContextLimit, asked_max_tokens, ctx_size, with_n_ctx
 from hal0d_stub.device_load import DeviceLoad, claim
 from hal0d_stub.slot_api import SlotApi
 from hal0d_stub.slots import ServerSlots, SlotOptions, Turn, token_ids
@@ -100,6 +103,7 @@ LOG_KEY = web.AppKey("stub_log", StubLog)
 DELAY_KEY = web.AppKey("stub_delay", float)
 ALIASES_KEY = web.AppKey("stub_aliases", tuple)
 SLOTS_KEY = web.AppKey("stub_slots", ServerSlots)
+CONTEXT_KEY = web.AppKey("stub_context", ContextLimit)
 SYSTEM_FINGERPRINT = "hal0d-stub"  # where llama-server names its build
 
 
@@ -210,7 +214,7 @@ class Generation:
     """One answer: tokens, limits, the chunk envelope, and its turn on a server slot."""
 
     def __init__(self, model: str, body: dict[str, Any], object_name: str, turn: Turn,
-                 name: str | None = None) -> None:
+                 name: str | None = None, *, room: int = DEFAULT_MAX_TOKENS) -> None:
         self.model = model  # what it does: "tool" calls a tool, "stall" stalls...
         self.name = name or model  # what its answer calls the model (llama-server's --alias)
         self.body = body
@@ -219,10 +223,8 @@ class Generation:
         prefix = "chatcmpl" if object_name.startswith("chat") else "cmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
-        max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
-        self.max_tokens = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else (
-            DEFAULT_MAX_TOKENS
-        )
+        # What it asked, or the default; never past the context's end (`room`).
+        self.max_tokens = min(asked_max_tokens(body) or DEFAULT_MAX_TOKENS, room)
         self.completion_tokens = 0
 
     def count(self, piece: str) -> None:
@@ -558,11 +560,15 @@ async def complete(request: web.Request, model: str, body: dict[str, Any],
     carries the first alias in sorted order."""
     slots = request.app[SLOTS_KEY]
     aliases = request.app[ALIASES_KEY]
+    context = request.app[CONTEXT_KEY]
     if aliases and model not in MODELS:
         model = "chat"
-    async with slots.turn(token_ids(prompt_text(body)), body) as turn:
+    prompt = token_ids(prompt_text(body))
+    if (refusal := context.refusal(len(prompt), asked_max_tokens(body))) is not None:
+        return refusal  # before any slot is taken: the prompt is never read
+    async with slots.turn(prompt, body) as turn:
         gen = Generation(model, body, "text_completion" if legacy else "chat.completion.chunk",
-                         turn, aliases[0] if aliases else None)
+                         turn, aliases[0] if aliases else None, room=context.room(len(prompt)))
         if body.get("stream"):
             return await stream_tokens(request, gen, legacy=legacy)
         await turn.prefill()
@@ -756,14 +762,15 @@ def responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 class ResponseGeneration:
     """One Responses answer: the response object as it stands, and the events of its stream."""
 
-    def __init__(self, model: str, body: dict[str, Any]) -> None:
+    def __init__(self, model: str, body: dict[str, Any], room: int = DEFAULT_MAX_TOKENS
+                 ) -> None:
         self.model = model
         self.chat_body = {"messages": responses_messages(body)}
         self.id = f"resp_{uuid.uuid4().hex[:24]}"
         self.item_id = f"msg_{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
-        limit = body.get("max_output_tokens")
-        self.max_tokens = limit if isinstance(limit, int) and limit > 0 else DEFAULT_MAX_TOKENS
+        limit = asked_max_tokens(body, "max_output_tokens") or DEFAULT_MAX_TOKENS
+        self.max_tokens = min(limit, room)  # never past the context's end
         self.sequence = 0
         self.text = ""
         self.output_tokens = 0
@@ -865,7 +872,12 @@ async def responses(request: web.Request) -> web.StreamResponse:
         return web.json_response(
             error_body(f"model {model!r} not found", "not_found_error"), status=404
         )
-    gen = ResponseGeneration(model, body)
+    context = request.app[CONTEXT_KEY]
+    prompt = prompt_tokens({"messages": responses_messages(body)})
+    refusal = context.refusal(prompt, asked_max_tokens(body, "max_output_tokens"))
+    if refusal is not None:
+        return refusal
+    gen = ResponseGeneration(model, body, context.room(prompt))
     if body.get("stream"):
         return await stream_response(request, gen)
     if model not in ("stall", "chatty", "broken"):
@@ -947,12 +959,15 @@ async def native_messages(request: web.Request) -> web.StreamResponse:
     if model not in MODELS:
         return web.json_response({"type": "error", "error": {
             "type": "not_found_error", "message": f"model {model!r} not found"}}, status=404)
-    limit = body.get("max_tokens")
-    limit = limit if isinstance(limit, int) and limit > 0 else DEFAULT_MAX_TOKENS
+    context, prompt = request.app[CONTEXT_KEY], prompt_tokens(body)
+    asked = asked_max_tokens(body, "max_tokens")
+    if (refusal := context.refusal(prompt, asked, anthropic=True)) is not None:
+        return refusal
+    limit = min(asked or DEFAULT_MAX_TOKENS, context.room(prompt))
     message: dict[str, Any] = {
         "id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant",
         "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": prompt_tokens(body), "output_tokens": 0},
+        "usage": {"input_tokens": prompt, "output_tokens": 0},
     }
     pieces = anthropic_blocks(model, body, limit)
     if not body.get("stream"):
@@ -1055,9 +1070,13 @@ async def template(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
+    """The stub's models; playing vLLM, each with its max_model_len, as vLLM lists them."""
+    limit = request.app[CONTEXT_KEY].max_model_len
+    told = {} if limit is None else {"max_model_len": limit}
     return web.json_response(
         {"object": "list",
-         "data": [{"id": m, "object": "model", "owned_by": "hal0d-stub"} for m in MODELS]}
+         "data": [{"id": m, "object": "model", "owned_by": "hal0d-stub", **told}
+                  for m in MODELS]}
     )
 
 
@@ -1065,19 +1084,25 @@ def make_stub_app(
     log_path: Path | None = None, delay: float = 0.02, *, anthropic_native: bool = False,
     chat_only: bool = False, slot_options: SlotOptions | None = None,
     props: dict[str, Any] | None = None, aliases: tuple[str, ...] = (),
+    max_model_len: int | None = None,
 ) -> web.Application:
     """`anthropic_native`: also serve /v1/messages (and count_tokens) as llama-server does;
     without it those paths answer 404, like llama-cpp-python's server. `chat_only`: no
     /v1/responses (a 404), as llama-cpp-python's server and older vLLM. `slot_options`: the
-    server slots' (one slot, no --slot-save-path, an instant prefill by default). `props`:
-    what GET /props answers, as llama-server describes itself (without it a 404, as vLLM).
-    `aliases`: llama-server's --alias names (see `complete`)."""
+    server slots' (one slot, no --slot-save-path, an instant prefill by default; without them,
+    the context `props` names, else 4096). `props`: what GET /props answers, as llama-server
+    describes itself (without it a 404, as vLLM), its n_ctx the slots' own. `aliases`:
+    llama-server's --alias names (see `complete`). `max_model_len`: the stub plays vLLM's
+    context check instead of llama-server's (context.py)."""
     app = web.Application(middlewares=[json_errors], client_max_size=MAX_BODY_BYTES)
     app[ALIASES_KEY] = tuple(sorted(aliases))
     app[LOG_KEY] = StubLog(log_path)
     app[DELAY_KEY] = delay
     app[RESPONSES_KEY] = {}
-    app[SLOTS_KEY] = ServerSlots(slot_options or SlotOptions(), app[LOG_KEY].write)
+    slot_options = slot_options or SlotOptions(ctx_size=ctx_size(None, props, 1))
+    n_ctx = slot_options.ctx_size // slot_options.parallel
+    app[CONTEXT_KEY] = ContextLimit(n_ctx, max_model_len)
+    app[SLOTS_KEY] = ServerSlots(slot_options, app[LOG_KEY].write)
     slot_api = SlotApi(app[SLOTS_KEY], app[LOG_KEY].write)
     app.router.add_get("/slots", slot_api.list_slots)
     app.router.add_post("/slots/{id_slot}", slot_api.act)
@@ -1097,9 +1122,11 @@ def make_stub_app(
         app.router.add_post("/v1/messages", native_messages)
         app.router.add_post("/v1/messages/count_tokens", native_count_tokens)
     if props is not None:
+        described = with_n_ctx(props, n_ctx)
+
         async def self_description(request: web.Request) -> web.Response:
             app[LOG_KEY].write("props")
-            return web.json_response(props)
+            return web.json_response(described)
 
         app.router.add_get("/props", self_description)
     app.router.add_post("/tokenize", tokenize)
@@ -1126,6 +1153,7 @@ def run_stub(
     props: dict[str, Any] | None = None,
     aliases: tuple[str, ...] = (),
     device_load: DeviceLoad | None = None,
+    max_model_len: int | None = None,
 ) -> int:
     """Serve until stopped. `startup_delay`: seconds before listening, as a model server loads its
     weights first. `fail_start`: after the delay, print this line and exit 1 instead of serving,
@@ -1135,7 +1163,8 @@ def run_stub(
     --slot-save-path that is not a directory is refused at once, as llama-server refuses it.
     `props`: what GET /props answers (--props); `aliases`: llama-server's --alias names.
     `device_load`: its footprint on the simulated GPU box, taken as it loads (device_load.py);
-    when it does not fit, llama-server's out-of-memory lines and exit 1."""
+    when it does not fit, llama-server's out-of-memory lines and exit 1. `max_model_len`:
+    vLLM's context check in place of llama-server's (--max-model-len)."""
     save_path = slot_options.save_path if slot_options else None
     if save_path is not None and not save_path.is_dir():
         print(f"stub: --slot-save-path: not a directory: {save_path}", file=sys.stderr,
@@ -1151,7 +1180,8 @@ def run_stub(
         return 1
     web.run_app(
         make_stub_app(log_path, delay, anthropic_native=anthropic_native, chat_only=chat_only,
-                      slot_options=slot_options, props=props, aliases=aliases),
+                      slot_options=slot_options, props=props, aliases=aliases,
+                      max_model_len=max_model_len),
         host=host,
         port=port,
         handler_cancellation=True,

@@ -28,6 +28,11 @@ def test_each_error_is_recorded_as_the_last_part_of_its_envelope_code() -> None:
     for cls in hal0_errors():
         if cls is errors.UpstreamStatus:
             continue
+        if cls is errors.ContextExceeded:
+            # Its envelope code is OpenAI's own, which the openai SDK and Codex read; the
+            # history's is hal0d's.
+            assert (cls.code, cls.error_code) == ("context_length_exceeded", "context_exceeded")
+            continue
         assert cls.error_code == cls.code.rsplit(".", 1)[-1], cls.__name__
         assert isinstance(cls.error_code, ErrorCode), cls.__name__
     status = errors.UpstreamStatus(503, "busy")

@@ -20,6 +20,7 @@ PURE_MODULES = (
     "hal0d.protocol.chat_chunk",
     "hal0d.protocol.usage",
     "hal0d.protocol.translating",
+    "hal0d.protocol.context_errors",
     "hal0d.anthropic.stream",
     "hal0d.anthropic.request",
     "hal0d.anthropic.response",

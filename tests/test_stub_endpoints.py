@@ -14,6 +14,7 @@ import pytest
 
 from hal0d.config import ConfigError, parse
 from hal0d_stub.app import MAX_BODY_BYTES
+from hal0d_stub.slots import SlotOptions
 from tests.harness.client import chat_body
 
 MIB = 1024 * 1024
@@ -129,8 +130,10 @@ def test_the_stub_takes_any_body_hal0d_accepts():
         parse({"server": {"max_body_bytes": MAX_BODY_BYTES + 1}})
 
 
-async def test_a_20_mib_body_goes_through_hal0d_to_the_stub(stub, start_hal0d, http):
-    """hal0d allows 32 MiB by default; the stub used to refuse anything over aiohttp's 1 MiB."""
+async def test_a_20_mib_body_goes_through_hal0d_to_the_stub(start_stub, start_hal0d, http):
+    """hal0d allows 32 MiB by default; the stub used to refuse anything over aiohttp's 1 MiB.
+    Its four million words need a context that holds them (the stub's largest)."""
+    stub = await start_stub(slot_options=SlotOptions(ctx_size=1 << 24))
     hal0d = await start_hal0d(stub.url)
     audio = bytes(20 * MIB)
     async with http.post(hal0d.make_url("/v1/audio/transcriptions"), data=form(audio)) as resp:

@@ -74,8 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_stub_command(commands: Any) -> None:
     """`hal0d stub`: the stub upstream, with llama-server's server-slot options."""
-    from hal0d_stub.slots import ODD_ANSWERS  # the stub's own words, loaded only for its parser
-
     stub: argparse.ArgumentParser = commands.add_parser(
         "stub", help="run the stub OpenAI-compatible upstream")
     stub.add_argument("--host", default="127.0.0.1")
@@ -96,8 +94,16 @@ def add_stub_command(commands: Any) -> None:
                       "llama-cpp-python's server")
     stub.add_argument("--props", type=Path, metavar="JSON_FILE",
                       help="answer GET /props with this file, as llama-server describes "
-                      "itself (without it /props answers 404)")
-    slots = stub.add_argument_group("server slots and their prompt cache, as llama-server's")
+                      "itself, its n_ctx the slots' own (without it /props answers 404)")
+    add_server_slot_options(stub.add_argument_group(
+        "server slots and their prompt cache, as llama-server's"))
+
+
+def add_server_slot_options(slots: Any) -> None:
+    """The stub's llama-server options: its model, names, server slots, their context and
+    prompt cache, and their faults on demand."""
+    from hal0d_stub.slots import ODD_ANSWERS  # the stub's own words, loaded only for its parser
+
     slots.add_argument("-m", "--model", metavar="FILE",
                        help="the model file, as llama-server's (the stub reads nothing from it)")
     slots.add_argument("-mm", "--mmproj", metavar="FILE",
@@ -108,7 +114,13 @@ def add_stub_command(commands: Any) -> None:
     slots.add_argument("-np", "--parallel", type=whole_number(1, 1024, "number of slots"),
                        default=1, help="number of server slots (default 1)")
     slots.add_argument("-c", "--ctx-size", type=whole_number(1, 1 << 24, "context size"),
-                       default=4096, help="context of all slots together (default 4096)")
+                       help="context of all slots together, each slot's share the most a "
+                       "prompt and its answer may hold (default 4096, or with --props the "
+                       "context the file names)")
+    slots.add_argument("--max-model-len", type=whole_number(1, 1 << 24, "context size"),
+                       metavar="N", help="check each request's prompt and max_tokens against "
+                       "N as vLLM does (its 400 and words), in place of the slots' context; "
+                       "/v1/models lists max_model_len")
     slots.add_argument("-sps", "--slot-prompt-similarity", type=float, default=0.1,
                        metavar="SIMILARITY", help="how much of a prompt a slot's cache must "
                        "hold for the prompt to go there (default 0.10, 0 = by id_slot and LRU)")
@@ -320,10 +332,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "stub":
         from hal0d_stub.app import run_stub
+        from hal0d_stub.context import ctx_size
         from hal0d_stub.slots import SlotOptions
 
+        props = json.loads(args.props.read_text()) if args.props else None
         slot_options = SlotOptions(
-            parallel=args.parallel, ctx_size=args.ctx_size,
+            parallel=args.parallel, ctx_size=ctx_size(args.ctx_size, props, args.parallel),
             similarity=args.slot_prompt_similarity, save_path=args.slot_save_path,
             prefill_ms_per_token=args.prefill_ms_per_token, save_fail=args.slot_save_fail,
             save_delay=args.slot_save_delay, restore_fail=args.slot_restore_fail,
@@ -337,8 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_stub(args.host, args.port, args.log, args.delay,
                         startup_delay=args.startup_delay, fail_start=args.fail_start,
                         anthropic_native=args.anthropic_native, chat_only=args.chat_only,
-                        slot_options=slot_options,
-                        props=json.loads(args.props.read_text()) if args.props else None,
+                        slot_options=slot_options, props=props,
+                        max_model_len=args.max_model_len,
                         aliases=tuple(name.strip() for names in args.alias
                                       for name in names.split(",") if name.strip()),
                         device_load=device_load)

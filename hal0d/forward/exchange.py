@@ -11,7 +11,9 @@ answer. Per slot, the forward path calls, in this order:
                             made without the upstream (a token count, an Ollama load)
     (the forward path opens the upstream and classifies its answer: status, content type)
     refused(answer, data)   an error status read whole: the surface's own error to raise, or
-                            None to pass the upstream's answer on as it came
+                            None to pass the upstream's answer on as it came (by default: an
+                            upstream's own context error is ContextExceeded, in every surface's
+                            words; anything else as it came)
     whole(answer, data)     a whole answer (also a stream's non-200 answer, and the answer of an
                             upstream that did not stream on a surface that relays as it came)
     relay(answer)           a stream: the response's headers and the Transform of its body
@@ -32,16 +34,17 @@ from aiohttp import hdrs, web
 from multidict import CIMultiDictProxy
 
 from hal0d.config import SlotConfig
-from hal0d.errors import Hal0Error, UpstreamStatus, upstream_message
+from hal0d.errors import ContextExceeded, Hal0Error, UpstreamStatus, upstream_message
 from hal0d.forward.context_guard import ContextNeed
 from hal0d.observability.requestinfo import RequestInfo
+from hal0d.protocol.context_errors import context_exceeded
 from hal0d.protocol.sse import comment
 from hal0d.protocol.transform import Transform
 from hal0d.routing import Route
 from hal0d.transport.tap import normal_usage
 from hal0d.transport.upstream import SSE_HEADERS, response_headers
 
-__all__ = ["Answer", "Attempt", "Call", "Exchange", "upstream_refusal"]
+__all__ = ["Answer", "Attempt", "Call", "Exchange", "context_refusal", "upstream_refusal"]
 
 UPSTREAM_MESSAGE_LIMIT = 2000
 
@@ -155,7 +158,7 @@ class Exchange:
     def refused(self, answer: Answer, data: bytes) -> Hal0Error | None:
         """An error status (>= 400), its body read whole: the error the client gets in the
         surface's envelope, or None for the upstream's answer as it came."""
-        return None
+        return context_refusal(answer, data)
 
     def whole(self, fwd: Attempt, answer: Answer, data: bytes) -> web.StreamResponse:
         """A whole answer, passed on as it came; its usage noted when it has one."""
@@ -174,9 +177,18 @@ class Exchange:
         """After a stream, on every exit: what the surface keeps of it."""
 
 
-def upstream_refusal(answer: Answer, data: bytes) -> UpstreamStatus:
+def context_refusal(answer: Answer, data: bytes) -> ContextExceeded | None:
+    """The upstream's 400 saying the prompt does not fit its context (its own count, where
+    hal0d's estimate let the request through), as hal0d's ContextExceeded; else None."""
+    return context_exceeded(data) if answer.status == 400 else None
+
+
+def upstream_refusal(answer: Answer, data: bytes) -> Hal0Error:
     """The upstream's error status and its message, for a surface that answers errors in its own
-    envelope (Anthropic's, Ollama's) rather than the upstream's as it came."""
+    envelope (Anthropic's, Ollama's) rather than the upstream's as it came; its context error
+    as ContextExceeded."""
+    if (exceeded := context_refusal(answer, data)) is not None:
+        return exceeded
     try:
         message = upstream_message(orjson.loads(data))
     except orjson.JSONDecodeError:

@@ -174,9 +174,11 @@ class Messages(Exchange):
         return transform.opening(tokens) + transform.keepalive()
 
     def failed(self, error: Hal0Error) -> bytes:
+        body = error.anthropic_body()
         if self._transform is None:
-            return encode("error", orjson.dumps(error.anthropic_body()))
-        return self._transform.failed(error.message, error.anthropic_type)
+            return encode("error", orjson.dumps(body))
+        # Anthropic's own words (a context error's "prompt is too long: ..."), not OpenAI's.
+        return self._transform.failed(body["error"]["message"], body["error"]["type"])
 
     async def native_mode(self, fwd: Attempt) -> bool:
         """Whether this slot's upstream is sent the request as it is (asked under the lease: an

@@ -12,9 +12,13 @@ from typing import Any
 
 from aiohttp import web
 
-from hal0d.errors import upstream_status
+from hal0d.errors import ErrorCode, upstream_status
 from hal0d.lifecycle.turns import ANONYMOUS
 from hal0d.protocol.usage import cached_tokens, with_timings
+
+# What an upstream's error status can be read as, its body said why: a 400 that is its context
+# error is recorded as context_exceeded, as hal0d's own refusal of such a prompt is.
+READ_IN_BODY = frozenset({ErrorCode.CONTEXT_EXCEEDED})
 
 
 @dataclass(slots=True)
@@ -55,8 +59,11 @@ class RequestInfo:
     failover: str | None = None
 
     def fail(self, error_code: str) -> None:
+        """The request ended badly: its first cause is the one kept, except that an upstream's
+        error status, a bare number, gives way to what hal0d read in its body (READ_IN_BODY)."""
         self.ok = False
-        if self.error_code is None:
+        if self.error_code is None or (error_code in READ_IN_BODY
+                                       and self.error_code.startswith(ErrorCode.UPSTREAM_STATUS)):
             self.error_code = error_code
 
     def upstream_status(self, status: int) -> None:
