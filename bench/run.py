@@ -28,6 +28,7 @@ import orjson
 
 from bench import (
     client,
+    context,
     failover,
     inprocess,
     keepalive,
@@ -410,6 +411,8 @@ async def measure(run: Run, peers: bool, profile: bool, sections: set[str],
             await warm.measure(run, procset, say, baseline=baseline)
         if "placement" in sections:
             await placement.measure(run, procset, say)
+        if "context" in sections:
+            await context.measure(run, procset, say)
         if "router" in sections:
             await router.measure(run, procset, say)
         if profile:
@@ -650,6 +653,7 @@ def build_rows(run: Run) -> list[dict[str, Any]]:
     rows.extend(swaps.rows(run))
     rows.extend(warm.rows(run))
     rows.extend(placement.rows(run))
+    rows.extend(context.rows(run))
     rows.extend(router_rows.rows(run))
     return rows
 
@@ -723,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="py-spy hal0d during long streams; writes bench/results/profile*")
     parser.add_argument("--sections",
                         default="latency,throughput,anthropic,paced,memory,lifecycle,failover,"
-                        "keepalive,swaps,warm,placement",
+                        "keepalive,swaps,warm,placement,context",
                         help="comma-separated subset of the default, or `router` (not in the "
                         "default: `make bench-router`, ~11 min on llama-server)")
     parser.add_argument("--uvloop", action="store_true",

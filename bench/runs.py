@@ -45,6 +45,8 @@ class Plan:
     # notes (~1,000 prompt tokens with the chat template)
     router_s: float = 75.0
     router_note_words: int = 960
+    # context: chat completions of each kind (bench/context.py)
+    context_requests: int = 500
 
     @classmethod
     def quick(cls) -> Plan:
@@ -54,7 +56,8 @@ class Plan:
                    litellm_rounds=2, translator_chunks=5000, memory_streams=200,
                    memory_chunks=24, paced_streams=50, paced_chunks=100, paced_window_s=1.0,
                    paced_rounds=1, keepalive_load_s=12.0, keepalive_read_timeout_s=4.0,
-                   keepalive_s=2.0, router_s=20.0, router_note_words=300)
+                   keepalive_s=2.0, router_s=20.0, router_note_words=300,
+                   context_requests=100)
 
 
 @dataclass
