@@ -88,7 +88,7 @@ async def dispatch_context(app: web.Application) -> AsyncIterator[None]:
                         tokens=TokenCounter(upstreams), anthropic_modes=AnthropicModes(),
                         responses_modes=ResponsesModes(), streams=set(),
                         on_failover=recorder.prom.failover, on_keepalive=recorder.prom.keepalive,
-                        placement=placement, contexts=(contexts := Contexts(table, upstreams)))
+                        placement=placement, contexts=Contexts(table, upstreams))
     app[DISPATCH] = dispatch
     lifecycle = LifecycleManager(table, config.slots, upstreams, groups=config.groups,
                                  end_streams=dispatch.end_streams, warmth=affinity,
@@ -111,7 +111,6 @@ async def dispatch_context(app: web.Application) -> AsyncIterator[None]:
         await remote.close()
         await lifecycle.stop()
     finally:
-        await contexts.props.close()
         await upstreams.close()
 
 

@@ -146,6 +146,7 @@ async def test_api_slots_lists_every_slot_with_state_capacity_and_the_error_reas
         "load": None,  # a load's phase while one is under way
         "conversations_warm": 0,  # none served yet
         "prompt_cache": None,  # a slot hal0d does not start saves no caches
+        "context": None,  # no context key, and its server was never asked (docs/contexts.md)
     }
     assert gone["state"] == "error"
     assert "cannot connect" in gone["reason"]

@@ -9,8 +9,9 @@
               library's `context`, at most what the model was trained for)
     unknown   none of these: nothing is guarded, the server's own error is mapped
 
-Asking the server costs the first request of each run of a process one GET (bounded by
-props.PROPS_TIMEOUT_S); every later one, a dict lookup.
+Asking a server hal0d runs costs the first request of each run of its process one GET (two on
+vLLM, bounded by props.PROPS_TIMEOUT_S); every later one, a dict lookup. A server hal0d does not
+run is asked only by the model lists (Ollama's /api/show, /api/tags, /api/ps), as before.
 """
 
 from __future__ import annotations
@@ -50,14 +51,14 @@ class Contexts:
 
     async def of(self, config: SlotConfig) -> Context | None:
         """The slot's context; a server hal0d runs asked when it is up and was not asked yet
-        (once per run of its process), a server it does not run asked in the background (its
-        retries never on a request's way)."""
+        (once per run of its process). A server it does not run is not asked on a request's
+        way (a remote provider is sent nothing but requests): what the model lists learnt of
+        it stands."""
         if config.context:
             return Context(config.context, CONFIG)
-        live = self.slots.get(config.name)
-        if config.command or live is None or live.state not in UP:
-            return self.from_server(await self.server_props(config), config)
-        return self.from_server(self.props.now(self.upstreams, config, live.generation), config)
+        if not config.command:
+            return self.known(config)
+        return self.from_server(await self.server_props(config), config)
 
     def known(self, config: SlotConfig) -> Context | None:
         """The slot's context by what is known now, nothing asked (the operator's views)."""

@@ -58,7 +58,6 @@ class UpstreamProps:
         # that led there (the next failure's is twice as long).
         self._retry: dict[str, tuple[Process, float, float]] = {}
         self._asking: dict[str, asyncio.Lock] = {}
-        self._soon: dict[str, asyncio.Task[None]] = {}  # now()'s asks, under way
 
     async def of(self, client: UpstreamClient, slot: SlotConfig,
                  generation: int) -> dict[str, Any] | None:
@@ -83,32 +82,6 @@ class UpstreamProps:
                 self._retry.pop(slot.name, None)
             self._known[slot.name] = (process, props)
             return props
-
-    def now(self, client: UpstreamClient, slot: SlotConfig,
-            generation: int) -> dict[str, Any] | None:
-        """What is known now, nothing awaited: this process's answer when it was asked, else
-        the last process's while this one is asked in the background (a request's way never
-        waits on a remote server's self-description, nor on its retries)."""
-        process: Process = (slot.upstream, slot.command, generation)
-        if (held := self._held(slot, process)) is not None:
-            return held[0]
-        if slot.name not in self._soon:
-            task = asyncio.get_running_loop().create_task(self._ask_soon(client, slot, generation))
-            self._soon[slot.name] = task
-            task.add_done_callback(lambda _: self._soon.pop(slot.name, None))
-        return self.last(slot)
-
-    async def _ask_soon(self, client: UpstreamClient, slot: SlotConfig, generation: int) -> None:
-        try:
-            await self.of(client, slot, generation)
-        except Exception as exc:  # the session closed under it at shutdown: nothing to keep
-            log.debug("upstream.props_unasked", slot=slot.name, error=repr(exc))
-
-    async def close(self) -> None:
-        """The background asks cancelled (hal0d stops)."""
-        for task in list(self._soon.values()):
-            task.cancel()
-        await asyncio.gather(*self._soon.values(), return_exceptions=True)
 
     def _held(self, slot: SlotConfig, process: Process
               ) -> tuple[dict[str, Any] | None] | None:
