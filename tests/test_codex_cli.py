@@ -24,6 +24,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from hal0d_stub.app import CONTENT_TEXT, SHELL_ANSWER, SHELL_OUTPUT, make_stub_app
+from hal0d_stub.slots import SlotOptions
 from tests.harness.ports import free_port
 from tests.harness.stubs import Stub
 
@@ -47,7 +48,11 @@ def codex_binary() -> str:
 @pytest.fixture
 async def hal0d(aiohttp_server: Any, start_hal0d: Any, tmp_path: Path) -> TestServer:
     log = tmp_path / f"stub-{free_port()}.log"
-    stub = Stub(await aiohttp_server(make_stub_app(log, 0.001, chat_only=True)), log)
+    # Codex's instructions and tools are thousands of words: a context to hold them, as an
+    # agent's model has (the stub's default, 4096 of its word tokens, refuses them).
+    options = SlotOptions(ctx_size=1 << 18)
+    stub = Stub(await aiohttp_server(make_stub_app(log, 0.001, chat_only=True,
+                                                   slot_options=options)), log)
     return await start_hal0d(stub.url, slot={"responses": "translate"})
 
 

@@ -79,5 +79,5 @@ def test_check_config_names_a_bad_ollama_listen() -> None:
     try:
         parse({"ollama": {"port": 1}})
     except ConfigError as exc:
-        assert exc.problems == ["ollama.port: unknown key (known: listen, anonymous)"]
+        assert exc.problems == ["ollama.port: unknown key (known: listen, truncate, anonymous)"]
     assert parse({"ollama": {"listen": "[::1]:11434"}}).ollama.address == ("::1", 11434)

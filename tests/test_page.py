@@ -34,6 +34,7 @@ from tests.harness.page import (
     require_chromium,
     route_config_text,
     screenshot,
+    serving_text,
     until,
 )
 from tests.harness.poll import eventually_sync
@@ -44,15 +45,8 @@ from selenium.webdriver.common.by import By  # noqa: E402
 
 
 def serve(tmp: Path, *, keys: bool = False) -> Iterator[Hal0dPopen]:
-    port = free_port()
-    config = tmp / "hal0d.toml"
-    config.write_text(page_config_text(port, tmp, keys=keys))
-    daemon = Hal0dPopen(port, config, tmp / "hal0d.out")
-    daemon.start()
-    try:
+    with serving_text(tmp, lambda port: page_config_text(port, tmp, keys=keys)) as daemon:
         yield daemon
-    finally:
-        daemon.stop()
 
 
 @pytest.fixture

@@ -8,12 +8,11 @@ that fails is one line; and a hal0d that reads no devices shows no section at al
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +21,14 @@ import pytest
 from tests.harness.daemons import Hal0dPopen
 from tests.harness.gpu_box import devices_command
 from tests.harness.gpu_page import BoxSlot, gpu_page_daemon, make_gpu_box
-from tests.harness.page import console_errors, page_config_text, require_chromium, screenshot, until
-from tests.harness.ports import free_port
+from tests.harness.page import (
+    console_errors,
+    page_config_text,
+    require_chromium,
+    screenshot,
+    serving_text,
+    until,
+)
 
 require_chromium()
 
@@ -104,20 +109,6 @@ def plain(tmp_path: Path) -> Iterator[Hal0dPopen]:
     """The page tests' own hal0d (tests/harness/page.py), with no [devices]."""
     with serving_text(tmp_path, lambda port: page_config_text(port, tmp_path, keys=False)) as it:
         yield it
-
-
-@contextlib.contextmanager
-def serving_text(tmp: Path, text: Callable[[int], str]) -> Iterator[Hal0dPopen]:
-    """`hal0d serve` on the config `text(port)`, stopped when the block ends."""
-    port = free_port()
-    config = tmp / "hal0d.toml"
-    config.write_text(text(port))
-    daemon = Hal0dPopen(port, config, tmp / "hal0d.out")
-    daemon.start()
-    try:
-        yield daemon
-    finally:
-        daemon.stop()
 
 
 def api_devices(daemon: Hal0dPopen) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from hal0d_stub.device import make_box
 from tests.harness.daemons import Hal0dPopen
 from tests.harness.gpu_box import MODEL, devices_command
-from tests.harness.page import page_daemon_text
+from tests.harness.page import page_daemon_text, serving_text
 from tests.harness.ports import free_port
 
 READ_INTERVAL_S = 1.0  # the box read every second: a load shows at the page's next read
@@ -72,13 +72,6 @@ def gpu_page_daemon(tmp: Path, box: Path, slots: Iterable[BoxSlot], *, margin_mi
                     start: str = "always") -> Iterator[Hal0dPopen]:
     """`hal0d serve` on gpu_page_config_text's config, stopped (and its slots with it) when the
     block ends."""
-    port = free_port()
-    config = tmp / "hal0d.toml"
-    config.write_text(gpu_page_config_text(port, tmp, box, slots, margin_mib=margin_mib,
-                                           start=start))
-    daemon = Hal0dPopen(port, config, tmp / "hal0d.out")
-    daemon.start()
-    try:
+    with serving_text(tmp, lambda port: gpu_page_config_text(
+            port, tmp, box, slots, margin_mib=margin_mib, start=start)) as daemon:
         yield daemon
-    finally:
-        daemon.stop()

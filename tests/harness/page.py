@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from tests.harness.daemons import Hal0dPopen
 from tests.harness.poll import eventually_sync
 from tests.harness.ports import free_port
 
@@ -135,3 +136,18 @@ def until(what: str, check: Callable[[], T], timeout: float = 2.0) -> T:
     """The truthy value of `check` within `timeout` seconds (what the page promises): the one
     poller, told what it waits for first, as a page test reads."""
     return eventually_sync(check, timeout, what)
+
+
+@contextlib.contextmanager
+def serving_text(tmp: Path, text: Callable[[int], str]) -> Iterator[Hal0dPopen]:
+    """`hal0d serve` on the config `text(port)` (its port picked here), stopped when the block
+    ends."""
+    port = free_port()
+    config = tmp / "hal0d.toml"
+    config.write_text(text(port))
+    daemon = Hal0dPopen(port, config, tmp / "hal0d.out")
+    daemon.start()
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
