@@ -276,12 +276,3 @@ def test_a_device_shows_gtt_every_holder_and_a_gap_where_reads_failed(
     assert shown["lines"] == 2  # broken where five minutes of reads are missing
     assert shown["margin"]["share"] == pytest.approx(1024 / 16384, abs=0.01)
     assert console_errors(browser) == []
-
-
-def test_make_screenshot_photographs_the_devices_of_a_simulated_two_gpu_box(
-    tmp_path: Path
-) -> None:
-    from tests import screenshot as target
-
-    made = target.make_devices(tmp_path / "page-devices.png", pace_s=0.5)
-    assert made.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and made.stat().st_size > 10_000
