@@ -112,7 +112,9 @@ async def relay(  # long: the per-chunk loop is written out, not called (the doc
         try:
             await response.write_eof()
         except ConnectionResetError:
-            raise _ClientGone from None
+            # The client left after the answer's last byte, before the chunked framing's end
+            # (the openai SDK closes its response on `data: [DONE]`): it has the whole answer.
+            pass
     except _ClientGone:
         upstream.close()
         outcome.ok = False
