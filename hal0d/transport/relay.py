@@ -113,7 +113,7 @@ async def relay(  # long: the per-chunk loop is written out, not called (the doc
             await response.write_eof()
         except ConnectionResetError:
             # The client left after the answer's last byte, before the chunked framing's end
-            # (the openai SDK closes its response on `data: [DONE]`): it has the whole answer.
+            # (the openai SDK closes its response on its stream's end mark): it has the whole answer.
             pass
     except _ClientGone:
         upstream.close()
