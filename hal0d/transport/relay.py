@@ -12,6 +12,7 @@ the upstream response in its `finally`, which is what stops an orphaned generati
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -109,12 +110,10 @@ async def relay(  # long: the per-chunk loop is written out, not called (the doc
         upstream_answered()
         if last:
             await _write(response, last)
-        try:
+        # A client that leaves after the answer's last byte, before the chunked framing's end
+        # (the openai SDK closes its response on its stream's end mark), has the whole answer.
+        with contextlib.suppress(ConnectionResetError):
             await response.write_eof()
-        except ConnectionResetError:
-            # The client left after the answer's last byte, before the chunked framing's end
-            # (the openai SDK closes its response on its stream's end mark): it has the whole answer.
-            pass
     except _ClientGone:
         upstream.close()
         outcome.ok = False
