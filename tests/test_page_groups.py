@@ -23,6 +23,7 @@ from tests.harness.page import (
     page_daemon_text,
     require_chromium,
     screenshot,
+    serving_text,
     until,
 )
 from tests.harness.ports import free_port
@@ -55,15 +56,8 @@ max_wait_s = 2.0
 
 @pytest.fixture
 def grouped(tmp_path: Path) -> Iterator[Hal0dPopen]:
-    port = free_port()
-    config = tmp_path / "hal0d.toml"
-    config.write_text(groups_config_text(port, tmp_path))
-    daemon = Hal0dPopen(port, config, tmp_path / "hal0d.out")
-    daemon.start()
-    try:
+    with serving_text(tmp_path, lambda port: groups_config_text(port, tmp_path)) as daemon:
         yield daemon
-    finally:
-        daemon.stop()
 
 
 def group_card(browser: Any, name: str) -> dict[str, Any] | None:

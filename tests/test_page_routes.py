@@ -18,6 +18,7 @@ from tests.harness.page import (
     require_chromium,
     route_config_text,
     screenshot,
+    serving_text,
     until,
 )
 from tests.harness.ports import free_port
@@ -29,16 +30,10 @@ require_chromium()
 def routed(tmp_path: Path) -> Iterator[Hal0dPopen]:
     """test_page's daemon, with a slot where nothing listens (`gone`: in error once probed)
     and the route `either` over it and the on-demand slot (at rest)."""
-    port = free_port()
-    config = tmp_path / "hal0d.toml"
-    config.write_text(route_config_text(port, tmp_path, f"http://127.0.0.1:{free_port()}",
-                                        "ondemand", "think-only"))
-    daemon = Hal0dPopen(port, config, tmp_path / "hal0d.out")
-    daemon.start()
-    try:
+    gone = f"http://127.0.0.1:{free_port()}"
+    with serving_text(tmp_path, lambda port: route_config_text(
+            port, tmp_path, gone, "ondemand", "think-only")) as daemon:
         yield daemon
-    finally:
-        daemon.stop()
 
 
 def route_card(browser: Any, model: str) -> dict[str, Any] | None:

@@ -197,15 +197,17 @@ def test_check_config_names_a_model_that_can_never_fit_on_the_devices(tmp_path: 
 async def test_a_model_goes_back_to_the_gpu_its_last_process_was_on(
         tmp_path: Path, http: aiohttp.ClientSession) -> None:
     """m12 is placed on device 1 while a desktop fills device 0; the desktop leaves, m12 is
-    unloaded and asked for again: it goes back to device 1 (measured there, where the process
-    that saved its caches ran), though device 0 now has the more free memory."""
+    unloaded (its prompt cache saved) and asked for again: it goes back to device 1, where the
+    process that saved its cache ran, though device 0 now has the more free memory, and its
+    cache is restored there."""
     state = tmp_path / "box.json"
     make_box(state, [24 * GIB, 24 * GIB])
     assert (await run_devices(state, "--take", "20000", "--device", "0"))[0] == 0
     port = free_port()
     config = tmp_path / "hal0d.toml"
-    config.write_text(box_config(port, state, tmp_path,
-                                 box_slot("m12", "m12", state, 12 * GIB, 12 * GIB)))
+    config.write_text(box_config(port, state, tmp_path, box_slot(
+        "m12", "m12", state, 12 * GIB, 12 * GIB, "--slot-save-path", "{prompt_cache_dir}",
+        keys='prompt_cache = "save"\n')))
     async with serving(config, port) as hal0d:
         # Sharing the box, its requests may wait a turn there beyond the load's own bound.
         async with http.get(f"{hal0d.url}/api/slots") as resp:
@@ -219,5 +221,9 @@ async def test_a_model_goes_back_to_the_gpu_its_last_process_was_on(
         assert (await ask(http, hal0d.url, "m12"))[0] == 200
         whys = [line["why"] for line in hal0d.named("slot.placed")]
         assert placed(hal0d, "m12") == [[1], [1]], whys
+        saved = hal0d.named("slot.cache_saved")
+        restored = hal0d.named("slot.cache_restored")
+        assert saved and saved[0]["files"] >= 1, saved
+        assert restored and restored[0]["files"] == saved[0]["files"], restored
         assert whys[1] == ("device 1: 12288 MiB fit with 512 MiB to spare, where its last "
                            "process was"), whys

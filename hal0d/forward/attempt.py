@@ -27,7 +27,7 @@ from hal0d.errors import (
     UpstreamInvalid,
     UpstreamUnavailable,
 )
-from hal0d.forward.context_guard import ContextNeed, Fit, measure, refusal, shortened
+from hal0d.forward.context_guard import ContextNeed, measure, refusal, shortened
 from hal0d.forward.contexts import Contexts
 from hal0d.forward.exchange import Answer, Call, Exchange, upstream_refusal
 from hal0d.forward.keepalive import Waiting
@@ -195,15 +195,14 @@ class Forward:
         if contexts is None:
             return
         live = self.dispatch.slots.get(self.slot.name)
-
-        async def measured() -> Fit:
-            return await measure(need, contexts, self.dispatch.tokens, self.slot,
-                                 up=live is not None and live.state in UP,
-                                 busy=live is not None and live.in_flight > 0)
-
-        fit = await measured()
+        up = live is not None and live.state in UP
+        busy = live is not None and live.in_flight > 0
+        tokens = self.dispatch.tokens
+        fit = await measure(need, contexts, tokens, self.slot, up=up, busy=busy)
         if not fit.fits and not self.hands_on and need.drop_oldest is not None:
-            fit = await shortened(need, fit, measured)  # Ollama's: the oldest messages go
+            # Ollama's: the oldest messages go, each cut measured again.
+            fit = await shortened(need, fit, lambda: measure(need, contexts, tokens, self.slot,
+                                                             up=up, busy=busy))
         if fit.counted is not None:
             self.info.prompt_tokens = fit.counted
         if fit.fits or fit.context is None:

@@ -23,7 +23,7 @@ The count is recorded as the request's prompt_tokens; a refusal as error_code
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -129,7 +129,8 @@ async def measure(need: ContextNeed, contexts: Contexts, tokens: TokenCounter,
 SHORTEN_ROUNDS: Final = 4
 
 
-async def shortened(need: ContextNeed, fit: Fit, measure_again: Callable[[], Any]) -> Fit:
+async def shortened(need: ContextNeed, fit: Fit,
+                    measure_again: Callable[[], Awaitable[Fit]]) -> Fit:
     """Ollama's way with a conversation past the context: its oldest messages dropped (the
     system prompt and the newest kept) until it fits, measured again after each cut; the last
     measure (not fitting when even that could not make it fit)."""

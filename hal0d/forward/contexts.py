@@ -17,7 +17,6 @@ run is asked only by the model lists (Ollama's /api/show, /api/tags, /api/ps), a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
 
 from hal0d.config import SlotConfig
 from hal0d.lifecycle.table import SlotTable
@@ -27,7 +26,6 @@ from hal0d.transport.props import UpstreamProps
 from hal0d.transport.upstream import UpstreamClient
 
 CONFIG, SERVER, GGUF = "config", "server", "gguf"
-SOURCES: Final = (CONFIG, SERVER, GGUF)
 
 
 @dataclass(frozen=True, slots=True)
