@@ -25,6 +25,7 @@ from hal0d.appkeys import (
     RECORDER,
     RESPONSE_OWNERS,
     RUNTIME,
+    SHARE_BOOK,
     SURFACES,
 )
 from hal0d.config import Config
@@ -34,7 +35,7 @@ from hal0d.front import access
 from hal0d.front.access import listener_port
 from hal0d.front.heads import HeadWatch
 from hal0d.front.surfaces import ANTHROPIC, HAL0D, OLLAMA, OPENAI, Handler, Surface, Surfaces
-from hal0d.handlers import admin, anthropic, openai, page, responses, timeline
+from hal0d.handlers import admin, anthropic, keys, openai, page, responses, timeline
 from hal0d.handlers import ollama as ollama_handlers
 from hal0d.keys import KEY, KeyLimits
 from hal0d.logs import get_logger
@@ -43,6 +44,7 @@ from hal0d.observability.recorder import UNLOGGED_PATHS, done_fields, record_of
 from hal0d.observability.requestinfo import INFO, RequestInfo
 from hal0d.response_owners import ResponseOwners
 from hal0d.routing import Runtime, RuntimeRef
+from hal0d.shares.book import ShareBook
 
 log = get_logger()
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -196,9 +198,11 @@ def finish(request: web.Request, info: RequestInfo, surface: Surface) -> None:
     here costs this request's line or record, never its answer nor any other request's."""
     method, path = request.method, request.path
     try:
+        recorder = request.app.get(RECORDER) if surface.is_model_call(request) else None
+        if recorder is not None:
+            recorder.charge(info, request.get(KEY), request.content_length)
         record = record_of(info)
-        recorder = request.app.get(RECORDER)
-        if recorder is not None and surface.is_model_call(request):
+        if recorder is not None:
             recorder.record(info, record)
         if path not in UNLOGGED_PATHS:
             log.info("request.done", method=method, path=path, **done_fields(record))
@@ -263,6 +267,8 @@ def make_app(config: Config) -> web.Application:
     app.on_shutdown.append(close_events)
     app[RESPONSE_OWNERS] = ResponseOwners()
     app[KEY_LIMITS] = KeyLimits()
+    app[SHARE_BOOK] = ShareBook(config.dispatcher.share_window_s,
+                                config.dispatcher.batch_max_wait_s)
     app[OLLAMA_OPTIONS_LOGGED] = set()
     ollama_address = config.ollama.address
     app[SURFACES] = Surfaces(ollama_address[1] if ollama_address is not None else None)
@@ -314,6 +320,7 @@ def add_routes(router: web.UrlDispatcher, surfaces: Surfaces) -> None:
         (POST, "/api/library/rescan", admin.rescan_library),
         (GET, "/api/events", admin.events),
         (GET, "/api/requests", admin.requests),
+        (GET, "/api/keys", keys.keys),
         (GET, "/api/timeline", timeline.timeline),
         (GET, "/metrics", admin.prometheus),
     ])

@@ -17,6 +17,7 @@ from hal0d.keys import KeyLimits
 from hal0d.lifecycle.table import SlotTable
 from hal0d.response_owners import ResponseOwners
 from hal0d.routing import RuntimeRef
+from hal0d.shares.book import ShareBook
 
 if TYPE_CHECKING:
     from hal0d.devices import Devices
@@ -47,6 +48,9 @@ RESPONSE_OWNERS = web.AppKey("response_owners", ResponseOwners)
 # What each named key is doing now (its model calls in flight and of the last minute): one for
 # the process, so a reload keeps the counts.
 KEY_LIMITS = web.AppKey("key_limits", KeyLimits)
+# The tokens each key used lately, which the slots' queues weigh keys by (hal0d/shares): one for
+# the process, charged when a request ends.
+SHARE_BOOK = web.AppKey("share_book", ShareBook)
 # Each route's surface (its error envelope, its key scope, whether it is a model call), and the
 # Ollama listener's port when it is on: what the lifecycle middleware asks of a request's route.
 SURFACES = web.AppKey("surfaces", Surfaces)

@@ -20,10 +20,12 @@ from hal0d.appkeys import (
     DISPATCH,
     EVENTS,
     HEADS,
+    KEY_LIMITS,
     LIFECYCLE,
     OLLAMA_MODELS,
     RECORDER,
     RUNTIME,
+    SHARE_BOOK,
     SLOTS,
     VIEWS,
 )
@@ -43,6 +45,7 @@ from hal0d.observability.events import SlotFeed, SlotViews
 from hal0d.observability.history import HistoryWriter
 from hal0d.observability.recorder import Recorder
 from hal0d.observability.timeline import FreeMemory, LifecycleLog, Timeline
+from hal0d.shares.quotas import DAY, HOUR, LocalCounts, TokenCounts, window_of
 from hal0d.transport.tokens import TokenCounter
 from hal0d.transport.upstream import UpstreamClient
 
@@ -53,6 +56,8 @@ async def recorder_context(app: web.Application) -> AsyncIterator[None]:
     history = HistoryWriter(config.database_path(), retention_days=config.metrics.retention_days)
     await history.start()
     recorder = Recorder(history, config.metrics.ttft_samples)
+    recorder.book, recorder.counts = app[SHARE_BOOK], app[KEY_LIMITS].counts
+    await seed_quotas(history, app[KEY_LIMITS].counts)
 
     def restarts() -> dict[str, int]:
         lifecycle = app.get(LIFECYCLE)
@@ -71,6 +76,17 @@ async def recorder_context(app: web.Application) -> AsyncIterator[None]:
     await history.close()
 
 
+async def seed_quotas(history: HistoryWriter, counts: TokenCounts) -> None:
+    """hal0d's own quota counts (shares/quotas.LocalCounts) start from what the history says
+    each key used this hour and today: a restart forgets nothing."""
+    if not isinstance(counts, LocalCounts):
+        return  # a shared store keeps its own
+    now = time.time()
+    for per in (HOUR, DAY):
+        start = window_of(per, now)[0]
+        counts.seed(per, start, await history.charged_since(start))
+
+
 async def dispatch_context(app: web.Application) -> AsyncIterator[None]:
     """The one upstream client, the slot table, the lifecycle manager of its slots, the
     followers of other hal0d boxes' states, and the Dispatch the forward path is handed; on
@@ -78,7 +94,7 @@ async def dispatch_context(app: web.Application) -> AsyncIterator[None]:
     closes (the probes use it to the end)."""
     config = app[RUNTIME].current.config
     upstreams = UpstreamClient.create(config.dispatcher)
-    table = SlotTable(config.slots)
+    table = SlotTable(config.slots, app[SHARE_BOOK])
     app[SLOTS] = table
     recorder = app[RECORDER]  # recorder_context runs first (make_app's order)
     remote = RemoteModels(upstreams)

@@ -12,6 +12,7 @@ below; on the Ollama API every one is Ollama's `{"error": message}` with the sam
      ├── PayloadTooLarge           413     invalid_request_error / request.too_large request_too_large
      ├── QueueFull                 429     rate_limit_error / slot.queue_full       rate_limit_error
      ├── KeyLimited                429     rate_limit_error / access.key_limited    rate_limit_error
+     │    └── QuotaExceeded        429     insufficient_quota / access.quota_exceeded  rate_limit_error
      ├── SlotLoading               503     slot_loading / slot.loading              overloaded_error
      ├── SlotLoadFailed            503     slot_load_failed / slot.load_failed      overloaded_error
      ├── FdExhausted               503     server_overloaded / server.fd_exhausted  overloaded_error
@@ -67,6 +68,7 @@ class ErrorCode(StrEnum):
     TOO_LARGE = "too_large"
     QUEUE_FULL = "queue_full"
     KEY_LIMITED = "key_limited"
+    QUOTA_EXCEEDED = "quota_exceeded"  # a key past its tokens_per_hour or tokens_per_day
     LOADING = "loading"
     LOAD_FAILED = "load_failed"
     FD_EXHAUSTED = "fd_exhausted"
@@ -236,6 +238,16 @@ class KeyLimited(Hal0Error):
     code = "access.key_limited"
     error_code = ErrorCode.KEY_LIMITED
     anthropic_type = "rate_limit_error"
+
+
+class QuotaExceeded(KeyLimited):
+    """The request's key used its tokens_per_hour or tokens_per_day ([[keys]]): Retry-After is
+    when that window resets (OpenAI's own type for a used-up quota; its SDKs raise their rate
+    limit error on the 429)."""
+
+    openai_type = "insufficient_quota"
+    code = "access.quota_exceeded"
+    error_code = ErrorCode.QUOTA_EXCEEDED
 
 
 class SlotLoading(Hal0Error):

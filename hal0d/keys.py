@@ -7,7 +7,8 @@ decides the scope it needs:
 
     inference   /v1/*, /llm/*                         (a model call, the model list)
     read        GET /api/*, /api/events, /metrics     (/metrics only with protect_metrics)
-    admin       POST /api/slots/{name}/load|unload    (and any other non-GET under /api/)
+    admin       POST /api/slots/{name}/load|unload    (and any other non-GET under /api/),
+                GET /api/keys                         (every key's use)
 
 On the Ollama listener ([ollama] listen) every route is a model's (`inference`) but `/` and
 /api/version, which Ollama clients ask to see that a server is there.
@@ -22,7 +23,9 @@ and the page asks for a key before it reads /api/.
 
 A key's limits count its model calls alone: `max_concurrent` those in hal0d at once (queued or
 being answered, across slots), `requests_per_minute` those begun in the last 60 s (a sliding
-window, bounded by the limit itself). The page's polls are never throttled.
+window, bounded by the limit itself), `tokens_per_hour` and `tokens_per_day` the tokens its
+answers used (shares/quotas.py). The page's polls are never throttled. A key's share of the box
+(its class and weight, hal0d/shares) is what its requests carry into the slots' queues.
 
 Keys are compared in constant time: the presented key is compared with every accepted one by
 hmac.compare_digest, without an early exit.
@@ -43,8 +46,18 @@ from typing import Final
 
 from aiohttp import hdrs, web
 
-from hal0d.config import ANONYMOUS, KEY_SCOPES, AnonymousConfig, Config, Network, networks_of
+from hal0d.config import (
+    ANONYMOUS,
+    KEY_SCOPES,
+    AnonymousConfig,
+    Config,
+    KeyConfig,
+    Network,
+    networks_of,
+)
 from hal0d.errors import Forbidden, KeyLimited
+from hal0d.shares import BATCH, DEFAULT_SHARE, Share
+from hal0d.shares.quotas import DAY, HOUR, LocalCounts, Quota, TokenCounts, check
 
 INFERENCE, READ, ADMIN = KEY_SCOPES
 EVERY_SCOPE: Final = frozenset(KEY_SCOPES)
@@ -62,10 +75,13 @@ class Key:
     requests_per_minute: int | None = None
     # A listener's access for requests without a key (named ANONYMOUS), not a presented key.
     anonymous: bool = False
+    share: Share = DEFAULT_SHARE
+    quotas: tuple[Quota, ...] = ()
 
     @property
     def limited(self) -> bool:
-        return self.max_concurrent is not None or self.requests_per_minute is not None
+        return (self.max_concurrent is not None or self.requests_per_minute is not None
+                or bool(self.quotas))
 
     def may_use(self, model: str) -> bool:
         """Whether a glob of the key matches `model`, a served model: the one a request's name
@@ -93,6 +109,9 @@ def scope_of(method: str, path: str, protect_metrics: bool) -> str | None:
     if path.startswith(("/v1/", "/llm/")):
         return INFERENCE
     if path.startswith("/api/"):
+        # Which keys there are and what each uses is the operator's to see.
+        if path == "/api/keys":
+            return ADMIN
         return READ if method in (hdrs.METH_GET, hdrs.METH_HEAD) else ADMIN
     if path == "/metrics" and protect_metrics:
         return READ
@@ -122,6 +141,18 @@ def source_address(remote: str | None) -> IPAddress | None:
     return address
 
 
+def share_of(name: str, table: KeyConfig | AnonymousConfig) -> Share:
+    """The share a key's (or a listener's anonymous) table gives its requests."""
+    if table.service_class != BATCH and table.weight == 1.0:
+        return Share(name)
+    return Share(name, table.service_class == BATCH, table.weight)
+
+
+def quotas_of(table: KeyConfig | AnonymousConfig) -> tuple[Quota, ...]:
+    return tuple(Quota(per, tokens) for per, tokens in (
+        (HOUR, table.tokens_per_hour), (DAY, table.tokens_per_day)) if tokens is not None)
+
+
 @dataclass(frozen=True, slots=True)
 class Anonymous:
     """A listener's access for requests without a key: the Key they are judged by, and the
@@ -134,7 +165,8 @@ class Anonymous:
     def of(cls, table: AnonymousConfig | None) -> Anonymous | None:
         if table is None:
             return None
-        key = Key(ANONYMOUS, frozenset(table.scopes), table.models, anonymous=True)
+        key = Key(ANONYMOUS, frozenset(table.scopes), table.models, anonymous=True,
+                  share=share_of(ANONYMOUS, table), quotas=quotas_of(table))
         return cls(key, networks_of(table))
 
     def admits(self, remote: str | None) -> bool:
@@ -152,7 +184,8 @@ class KeyRing:
         ]
         for entry in config.keys:
             key = Key(entry.name, frozenset(entry.scopes), entry.models, entry.max_concurrent,
-                      entry.requests_per_minute)
+                      entry.requests_per_minute, share=share_of(entry.name, entry),
+                      quotas=quotas_of(entry))
             self._secrets.append((entry.secret.encode(), key))
         self.names: tuple[str, ...] = tuple(entry.name for entry in config.keys)
         self._server_anonymous = Anonymous.of(config.server.anonymous)
@@ -162,6 +195,13 @@ class KeyRing:
 
     def __bool__(self) -> bool:
         return bool(self._secrets)
+
+    def named(self) -> list[Key]:
+        """Every key with a name, in config order, then the anonymous access (one account for
+        both listeners: [server]'s table shown when both have one)."""
+        found = [key for _, key in self._secrets if key.name is not None]
+        anonymous = self._server_anonymous or self._ollama_anonymous
+        return found + ([anonymous.key] if anonymous is not None else [])
 
     def anonymous_on(self, port: int | None) -> Anonymous | None:
         """The access without a key of the listener on `port` (the Ollama listener's port is
@@ -185,9 +225,11 @@ class KeyLimits:
     of the last minute. One for the process: a reload keeps the counts (a request begun before
     it still counts), and a key's new limits apply from its next request."""
 
-    def __init__(self) -> None:
+    def __init__(self, counts: TokenCounts | None = None) -> None:
         self._in_flight: dict[str, int] = {}
         self._begun: dict[str, deque[float]] = {}
+        # Each key's tokens this hour and today (shares/quotas.py): its quotas are read here.
+        self.counts: TokenCounts = counts if counts is not None else LocalCounts()
 
     def in_flight(self, name: str) -> int:
         return self._in_flight.get(name, 0)
@@ -195,13 +237,14 @@ class KeyLimits:
     @contextmanager
     def admitted(self, key: Key | None) -> Iterator[None]:
         """Counts one model call of `key` while the block runs; KeyLimited (429, with
-        Retry-After) when the key is at one of its limits. None, or a key without limits,
-        passes and is not counted."""
-        name = key.name if key is not None and key.limited else None
+        Retry-After) when the key is at one of its limits. None, or a key without a name (an
+        api_keys key), passes and is not counted."""
+        name = key.name if key is not None else None
         if key is None or name is None:
             yield
             return
-        self._admit(key, name)
+        if key.limited:
+            self._admit(key, name)
         self._in_flight[name] = self._in_flight.get(name, 0) + 1
         try:
             yield
@@ -213,6 +256,8 @@ class KeyLimits:
                 del self._in_flight[name]
 
     def _admit(self, key: Key, name: str) -> None:
+        if key.quotas:
+            check(name, key.quotas, self.counts)
         if key.max_concurrent is not None and self.in_flight(name) >= key.max_concurrent:
             raise KeyLimited(f"key {name!r} has {key.max_concurrent} requests in flight, its "
                              "max_concurrent; retry when one ends", retry_after=1.0)

@@ -51,7 +51,16 @@ from aiohttp import web
 from hal0d import config as configuration
 from hal0d import logs, preflight, systemd
 from hal0d.app import make_app
-from hal0d.appkeys import DEVICES, DISPATCH, HEADS, LIFECYCLE, RESCAN, RUNTIME, SLOTS
+from hal0d.appkeys import (
+    DEVICES,
+    DISPATCH,
+    HEADS,
+    LIFECYCLE,
+    RESCAN,
+    RUNTIME,
+    SHARE_BOOK,
+    SLOTS,
+)
 from hal0d.config import Config
 from hal0d.front.listeners import close_all, somaxconn, take_sockets
 from hal0d.lifecycle.reload import ConfigDiff
@@ -416,6 +425,8 @@ class Daemon:
         if (remote := self.app[DISPATCH].placement.remote) is not None:
             remote.watch(effective.slots)
         await self.app[DEVICES].configure(effective.devices)
+        self.app[SHARE_BOOK].configure(effective.dispatcher.share_window_s,
+                                       effective.dispatcher.batch_max_wait_s)
         changes = diff.names()
         log.info(
             "config.reloaded",

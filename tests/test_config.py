@@ -124,7 +124,8 @@ def test_print_config_round_trips_the_anonymous_tables_and_durations_as_seconds(
     printed = tomllib.loads(result.stdout)
     assert printed["slots"][0]["queue_timeout_s"] == 120.0
     assert printed["ollama"]["anonymous"] == {"scopes": ["inference"],
-                                              "networks": ["192.168.1.0/24", "fd00::/8"]}
+                                              "networks": ["192.168.1.0/24", "fd00::/8"],
+                                              "class": "interactive", "weight": 1.0}
     again = tmp_path / "printed.toml"
     again.write_text(result.stdout)
     assert config.load(again) == config.load(path)

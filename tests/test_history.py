@@ -223,8 +223,8 @@ async def test_a_database_of_a_previous_version_keeps_its_rows_and_gains_load_ms
     with closing(sqlite3.connect(path)) as conn:
         columns = [row[1] for row in conn.execute("PRAGMA table_info(requests)")]
     added = ["load_ms", "key", "attempts", "failover", "turn_ms", "cached_tokens",
-             "context_tokens", "dropped_messages"]
-    assert columns[-8:] == added
+             "context_tokens", "dropped_messages", "service_class", "charged_tokens"]
+    assert columns[-len(added):] == added
     assert all(columns.count(name) == 1 for name in added)
 
 
@@ -267,7 +267,8 @@ async def test_a_database_of_the_version_before_gains_cached_tokens_in_place(
     assert rows[1]["turn_ms"] == 3.5
     with closing(sqlite3.connect(path)) as conn:
         columns = [row[1] for row in conn.execute("PRAGMA table_info(requests)")]
-    assert columns[-4:] == ["turn_ms", "cached_tokens", "context_tokens", "dropped_messages"]
+    assert columns[-6:] == ["turn_ms", "cached_tokens", "context_tokens", "dropped_messages",
+                            "service_class", "charged_tokens"]
 
 
 async def test_the_pages_errors_of_the_last_hour_are_the_historys_and_survive_a_restart(

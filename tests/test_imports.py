@@ -36,7 +36,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("the base", frozenset({"hal0d", "hal0d.config.*", "hal0d.errors", "hal0d.logs", "hal0d.keys",
                            "hal0d.systemd", "hal0d.front.*", "hal0d.programs", "hal0d.routing",
                            "hal0d.response_owners", "hal0d.conversations",
-                           "hal0d.library.*"})),
+                           "hal0d.library.*", "hal0d.shares.*"})),
 )
 
 

@@ -199,7 +199,7 @@ async def test_a_request_queued_behind_a_busy_slot_is_kept_alive_and_says_so(
         busy.cancel()  # the first client leaves: the queued request gets the slot
         body = first + await resp.read()
     assert first_at < KEEPALIVE_S + 1.0, first_at
-    assert body.startswith(b": hal0d: queued for llm, 1 waiting"), body[:80]
+    assert body.startswith(b": hal0d: queued for llm, 0 ahead (interactive)"), body[:80]
     assert b"Hello!" in body and body.rstrip().endswith(b"data: [DONE]")
     async with http.get(hal0d.make_url("/metrics")) as resp:
         metrics = await resp.text()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import ipaddress
 from typing import Any, Final
 
-from hal0d.config.client_keys import check_scopes
+from hal0d.config.client_keys import check_scopes, check_share
 from hal0d.config.model import ANONYMOUS_SCOPES, AnonymousConfig, KeyConfig, is_loopback
 from hal0d.config.spec import ANONYMOUS_SPEC, check_table, string_list
 
@@ -49,6 +49,7 @@ def check_anonymous(raw: Any, where: str, host: str | None, problems: list[str]
             refused="is never for requests without a key (anyone could load and unload)")
     if "models" in good:
         good["models"] = string_list(good["models"], f"{where}.models", problems)
+    check_share(good, where, problems)
     if "networks" in good:
         good["networks"] = _networks(good["networks"], f"{where}.networks", problems)
     elif isinstance(raw, dict) and host is not None and not is_loopback(host.strip("[]")):

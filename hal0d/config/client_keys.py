@@ -15,6 +15,7 @@ from typing import Any
 
 from hal0d.config.model import KEY_SCOPES, KEY_SECRET_SOURCES, REDACTED_SECRET, KeyConfig
 from hal0d.config.spec import KEY_SPEC, check_table, string_list
+from hal0d.shares.share import SERVICE_CLASSES
 
 
 def access_keys(server: dict[str, Any], base_dir: Path, problems: list[str]) -> None:
@@ -72,6 +73,7 @@ def check_keys(raw: Any, server: dict[str, Any], base_dir: Path, problems: list[
             good["scopes"] = check_scopes(good["scopes"], f"{path}.scopes", problems)
         if "models" in good:
             good["models"] = string_list(good["models"], f"{path}.models", problems)
+        check_share(good, path, problems)
         secret = _key_secret(good, table, path, base_dir, problems)
         if secret is not None:
             if secret in owners:
@@ -83,6 +85,26 @@ def check_keys(raw: Any, server: dict[str, Any], base_dir: Path, problems: list[
         elif isinstance(name, str) and name:
             problems[before:] = [f'{problem} (key "{name}")' for problem in problems[before:]]
     return tuple(keys)
+
+
+def check_share(good: dict[str, Any], path: str, problems: list[str]) -> None:
+    """A key's (or a listener's anonymous) share of the box, in `good` as checked by its spec:
+    `class` one of SERVICE_CLASSES (kept as `service_class`), a weight above 0 (a key of
+    weight 0 would never be served beside others), an hourly quota within the daily one."""
+    if "class" in good:
+        service_class = good.pop("class")
+        if service_class in SERVICE_CLASSES:
+            good["service_class"] = service_class
+        else:
+            problems.append(f"{path}.class: {service_class!r} is not a class (classes: "
+                            f"{', '.join(SERVICE_CLASSES)})")
+    if good.get("weight") == 0:
+        problems.append(f"{path}.weight: 0 would never be served beside other keys of its "
+                        "class; a weight is above 0 (1 is the default, 0.1 a tenth of it)")
+    hour, day = good.get("tokens_per_hour"), good.get("tokens_per_day")
+    if hour is not None and day is not None and hour > day:
+        problems.append(f"{path}.tokens_per_hour: {hour} is more than its tokens_per_day, "
+                        f"{day}: the day's quota would end every hour's first")
 
 
 def check_scopes(scopes: list[Any], where: str, problems: list[str],

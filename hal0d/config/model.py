@@ -42,6 +42,11 @@ class AnonymousConfig:
     scopes: tuple[str, ...]
     models: tuple[str, ...] | None = None
     networks: tuple[str, ...] | None = None
+    # Its share of the box, as a key's (hal0d/shares): one account named "anonymous".
+    service_class: str = field(default="interactive", metadata={"toml": "class"})
+    weight: float = 1.0
+    tokens_per_hour: int | None = None
+    tokens_per_day: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +77,8 @@ class ServerConfig:
 @dataclass(frozen=True, slots=True)
 class DispatcherConfig:
     """The `[dispatcher]` section: the bounds on a request's way to its upstream. It holds
-    timeouts and nothing else, so code that is handed one (often a slot's effective copy,
-    SlotConfig.timeouts()) names it `timeouts`."""
+    timeouts (and the two bounds of a shared box's turns), so code that is handed one (often a
+    slot's effective copy, SlotConfig.timeouts()) names it `timeouts`."""
 
     direct_read_timeout_s: float = 300.0
     stream_total_timeout_s: float = 900.0
@@ -87,6 +92,12 @@ class DispatcherConfig:
     # client read timeout (10 s): at 10 the first keepalive lands just after such a client gave
     # up (its timer starts before hal0d's), as the bench's keepalive rows show.
     keepalive_s: float = 5.0
+    # A batch request that waited this long goes ahead of interactive work (hal0d/shares):
+    # batch is served after interactive work, never starved.
+    batch_max_wait_s: float = 120.0
+    # Keys of one class are served in proportion to their weights, counted in the tokens each
+    # used over this window.
+    share_window_s: float = 600.0
 
 
 START_ALWAYS = "always"
@@ -344,6 +355,12 @@ class KeyConfig:
     models: tuple[str, ...] | None = None  # globs of the model names it may use
     max_concurrent: int | None = None
     requests_per_minute: int | None = None
+    # Its share of the box (hal0d/shares): `class` in the table, interactive or batch; its
+    # weight among the keys of its class; its token quotas.
+    service_class: str = field(default="interactive", metadata={"toml": "class"})
+    weight: float = 1.0
+    tokens_per_hour: int | None = None
+    tokens_per_day: int | None = None
     # The secret itself, read from its source at load time; never printed.
     secret: str = field(default="", repr=False)
 

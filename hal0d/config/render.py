@@ -43,17 +43,18 @@ def table(obj: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in dataclasses.fields(obj):
         value = getattr(obj, item.name)
+        name = item.metadata.get("toml", item.name)  # `class`, a word Python keeps for itself
         if value is None or not item.repr:
             continue  # TOML has no null: an absent key means "not set"
         if item.name in secrets:
             value = [REDACTED_SECRET for _ in value] if isinstance(value, tuple) else (
                 REDACTED_SECRET)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            out[item.name] = table(value)
+            out[name] = table(value)
         elif isinstance(value, Mapping):  # TOML's keys are strings: { 1 = 2048 }
-            out[item.name] = {str(key): entry for key, entry in value.items()}
+            out[name] = {str(key): entry for key, entry in value.items()}
         else:
-            out[item.name] = list(value) if isinstance(value, tuple) else value
+            out[name] = list(value) if isinstance(value, tuple) else value
     return out
 
 

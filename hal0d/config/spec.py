@@ -41,6 +41,8 @@ DISPATCHER_SPEC: dict[str, Range] = {
     "write_timeout_s": (float, 0.1, 600.0),
     "pool_timeout_s": (float, 0.1, 600.0),
     "keepalive_s": (float, 0.0, 3600.0),
+    "batch_max_wait_s": (float, 0.0, 86400.0),
+    "share_window_s": (float, 10.0, 86400.0),
 }
 # Keys that bound nothing, by their path: refused at any value but their default, saying why.
 # The default loads, so a file print-config wrote (it writes every key) still parses.
@@ -99,6 +101,14 @@ ROUTE_SPEC: dict[str, Range] = {
     "spill_when_busy": (bool, None, None),
     "prefer_loaded": (bool, None, None),
 }
+# A key's (or a listener's anonymous) share of the box (hal0d/shares); `class` and a zero
+# `weight` are checked by config/client_keys.check_share, to name what is wrong.
+SHARE_SPEC: dict[str, Range] = {
+    "class": (str, None, None),
+    "weight": (float, 0.0, 1000.0),
+    "tokens_per_hour": (int, 1, 1 << 50),
+    "tokens_per_day": (int, 1, 1 << 50),
+}
 KEY_SPEC: dict[str, Range] = {
     "name": (str, None, None),
     "key": (str, None, None),
@@ -108,6 +118,7 @@ KEY_SPEC: dict[str, Range] = {
     "models": (list, None, None),
     "max_concurrent": (int, 1, 100_000),
     "requests_per_minute": (int, 1, 1_000_000),
+    **SHARE_SPEC,
 }
 GROUP_POLICIES = (POLICY_BATCH, POLICY_FIFO)
 METRICS_SPEC: dict[str, Range] = {
@@ -135,6 +146,7 @@ ANONYMOUS_SPEC: dict[str, Range] = {
     "scopes": (list, None, None),
     "models": (list, None, None),
     "networks": (list, None, None),
+    **SHARE_SPEC,
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "console", "json", "journald", "logfmt")

@@ -32,12 +32,13 @@ from hal0d.forward.contexts import Contexts
 from hal0d.forward.exchange import Answer, Call, Exchange, upstream_refusal
 from hal0d.forward.keepalive import Waiting
 from hal0d.forward.modes import AnthropicModes, ResponsesModes
-from hal0d.lifecycle.slots import Lease
+from hal0d.lifecycle.slots import Lease, LeaseContext
 from hal0d.lifecycle.table import SlotTable
 from hal0d.lifecycle.vocabulary import LOADING, UP
 from hal0d.observability.requestinfo import INFO, RequestInfo
 from hal0d.protocol.transform import Transform
 from hal0d.routing import Route, RuntimeRef
+from hal0d.shares import DEFAULT_SHARE, Share
 from hal0d.transport.relay import Outcome, client_gone, relay
 from hal0d.transport.stallguard import StallGuard, guard_active
 from hal0d.transport.tap import StreamTap
@@ -104,12 +105,14 @@ class Forward:
     client. The exchange's hooks are handed this object: its route, slot, info and request, and
     the slot's own answers (count_tokens, the surface modes)."""
 
-    __slots__ = ("_first_chunk", "client", "dispatch", "hands_on", "info", "lease", "request",
-                 "route", "route_config", "stream", "timeouts", "upstream", "waiting")
+    __slots__ = ("_first_chunk", "_queued", "client", "dispatch", "hands_on", "info", "lease",
+                 "request", "route", "route_config", "share", "stream", "timeouts", "upstream",
+                 "waiting")
 
     def __init__(self, dispatch: Collaborators, request: web.Request, route: Route, *,
                  stream: bool, route_config: RouteConfig | None, hands_on: bool,
-                 client: str, waiting: Waiting | None = None) -> None:
+                 client: str, share: Share = DEFAULT_SHARE,
+                 waiting: Waiting | None = None) -> None:
         info = request[INFO]
         self.dispatch = dispatch
         self.route: Route = route
@@ -117,6 +120,8 @@ class Forward:
         self.request = request
         self.info: RequestInfo = info
         self.client = client  # whose turn it waits for in the slot's queue
+        self.share = share  # its key's class and weight there (hal0d/shares)
+        self._queued: LeaseContext | None = None  # the lease being waited for
         self.stream = stream
         self.route_config = route_config
         self.hands_on = hands_on
@@ -144,8 +149,10 @@ class Forward:
             slot = self.dispatch.slots.get(self.slot.name)
             if slot is not None and slot.state in LOADING:
                 return f"loading {self.route.served_model}, {waited:.0f} s"
-            queued = slot.queued if slot is not None else 0
-            return f"queued for {self.slot.name}, {queued} waiting, {waited:.0f} s"
+            ahead = self._queued.ahead() if self._queued is not None else None
+            if ahead is None:  # not in the queue: granted this instant
+                return f"queued for {self.slot.name}, {waited:.0f} s"
+            return f"queued for {self.slot.name}, {ahead} ahead ({self.share.service_class})"
         if self.upstream is None:
             return f"preparing, {waited:.0f} s"
         return f"prefill, {waited:.0f} s"
@@ -219,8 +226,9 @@ class Forward:
         if self.hands_on and self._spills():
             raise HandOn("busy")
         try:
-            self.lease = lease = await held.enter_async_context(
-                self.dispatch.slots.lease(self.route.slot.name, self.client))
+            self._queued = self.dispatch.slots.lease(self.route.slot.name, self.client,
+                                                     self.share)
+            self.lease = lease = await held.enter_async_context(self._queued)
         except (QueueFull, SlotLoadFailed, SlotLoading) as exc:
             if self.hands_on:
                 raise HandOn(_LEASE_REASONS[type(exc)]) from exc

@@ -59,6 +59,7 @@ from hal0d.lifecycle.table import SlotTable
 from hal0d.logs import get_logger
 from hal0d.observability.requestinfo import INFO, RequestInfo, client_of
 from hal0d.routing import Plan, Route, RuntimeRef
+from hal0d.shares import DEFAULT_SHARE
 from hal0d.transport.stallguard import StallGuard, client_bound_s
 from hal0d.transport.tokens import TokenCounter
 from hal0d.transport.upstream import UpstreamClient
@@ -103,6 +104,9 @@ class Dispatch:
         it now."""
         info, plan = self._resolve(request, model, exchange.stream)
         client = client or client_of(info, None)
+        key = request.get(KEY)
+        share = key.share if key is not None else DEFAULT_SHARE
+        info.service_class = share.service_class
         # One client's conversation is never another's, whatever the two send alike.
         conversation = conversations.of_client(client, conversation)
         if slot is not None:
@@ -117,7 +121,7 @@ class Dispatch:
             for index, route in enumerate(routes):
                 fwd = Forward(self, request, route, stream=exchange.stream,
                               route_config=plan.route, hands_on=index + 1 < len(routes),
-                              client=client, waiting=waiting)
+                              client=client, share=share, waiting=waiting)
                 if waiting is not None:
                     waiting.bound_s = client_bound_s(fwd.timeouts)
                 info.attempts = index + 1

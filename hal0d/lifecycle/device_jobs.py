@@ -139,8 +139,13 @@ class DeviceJobs(Teller):
     def _may_go_at(self, member: Member, me: Slot, urgent: bool, now: float) -> float | None:
         """When a model may be unloaded for `me`: at once when idle (a gap between two of a
         client's requests aside) or when the load is urgent (its requests in flight finish
-        first); with work, once its turn is over (its group's pricing, else the box's)."""
+        first); by the classes (room.held_for_interactive, room.preempts); with work, once its
+        turn is over (its group's pricing, else the box's)."""
         if urgent:
+            return None
+        if (held := room.held_for_interactive(me, member.slot, now)) is not None:
+            return held
+        if room.preempts(me, member.slot, now):
             return None
         if not room.busy(member.slot):
             grace = member.last_used + room.IDLE_GRACE_S

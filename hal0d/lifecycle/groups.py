@@ -47,6 +47,7 @@ from typing import Final
 from hal0d.config import GroupConfig
 from hal0d.lifecycle.room import PendingSwap, Pricing
 from hal0d.lifecycle.slots import Slot
+from hal0d.lifecycle.turns import INTERACTIVE
 from hal0d.logs import get_logger
 from hal0d.programs import ProgramFailed, run_program
 
@@ -133,17 +134,22 @@ class Group:
             raise
 
     def give_turn(self) -> None:
-        """The next load's turn: fifo, the first to ask; batch, the one whose oldest request
-        waits longest (a load no request waits for, by when it asked)."""
+        """The next load's turn: the one whose next request ranks first in its queue (turns.py:
+        batch work past its bound, then interactive work, then batch work); then, fifo, the
+        first to ask; batch, the one whose next request's key used least for its weight, then
+        whose oldest request waits longest (a load no request waits for, by when it asked)."""
         self.waiting = [entry for entry in self.waiting if not entry[2].done()]
         if not self.waiting:
             self.held = False
             return
-        index = 0
-        if self.config.batch:
-            index = min(range(len(self.waiting)), key=lambda i: (
-                self.waiting[i][0].oldest_waiting_since() or self.waiting[i][1]))
-        _, _, fut = self.waiting.pop(index)
+        now = time.monotonic()
+
+        def rank(index: int) -> tuple[float, ...]:
+            slot, asked, _ = self.waiting[index]
+            tier, used, granted, since = slot.rank(now) or (INTERACTIVE, 0.0, 0.0, asked)
+            return (tier, used, granted, since) if self.config.batch else (tier, index)
+
+        _, _, fut = self.waiting.pop(min(range(len(self.waiting)), key=rank))
         fut.set_result(None)
 
     def poke(self) -> None:

@@ -227,7 +227,7 @@ class LoadJobs(DeviceJobs):
                 await self._settled(decision.slot)
                 continue
             victim, pricing = decision.victim, group.pricing()
-            if limits.batch and not urgent:
+            if not urgent:
                 wake = room.not_yet(pricing, me, victim, time.monotonic())
                 if wake is not None:
                     pending = group.pending = room.pending(pricing, me, victim, time.monotonic())
@@ -239,7 +239,7 @@ class LoadJobs(DeviceJobs):
                     continue
                 group.pending = None
             why = decision.short + (room.batch_why(pricing, me, victim, time.monotonic())
-                                    if limits.batch and not urgent else "")
+                                    if not urgent else "")
             await self._evict(group, me, victim, why, planned=planned)
             # The swap's cost begins where its first victim's requests in flight were done:
             # until then they were served, not lost.

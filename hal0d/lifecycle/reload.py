@@ -111,7 +111,7 @@ def step(before: SlotConfig, after: SlotConfig, runner: Runner | None) -> Step:
 def added_slot(table: SlotTable, config: SlotConfig, observer: SlotObserver) -> Slot:
     """A slot the reload adds, in the table, telling its changes to `observer` as the first
     slots do (the manager's observers)."""
-    slot = Slot(config, observer=observer)
+    slot = Slot(config, observer=observer, book=table.book)
     table.add(slot)
     return slot
 

@@ -19,6 +19,7 @@ measured time is the median of its slot's last loads (runner.py measures them).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
@@ -230,13 +231,34 @@ def turn_over(pricing: Pricing, since: float, victim: Member) -> float:
     return deadline
 
 
+def held_for_interactive(me: Slot, victim: Slot, now: float) -> float | None:
+    """Classes (hal0d/shares): when `me` has batch work alone and `victim` interactive work
+    queued or in flight, `victim` stays; when to look again (`me`'s batch work past its bound
+    goes first, monotonic). None when the classes do not hold `victim`."""
+    if me.urgent(now) or not victim.urgent(now):
+        return None
+    return me.overdue_at() or now + IDLE_GRACE_S
+
+
+def preempts(me: Slot, victim: Slot, now: float) -> bool:
+    """Classes: `me` has interactive work and `victim` batch work alone: its turn ends now (its
+    requests in flight finish first)."""
+    return busy(victim) and me.urgent(now) and not victim.urgent(now)
+
+
 def not_yet(pricing: Pricing, me: Slot, victim: Member, now: float) -> float | None:
-    """Batch: None when `victim` is to go now for `me`; else when to look again (monotonic).
-    With work it goes once its turn is over (turn_over); with no work at once (IDLE_GRACE_S
-    after its last request ended). Withdrawn when nothing waits for `me`."""
+    """None when `victim` is to go now for `me`; else when to look again (monotonic). The
+    classes first: batch work never swaps out a model with interactive work, interactive work
+    ends a batch's turn. Then, batch policy: with work it goes once its turn is over
+    (turn_over); with no work at once (IDLE_GRACE_S after its last request ended). Withdrawn
+    when nothing waits for `me`."""
     since = me.oldest_waiting_since()
     if since is None and not me.in_flight:
         raise Withdrawn(f"no request waits for slot {me.name!r} any more")
+    if (held := held_for_interactive(me, victim.slot, now)) is not None:
+        return held
+    if not pricing.limits.batch or preempts(me, victim.slot, now):
+        return None
     deadline = turn_over(pricing, since or now, victim)
     if not busy(victim.slot):  # a gap between two requests of its turn is not the end
         deadline = min(deadline, victim.last_used + IDLE_GRACE_S)
@@ -256,6 +278,10 @@ def batch_why(pricing: Pricing, me: Slot, victim: Member, now: float) -> str:
     """Why batch lets `victim` go for `me` now: its turn is over, `me`'s oldest request waited
     max_wait_s, or it has no work. A victim whose turn is over may be between two requests at
     this instant: its turn ended it, not that gap."""
+    if preempts(me, victim.slot, now):
+        return f"; {me.name} has interactive work, {victim.slot.name} batch work alone"
+    if not pricing.limits.batch:
+        return ""
     since = me.oldest_waiting_since()
     ends = turn_ends(pricing, victim)
     turn_done = ends is None or now >= ends
@@ -275,6 +301,10 @@ def turn_words(pricing: Pricing, load_s: float | None) -> str:
 
 
 def planned_why(pricing: Pricing, me: Slot, victim: Member, turn_at_s: float) -> str:
+    if held_for_interactive(me, victim.slot, time.monotonic()) is not None:
+        return (f"{victim.slot.name} has interactive work and {me.name} batch work alone: "
+                f"swapping once it has none, or once {me.name}'s batch work waited "
+                "batch_max_wait_s")
     cap = pricing.limits.max_wait_s
     return (f"{victim.slot.name} has work: swapping when its turn is over, once {me.name}'s "
             f"oldest request waited {turn_at_s:g} s (a turn of "

@@ -4,9 +4,11 @@ A slot is one upstream (a llama-server, a vLLM, a remote provider) with a capaci
 *lease* on it for as long as they use the upstream -- for a stream, until the client has drained
 it -- so that the upstream never sees more than ``max_concurrent`` requests and everyone else waits
 in a bounded queue instead of piling onto a box that serves one sequence at a time. The queue
-serves its clients in turn (``ClientQueue``: round robin between clients, arrival order within
-one), so a client that queued a burst does not hold back another's one request; with a single
-client (no keys, no ``user`` in the bodies) it is strictly FIFO.
+(``ClientQueue``, turns.py) serves interactive work before batch work and keys by their share of
+the tokens, then its clients in turn (round robin between clients, arrival order within one), so
+a client that queued a burst does not hold back another's one request; with a single client (no
+keys, no ``user`` in the bodies) it is strictly FIFO. A request whose connect is refused may
+meet its process's death (fates.py).
 
 The state changes only in ``Slot.handle(event)``, by the table in machine.py: the lifecycle
 manager tells the lifecycle's events, admission here tells ``leased`` (the first lease) and
@@ -63,13 +65,15 @@ from typing import Any, Final, Protocol
 import structlog
 
 from hal0d.errors import Hal0Error, QueueFull, SlotLoadFailed, SlotLoading, without_address
+from hal0d.lifecycle.fates import LOADING_RETRY_AFTER_S, ProcessFates
 from hal0d.lifecycle.machine import Event, Rule, step
-from hal0d.lifecycle.turns import ANONYMOUS, ClientQueue
-from hal0d.lifecycle.vocabulary import DOWN, GRANTABLE, LOADING, REFUSING, UP, SlotState
+from hal0d.lifecycle.turns import ANONYMOUS, ClientQueue, Rank
+from hal0d.lifecycle.vocabulary import GRANTABLE, LOADING, REFUSING, SlotState
+from hal0d.shares import DEFAULT_SHARE, Share
+from hal0d.shares.book import ShareBook
 
-# Retry-After hints: a queue usually moves within a couple of seconds, a model load takes longer.
+# Retry-After hint: a queue usually moves within a couple of seconds (a load: fates.py's).
 QUEUE_RETRY_AFTER_S: Final = 2.0
-LOADING_RETRY_AFTER_S: Final = 5.0
 
 log = structlog.get_logger(__name__)
 
@@ -112,19 +116,24 @@ class Lease:
     turn_ms: float = 0.0  # of load_ms, the wait for the model's turn in its group (a swap's)
 
 
-class Slot:
+class Slot(ProcessFates):
     def __init__(
         self,
         config: SlotLimits,
         *,
         observer: SlotObserver | None = None,
         state: SlotState = SlotState.OFFLINE,
+        book: ShareBook | None = None,
     ) -> None:
         self.config = config
         self.name = config.name
         self.state = state
         self.reason: str | None = None
         self.in_flight = 0
+        # Of in_flight, the interactive requests: batch work never swaps this model out while
+        # there are any (hal0d/shares).
+        self.interactive_in_flight = 0
+        self.book = book if book is not None else ShareBook()
         # Told each change of state and of counts; set by the lifecycle manager, once.
         self.observer = observer
         # Set by the lifecycle manager on an on-demand slot: told when a request finds it
@@ -158,7 +167,7 @@ class Slot:
         self._fates: list[asyncio.Future[bool]] = []
         # Only pending futures; a future leaves the queue before it is resolved, except a
         # cancelled one, which lingers until its task runs or the pump skips it.
-        self._waiters = ClientQueue()
+        self._waiters = ClientQueue(self.book)
 
     def __repr__(self) -> str:
         return f"<Slot {self.name} {self.state} in_flight={self.in_flight} queued={self.queued}>"
@@ -248,65 +257,6 @@ class Slot:
         cause = without_address(cause, self.config.upstream)
         return f"slot {self.name!r} could not load its model: {cause}"
 
-    # -- a lease whose connect was refused ---------------------------------------------------
-
-    def process_gone(self) -> bool:
-        """Called under a lease before it connects: True when the slot's process, one hal0d
-        runs, is not running, though its exit may not be told yet (the lease was granted in
-        that instant). Whatever listens on its port then is not the slot's (another program may
-        have taken it): the lease must not connect, and waits for process_fate instead."""
-        return self.process_runs is not None and not self.process_runs(self)
-
-    async def process_fate(self) -> bool:
-        """Called under a lease whose connect to the upstream was refused. For a slot whose
-        process hal0d runs, that process may have died just now: the request waits for its fate
-        within the bound a request queued now would have, and True says the slot is up again
-        (send once more); SlotLoadFailed or SlotLoading (503 with Retry-After) when its restart
-        failed, it was unloaded or replaced, or it was not up again in time. False at once for
-        a slot without a process of hal0d's, and after a short grace when the process still
-        runs: the refusal is then the upstream's own answer."""
-        if self.exit_seen is None:
-            return False
-        fate: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._fates.append(fate)
-        try:
-            if not await self.exit_seen(self):
-                return False
-            bound_s = self._wait_bound(loading=True)
-            try:
-                async with asyncio.timeout(bound_s):
-                    up = await fate
-            except TimeoutError:
-                raise SlotLoading(
-                    f"slot {self.name!r}: its process exited and was not up again within "
-                    f"{bound_s:g}s", retry_after=LOADING_RETRY_AFTER_S) from None
-        finally:
-            with contextlib.suppress(ValueError):
-                self._fates.remove(fate)
-        if up:
-            return True
-        if self.load_refused is not None and (left := self.load_refused[0] - time.monotonic()) > 0:
-            raise SlotLoadFailed(self._load_failure(self.load_refused[1]), retry_after=left)
-        raise SlotLoading(f"slot {self.name!r} lost its process and is {self.state} now",
-                          retry_after=LOADING_RETRY_AFTER_S)
-
-    def _tell_fates(self, old: SlotState, new: SlotState, event: Event) -> None:
-        """The process's fate, to the leases waiting for it (told before the step is taken, a
-        step into the same state too): up again once a start answers; not when the start failed
-        (error from starting), or the slot goes down, is unloaded or replaced (that drain waits
-        for these leases)."""
-        if new in UP and old not in UP:
-            up = True
-        elif (new in DOWN or event in (Event.REPLACE, Event.UNLOAD)
-              or (new is SlotState.ERROR and old is SlotState.STARTING)):
-            up = False
-        else:
-            return  # the exit itself, the relaunch: the fate is still to come
-        fates, self._fates = self._fates, []
-        for fate in fates:
-            if not fate.done():
-                fate.set_result(up)
-
     def fail_waiters(self, error: Hal0Error) -> None:
         """Every queued request gets `error` (a forced unload)."""
         while self._waiters:
@@ -326,10 +276,29 @@ class Slot:
 
     # -- admission ---------------------------------------------------------------------------
 
-    def lease(self, client: str = ANONYMOUS) -> LeaseContext:
+    def lease(self, client: str = ANONYMOUS, share: Share = DEFAULT_SHARE) -> LeaseContext:
         """``async with slot.lease() as lease:`` holds one unit of capacity for the block;
-        `client` is whose turn the request waits for in the queue."""
-        return LeaseContext(self, client)
+        `client` is whose turn the request waits for in the queue, `share` its key's."""
+        return LeaseContext(self, client, share)
+
+    # -- what the group's turns and the keepalive read of the queue (turns.py) --------------
+
+    def rank(self, now: float | None = None) -> Rank | None:
+        return self._waiters.rank(now)
+
+    def urgent(self, now: float | None = None) -> bool:
+        """Whether the slot has interactive work (or batch work past its bound), queued or in
+        flight: batch work elsewhere does not swap it out."""
+        return self.interactive_in_flight > 0 or self._waiters.urgent(now)
+
+    def overdue_at(self) -> float | None:
+        return self._waiters.overdue_at()
+
+    def ahead(self, fut: asyncio.Future[None] | None) -> int | None:
+        return None if fut is None else self._waiters.ahead(fut)
+
+    def queued_by_account(self) -> dict[str, int]:
+        return self._waiters.queued_by_account()
 
     def _can_grant(self) -> bool:
         return (self.state in GRANTABLE and self.in_flight < self.config.max_concurrent
@@ -385,18 +354,20 @@ class Slot:
                 f"{what}", retry_after=LOADING_RETRY_AFTER_S)
         return QueueFull(f"slot {self.name!r}: {what}", retry_after=QUEUE_RETRY_AFTER_S)
 
-    def _wait_bound(self, *, loading: bool) -> float:
+    def _wait_bound(self, *, loading: bool, batch: bool = False) -> float:
         """How long a request may wait for the slot: its queue_timeout_s, and for an on-demand
-        slot that loads, the load's time and its turn in the group when longer."""
+        slot that loads, the load's time and its turn in the group when longer; batch work,
+        which waits behind interactive work, batch_max_wait_s more."""
         timeout_s = self.config.queue_timeout_s
         if loading and self.demand is not None:
             timeout_s = max(timeout_s, self.config.load_timeout_s) + self.turn_wait_s
-        return timeout_s
+        return timeout_s + self.book.batch_max_wait_s if batch else timeout_s
 
     def _offline(self) -> SlotLoading:
         return SlotLoading(f"slot {self.name!r} is offline", retry_after=LOADING_RETRY_AFTER_S)
 
-    async def _acquire(self, client: str = ANONYMOUS) -> None:
+    async def _acquire(self, client: str = ANONYMOUS, share: Share = DEFAULT_SHARE,
+                       lease: LeaseContext | None = None) -> None:
         if self.state is SlotState.OFFLINE:
             raise self._offline()
         # Only with nobody queued: a newcomer never overtakes a waiter, even at the instant
@@ -414,14 +385,17 @@ class Slot:
             raise self._refusal(f"queue is full ({self.config.max_queue} waiting)")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        self._waiters.append(fut, client)
+        self._waiters.append(fut, client, share)
+        if lease is not None:
+            lease.waiter = fut
         self._counts()
         # Normally a no-op (units are handed over on release); it only matters if cancelled
         # futures still linger at the head while a unit is free, which must not strand us.
         self._pump()
         # An on-demand slot that loads (or waits for its restart): the request waits for the
         # load it asks for, or joins.
-        timeout_s = self._wait_bound(loading=self.state in LOADING or self._held())
+        timeout_s = self._wait_bound(loading=self.state in LOADING or self._held(),
+                                     batch=share.batch)
         if self.state is SlotState.STOPPED and self.demand is not None:
             self.demand(self)
         timer = loop.call_later(timeout_s, self._expire, fut, timeout_s)
@@ -469,19 +443,29 @@ class Slot:
 
 
 class LeaseContext:
-    __slots__ = ("_client", "_held", "_slot", "_started")
+    __slots__ = ("_client", "_held", "_share", "_slot", "_started", "waiter")
 
-    def __init__(self, slot: Slot, client: str = ANONYMOUS) -> None:
+    def __init__(self, slot: Slot, client: str = ANONYMOUS, share: Share = DEFAULT_SHARE
+                 ) -> None:
         self._slot = slot
         self._client = client
+        self._share = share
         self._started = time.monotonic()
         self._held = False
+        # Its place in the slot's queue while it waits (None when granted at once).
+        self.waiter: asyncio.Future[None] | None = None
+
+    def ahead(self) -> int | None:
+        """How many requests go before this one, while it waits (turns.py)."""
+        return self._slot.ahead(self.waiter)
 
     async def __aenter__(self) -> Lease:
         slot = self._slot
         loading = slot.state in LOADING
-        await slot._acquire(self._client)
+        await slot._acquire(self._client, self._share, self)
         self._held = True
+        if not self._share.batch:
+            slot.interactive_in_flight += 1
         now = time.monotonic()
         waited_ms = (now - self._started) * 1000.0
         if not loading:
@@ -496,4 +480,6 @@ class LeaseContext:
     ) -> None:
         if self._held:
             self._held = False
+            if not self._share.batch:
+                self._slot.interactive_in_flight -= 1
             self._slot._release()

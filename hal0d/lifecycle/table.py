@@ -9,17 +9,21 @@ from typing import Any
 from hal0d.errors import SlotLoading
 from hal0d.lifecycle.slots import LeaseContext, Slot, SlotLimits
 from hal0d.lifecycle.turns import ANONYMOUS
+from hal0d.shares import DEFAULT_SHARE, Share
+from hal0d.shares.book import ShareBook
 
 
 class SlotTable:
     """Every configured slot by name, in config order."""
 
-    def __init__(self, configs: Iterable[SlotLimits]) -> None:
+    def __init__(self, configs: Iterable[SlotLimits], book: ShareBook | None = None) -> None:
+        # The keys' use lately, which every slot's queue weighs its waiters by (turns.py).
+        self.book = book if book is not None else ShareBook()
         self._slots: dict[str, Slot] = {}
         for config in configs:
             if config.name in self._slots:
                 raise ValueError(f"duplicate slot name {config.name!r}")
-            self._slots[config.name] = Slot(config)
+            self._slots[config.name] = Slot(config, book=self.book)
 
     def get(self, name: str) -> Slot | None:
         return self._slots.get(name)
@@ -34,14 +38,15 @@ class SlotTable:
         """A slot a reload removed; the caller takes it offline."""
         return self._slots.pop(name)
 
-    def lease(self, name: str, client: str = ANONYMOUS) -> LeaseContext:
+    def lease(self, name: str, client: str = ANONYMOUS, share: Share = DEFAULT_SHARE
+              ) -> LeaseContext:
         """A lease on the named slot; SlotLoading (503) when a reload has just removed it."""
         slot = self._slots.get(name)
         if slot is None:
             raise SlotLoading(
                 f"slot {name!r} was removed by a configuration reload", retry_after=1.0
             )
-        return slot.lease(client)
+        return slot.lease(client, share)
 
     def __getitem__(self, name: str) -> Slot:
         return self._slots[name]

@@ -66,6 +66,8 @@ class RequestRecord:
     cached_tokens: int | None = None  # of prompt_tokens, those the upstream's prompt cache held
     context_tokens: int | None = None  # the context a `context_exceeded` prompt did not fit
     dropped_messages: int | None = None  # the oldest messages left out to fit (Ollama's surface)
+    service_class: str | None = None  # its key's class: interactive or batch (hal0d/shares)
+    charged_tokens: int | None = None  # the tokens counted against its key (its quotas, shares)
 
 
 COLUMNS: Final[tuple[str, ...]] = tuple(f.name for f in dataclasses.fields(RequestRecord))
@@ -114,7 +116,8 @@ _SCHEMA: Final = (
 # Columns later versions added: a database an earlier version wrote gains them in place at open
 # (ALTER TABLE keeps every row; old rows read NULL there).
 _ADDED_COLUMNS: Final = ("load_ms", "key", "attempts", "failover", "turn_ms", "cached_tokens",
-                               "context_tokens", "dropped_messages")
+                               "context_tokens", "dropped_messages", "service_class",
+                               "charged_tokens")
 
 _INSERT: Final = (
     f"INSERT INTO requests ({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)})"
@@ -132,6 +135,10 @@ _SELECT_FOR_MINUTES: Final = (
     "WHERE ts >= ? ORDER BY ts, id"
 )
 _BOOLEAN_COLUMNS: Final = ("stream", "ok")
+_SELECT_CHARGED_SINCE: Final = (
+    "SELECT key, SUM(charged_tokens) FROM requests WHERE ts >= ? AND key IS NOT NULL "
+    "AND charged_tokens IS NOT NULL GROUP BY key"
+)
 
 
 class HistoryInUse(Exception):
@@ -270,6 +277,11 @@ class HistoryWriter:
         status page's "errors, last hour", which a restart must not forget."""
         return await self._run(self._select_failed_since, since)
 
+    async def charged_since(self, since: float) -> dict[str, int]:
+        """Each key's charged tokens from `since` (unix time) on: its quotas' counts, read back
+        at start (shares/quotas.py)."""
+        return await self._run(self._select_charged_since, since)
+
     async def lifecycle_since(self, since: float) -> list[LifecycleRow]:
         """The slots' lifecycle events from `since` (unix time) on, oldest first."""
         return await self._run(self._select_lifecycle, since)
@@ -397,6 +409,10 @@ class HistoryWriter:
                 item[column] = bool(item[column])
             out.append(item)
         return out
+
+    def _select_charged_since(self, since: float) -> dict[str, int]:
+        rows = self._db().execute(_SELECT_CHARGED_SINCE, (since,)).fetchall()
+        return {str(key): int(tokens) for key, tokens in rows}
 
     def _select_failed_since(self, since: float) -> list[float]:
         rows = self._db().execute(_SELECT_FAILED_SINCE, (since,)).fetchall()

@@ -247,6 +247,11 @@ class PromMetrics:
             "hal0d_generated_tokens", "completion tokens generated", ["slot", "model"],
             registry=self.registry,
         )
+        self.key_tokens = Counter(
+            "hal0d_key_tokens", "tokens counted against each configured key (prompt and "
+            "generated, from the answer's usage or an estimate): its quotas and its share",
+            ["key"], registry=self.registry,
+        )
         self.prompt_tokens = Counter(
             "hal0d_prompt_tokens", "prompt tokens the upstream read (source=read) or took from "
             "its prompt cache (source=cached), of the requests whose upstream says which",

@@ -10,11 +10,15 @@ from collections.abc import Callable, Hashable
 from typing import Any, Final
 
 from hal0d.errors import stall_reason
+from hal0d.keys import Key
+from hal0d.observability.charges import charge_of
 from hal0d.observability.history import COLUMNS, HistoryWriter, RequestRecord, row_of
 from hal0d.observability.live import SlotMetrics, prompt_split
 from hal0d.observability.prometheus import PromMetrics
 from hal0d.observability.requestinfo import RequestInfo
 from hal0d.observability.tally import Tally
+from hal0d.shares.book import ShareBook
+from hal0d.shares.quotas import LocalCounts, TokenCounts
 
 # Polled by probes: noise in the log (their metrics still count).
 UNLOGGED_PATHS: Final = frozenset({"/healthz", "/readyz"})
@@ -50,6 +54,10 @@ class Recorder:
         # prometheus_client's labels() validates and locks on every call; a request's labels
         # repeat (a few slots, models, endpoints), so each child is looked up once and kept.
         self._children: dict[tuple[int, Hashable], Any] = {}
+        # Where a request's tokens are charged when it ends (charges.py): its key's share of
+        # the box and its quotas' counts (the app wires the ones the queues and keys read).
+        self.book = ShareBook()
+        self.counts: TokenCounts = LocalCounts()
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (id(metric), labels)
@@ -63,6 +71,20 @@ class Recorder:
         if metrics is None:
             metrics = self.live[slot] = SlotMetrics.new(self._ttft_samples)
         return metrics
+
+    def charge(self, info: RequestInfo, key: Key | None, body_bytes: int | None) -> None:
+        """The ended request's tokens, counted against its key (charges.py): none without keys,
+        where every request is one account with no quota."""
+        if key is None:
+            return
+        tokens = charge_of(info, body_bytes)
+        if tokens is None:
+            return
+        info.charged_tokens = tokens
+        self.book.charge(key.share.account, tokens)
+        if key.name is not None:
+            self.counts.add(key.name, tokens, info.ts)
+            self._child(self.prom.key_tokens, key.name).inc(tokens)
 
     def record(self, info: RequestInfo, record: RequestRecord) -> None:
         """The ended request's row (record_of) into the history and the feed, its figures into

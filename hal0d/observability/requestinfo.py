@@ -45,6 +45,8 @@ class RequestInfo:
     completion_tokens: int | None = None
     context_tokens: int | None = None  # the context a refused prompt did not fit (context_guard)
     dropped_messages: int | None = None  # the oldest messages Ollama's surface left out to fit
+    service_class: str | None = None  # its key's class, once it went to a slot (hal0d/shares)
+    charged_tokens: int | None = None  # counted against its key when it ended (charges.py)
     # Of prompt_tokens, those the upstream took from its prompt cache (None: it did not say).
     cached_tokens: int | None = None
     tokens_per_s: float | None = None
