@@ -12,6 +12,7 @@ a variable the systemd unit sets with Environment=): `check-config` prints it an
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import sys
 from dataclasses import dataclass, field
@@ -65,10 +66,44 @@ def check(config: Config) -> Findings:
             problem = api_key_env_problem(slot)
             if problem:
                 findings.warnings.append(Finding(f"{path}.api_key_env", problem))
+    findings.warnings.extend(quota_findings(config))
     if config.devices.devices_command is not None and (problem := program_problem(
             config.devices.devices_command, "no device's memory can be read")):
         findings.warnings.append(Finding("devices.devices_command", problem))
     return findings
+
+
+def quota_findings(config: Config) -> list[Finding]:
+    """A key's token quota below what one request may use on a model it may reach (the
+    model's context: the prompt and the answer's max_tokens together): one request may cross
+    the quota alone (it finishes; the next is refused until the quota resets)."""
+    found: list[Finding] = []
+    for index, key in enumerate(config.keys):
+        contexts = [(context, slot.name) for slot in config.slots
+                    if (context := slot_context(slot)) is not None
+                    and (key.models is None or any(fnmatch.fnmatchcase(model, glob)
+                                                   for model in slot.models
+                                                   for glob in key.models))]
+        if not contexts:
+            continue
+        context, slot_name = max(contexts)
+        for per, quota in (("hour", key.tokens_per_hour), ("day", key.tokens_per_day)):
+            if quota is not None and quota < context:
+                found.append(Finding(
+                    f"keys[{index}].tokens_per_{per}",
+                    f"{quota} is below one request's max_tokens on slot {slot_name!r} (up to "
+                    f"its context, {context} tokens): a single request may use the whole "
+                    f"quota (it finishes; the key's next requests are refused until it resets)"))
+    return found
+
+
+def slot_context(slot: SlotConfig) -> int | None:
+    """The tokens one request may use on `slot`, where its config says: its `context`, else
+    llama-server's -c per request."""
+    if slot.context is not None:
+        return slot.context
+    split = context_split(slot.command or ())
+    return split.per_slot if split is not None else None
 
 
 def slot_path(slot: SlotConfig, index: int | None = None) -> str:
