@@ -189,3 +189,7 @@ async def test_api_keys_shows_each_keys_share_to_the_admin_scope_alone(
     assert nightly["quotas"]["day"]["used"] == nightly["window_tokens"]
     assert (nightly["queued"], nightly["in_flight"]) == (0, 0)
     assert shown["viewer"]["class"] == "interactive" and shown["viewer"]["window_tokens"] == 0
+    async with http.get(hal0d.make_url("/metrics")) as resp:
+        counted = dict(re.findall(r'^hal0d_key_tokens_total\{key="([^"]*)"\} (\S+)$',
+                                  await resp.text(), re.MULTILINE))
+    assert counted == {"nightly": f"{float(nightly['window_tokens'])}"}, counted
