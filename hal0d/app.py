@@ -199,8 +199,8 @@ def finish(request: web.Request, info: RequestInfo, surface: Surface) -> None:
     method, path = request.method, request.path
     try:
         recorder = request.app.get(RECORDER) if surface.is_model_call(request) else None
-        if recorder is not None:
-            recorder.charge(info, request.get(KEY), request.content_length)
+        if recorder is not None and (key := request.get(KEY)) is not None:
+            recorder.charge(info, key, request.content_length)
         record = record_of(info)
         if recorder is not None:
             recorder.record(info, record)

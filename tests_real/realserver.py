@@ -63,9 +63,9 @@ def running_hal0d(folder: Path, config: dict[str, Any],
     port = free_port()
     path = folder / "hal0d.toml"
     path.write_text(tomli_w.dumps({
-        "server": {"port": port},
         "metrics": {"database": str(folder / "history.sqlite3")},
         **config,
+        "server": {**config.get("server", {}), "port": port},
     }))
     log_path = folder / "hal0d.log"
     base = f"http://127.0.0.1:{port}"

@@ -72,11 +72,9 @@ class Recorder:
             metrics = self.live[slot] = SlotMetrics.new(self._ttft_samples)
         return metrics
 
-    def charge(self, info: RequestInfo, key: Key | None, body_bytes: int | None) -> None:
-        """The ended request's tokens, counted against its key (charges.py): none without keys,
-        where every request is one account with no quota."""
-        if key is None:
-            return
+    def charge(self, info: RequestInfo, key: Key, body_bytes: int | None) -> None:
+        """The ended request's tokens, counted against its key (charges.py); a request without
+        a key is not charged: without keys every request is one account with no quota."""
         tokens = charge_of(info, body_bytes)
         if tokens is None:
             return
