@@ -140,6 +140,11 @@ async def test_a_stream_that_crosses_its_quota_finishes_and_the_next_request_is_
 ) -> None:
     config, port, _ = write_config(stub, tmp_path)
     async with serving(config, port) as hal0d:
+        # A count of a prompt's tokens generates nothing: it is not charged.
+        counter = anthropic.AsyncAnthropic(base_url=hal0d.url, api_key=READER, max_retries=0)
+        counted = await counter.messages.count_tokens(model="chat", messages=HI)  # type: ignore[arg-type]
+        assert counted.input_tokens > 0
+        assert (await key_view(hal0d, "reader"))["quotas"]["hour"]["used"] == 0
         client = sdk(hal0d, READER)
         chunks = [chunk async for chunk in await client.chat.completions.create(
             model="reasoning", messages=[{"role": "user", "content": "long"}],  # type: ignore[list-item]

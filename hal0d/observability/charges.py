@@ -13,11 +13,13 @@ from __future__ import annotations
 from hal0d.observability.requestinfo import RequestInfo
 
 BYTES_PER_TOKEN = 4  # what a tokenizer makes of English text, about
+COUNT_TOKENS = "/count_tokens"  # Anthropic's /v1/messages/count_tokens (and under /llm)
 
 
 def charge_of(info: RequestInfo, body_bytes: int | None) -> int | None:
-    """The tokens `info`'s request is charged; None when it is charged nothing."""
-    if info.slot is None:
+    """The tokens `info`'s request is charged; None when it is charged nothing (a count of a
+    prompt's tokens generates nothing: Claude Code asks for one before many of its turns)."""
+    if info.slot is None or info.endpoint.endswith(COUNT_TOKENS):
         return None
     prompt, completion = info.prompt_tokens, info.completion_tokens
     if info.usage is None and info.ttft_ms is None and info.status != 200:
