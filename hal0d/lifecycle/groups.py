@@ -23,6 +23,12 @@ When the unload happens is the group's `policy`:
             (n - 1) x (turn + swap) with n models busy (room.wait_bound_s; the slots' queue
             bounds grow by room.queue_bound_s).
 
+Under either policy the keys' classes come first (hal0d/shares, room.held_for_interactive and
+room.preempts): batch work never swaps out a model with interactive work queued or in flight,
+and interactive work ends a model's turn at once when that model has batch work alone (its
+requests in flight finish first). The next load's turn goes to the model whose next request
+ranks first (turns.py): batch work past `batch_max_wait_s`, then interactive work, then batch.
+
 What a load does next in its turn is decided in room.py (pure, from a snapshot of the members);
 the lifecycle manager carries it out (load_jobs.py). This module holds each group's turn order
 and the one wait a batch has: woken by what can end it (the manager pokes the group when a

@@ -197,7 +197,7 @@ class LoadJobs(DeviceJobs):
                          failed: str | None) -> float | None:
         """Room for `runner`'s load in `group`, made in its turn: room.decide asked again after
         each step it asks for; returns when its first victim began to go (monotonic), None
-        when nothing was unloaded for it. NoRoom when none can be made; Withdrawn (batch) when
+        when nothing was unloaded for it. NoRoom when none can be made; Withdrawn when
         nobody waits for the load any more."""
         limits, me, config = group.config, runner.slot, runner.config
         need = self.memory_of(config)
@@ -234,7 +234,8 @@ class LoadJobs(DeviceJobs):
                     if not planned:
                         planned = True
                         self._tell_swap(group, SwapPhase.PLANNED, me, victim,
-                                        room.planned_why(pricing, me, victim, pending.turn_at_s))
+                                        room.planned_why(pricing, me, victim, pending.turn_at_s,
+                                                         time.monotonic()))
                     await self._wait_turn(group, me, victim.slot.name, wake)
                     continue
                 group.pending = None

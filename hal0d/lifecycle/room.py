@@ -19,7 +19,6 @@ measured time is the median of its slot's last loads (runner.py measures them).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
@@ -300,8 +299,9 @@ def turn_words(pricing: Pricing, load_s: float | None) -> str:
             f"most {pricing.limits.max_swap_share:.0%} of the time")
 
 
-def planned_why(pricing: Pricing, me: Slot, victim: Member, turn_at_s: float) -> str:
-    if held_for_interactive(me, victim.slot, time.monotonic()) is not None:
+def planned_why(pricing: Pricing, me: Slot, victim: Member, turn_at_s: float,
+                now: float) -> str:
+    if held_for_interactive(me, victim.slot, now) is not None:
         return (f"{victim.slot.name} has interactive work and {me.name} batch work alone: "
                 f"swapping once it has none, or once {me.name}'s batch work waited "
                 "batch_max_wait_s")
