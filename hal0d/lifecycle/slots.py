@@ -260,7 +260,7 @@ class Slot(ProcessFates):
     def fail_waiters(self, error: Hal0Error) -> None:
         """Every queued request gets `error` (a forced unload)."""
         while self._waiters:
-            fut = self._waiters.popleft()
+            fut = self._waiters.popleft().fut
             if not fut.done():
                 fut.set_exception(error)
         self._counts()
@@ -308,14 +308,19 @@ class Slot(ProcessFates):
         if self.observer is not None:
             self.observer.counts_changed(self)
 
-    def _take(self) -> None:
+    def _take(self, batch: bool) -> None:
+        """One unit granted (counted here, at the grant: a lease's task may run later)."""
         self.in_flight += 1
+        if not batch:
+            self.interactive_in_flight += 1
         if self.in_flight == 1:
             self.handle(Event.LEASED)
         self._counts()
 
-    def _release(self) -> None:
+    def _release(self, batch: bool) -> None:
         self.in_flight -= 1
+        if not batch:
+            self.interactive_in_flight -= 1
         if self.in_flight == 0 and self._drained:
             for fut in self._drained:
                 if not fut.done():
@@ -335,11 +340,11 @@ class Slot(ProcessFates):
 
     def _pump(self) -> None:
         while self._waiters and self._can_grant():
-            fut = self._waiters.popleft()
-            if fut.done():
+            waiter = self._waiters.popleft()
+            if waiter.fut.done():
                 continue
-            fut.set_result(None)
-            self._take()
+            waiter.fut.set_result(None)
+            self._take(waiter.share.batch)
 
     def _refusal(self, what: str) -> QueueFull | SlotLoading:
         if self.state in LOADING:
@@ -373,7 +378,7 @@ class Slot(ProcessFates):
         # Only with nobody queued: a newcomer never overtakes a waiter, even at the instant
         # a unit frees up.
         if not self._waiters and self._can_grant():
-            self._take()
+            self._take(share.batch)
             return
         if self.state in REFUSING and self.load_refused is not None:
             not_before, cause = self.load_refused
@@ -404,7 +409,7 @@ class Slot(ProcessFates):
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 # Granted and cancelled in the same instant: the unit is ours, pass it on.
-                self._release()
+                self._release(share.batch)
             else:
                 self._discard(fut)
             raise
@@ -424,7 +429,7 @@ class Slot(ProcessFates):
 
     def _fail_waiters(self) -> None:
         while self._waiters:
-            fut = self._waiters.popleft()
+            fut = self._waiters.popleft().fut
             if not fut.done():
                 fut.set_exception(self._offline())
         self._counts()
@@ -464,8 +469,6 @@ class LeaseContext:
         loading = slot.state in LOADING
         await slot._acquire(self._client, self._share, self)
         self._held = True
-        if not self._share.batch:
-            slot.interactive_in_flight += 1
         now = time.monotonic()
         waited_ms = (now - self._started) * 1000.0
         if not loading:
@@ -480,6 +483,4 @@ class LeaseContext:
     ) -> None:
         if self._held:
             self._held = False
-            if not self._share.batch:
-                self._slot.interactive_in_flight -= 1
-            self._slot._release()
+            self._slot._release(self._share.batch)

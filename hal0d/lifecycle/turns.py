@@ -28,7 +28,7 @@ from typing import Final
 from hal0d.shares import DEFAULT_SHARE, Share
 from hal0d.shares.book import ShareBook
 
-__all__ = ["ANONYMOUS", "ClientQueue", "Rank"]
+__all__ = ["ANONYMOUS", "ClientQueue", "Rank", "Waiter"]
 
 ANONYMOUS: Final = ""  # the client of every request that names none
 
@@ -38,7 +38,7 @@ OVERDUE, INTERACTIVE, BATCH = 0, 1, 2
 
 
 @dataclass(eq=False, slots=True)
-class _Waiter:
+class Waiter:
     fut: asyncio.Future[None]
     client: str
     share: Share
@@ -50,7 +50,7 @@ class _Account:
     """One account's waiters, by client, with the clients' round robin."""
 
     share: Share
-    by_client: dict[str, collections.deque[_Waiter]] = field(default_factory=dict)
+    by_client: dict[str, collections.deque[Waiter]] = field(default_factory=dict)
     turns: collections.deque[str] = field(default_factory=collections.deque)
     count: int = 0
 
@@ -70,7 +70,7 @@ class ClientQueue:
     def __init__(self, book: ShareBook | None = None) -> None:
         self._book = book if book is not None else ShareBook()
         self._accounts: dict[str, _Account] = {}
-        self._index: dict[asyncio.Future[None], _Waiter] = {}
+        self._index: dict[asyncio.Future[None], Waiter] = {}
         self._count = 0
         # When each account was last granted here (monotonic): equal use alternates accounts.
         self._granted: dict[str, float] = {}
@@ -83,7 +83,7 @@ class ClientQueue:
 
     def append(self, fut: asyncio.Future[None], client: str,
                share: Share = DEFAULT_SHARE) -> None:
-        waiter = _Waiter(fut, client, share, time.monotonic())
+        waiter = Waiter(fut, client, share, time.monotonic())
         account = self._accounts.get(share.account)
         if account is None:
             account = self._accounts[share.account] = _Account(share)
@@ -97,7 +97,7 @@ class ClientQueue:
         self._index[fut] = waiter
         self._count += 1
 
-    def popleft(self) -> asyncio.Future[None]:
+    def popleft(self) -> Waiter:
         """The next waiter in turn (IndexError when empty); its client goes to the back of its
         account's round robin."""
         if not self._accounts:
@@ -121,7 +121,7 @@ class ClientQueue:
             del self._accounts[name]
         del self._index[waiter.fut]
         self._count -= 1
-        return waiter.fut
+        return waiter
 
     def remove(self, fut: asyncio.Future[None]) -> None:
         """ValueError when `fut` is not queued."""
