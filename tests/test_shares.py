@@ -99,7 +99,7 @@ async def test_batch_work_that_waited_batch_max_wait_s_goes_ahead_of_interactive
     start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     hal0d = await serving(start_hal0d, tmp_path, key("chat"), key("nightly", service_class="batch"),
-                          batch_max_wait_s=1.0)
+                          batch_max_wait_s=0.5)
     answered: list[str] = []
     flood = asyncio.Semaphore(3)  # the chat key keeps three requests waiting or answered
 
@@ -107,16 +107,16 @@ async def test_batch_work_that_waited_batch_max_wait_s_goes_ahead_of_interactive
         async with flood:
             await ask(http, hal0d, "chat", stream(30), answered)  # ~0.15 s each
 
-    chats = [asyncio.create_task(chatting()) for _ in range(40)]
+    chats = [asyncio.create_task(chatting()) for _ in range(20)]
     await queued_at_least(http, hal0d, 2)
     await ask(http, hal0d, "nightly", stream(5), answered)
     await asyncio.gather(*chats)
     async with http.get(hal0d.make_url("/api/requests"), params={"key": "nightly"},
                         headers=auth("admin")) as resp:
         row = (await resp.json())["requests"][0]
-    # Held back behind the chats for its bound, then first: not behind all 40 of them.
-    assert row["service_class"] == "batch" and row["queue_ms"] >= 1000.0, row
-    assert answered.index("nightly") < len(answered) - 10, answered
+    # Held back behind the chats for its bound, then first: not behind all 20 of them.
+    assert row["service_class"] == "batch" and row["queue_ms"] >= 500.0, row
+    assert answered.index("nightly") < len(answered) - 8, answered
 
 
 async def test_keys_of_one_class_get_equal_tokens_when_one_sends_prompts_ten_times_longer(
@@ -131,18 +131,19 @@ async def test_keys_of_one_class_get_equal_tokens_when_one_sends_prompts_ten_tim
     async def client(who: str) -> None:
         while not done.is_set():
             sent[who] += 1
-            await ask(http, hal0d, who, body("reasoning", prompts[who], max_tokens=10,
+            await ask(http, hal0d, who, body("reasoning", prompts[who], max_tokens=2,
                                              stream=True), [])
 
     # Both keys keep two requests waiting at all times, for as long as it takes the short key
     # to send 120: a long request is then a twentieth of either key's tokens.
     clients = [asyncio.create_task(client(who)) for who in ("short", "long") for _ in range(2)]
     await eventually(lambda: sent["short"] >= 120, 120.0, "the short key's 120 requests")
-    done.set()
-    await asyncio.gather(*clients)
+    # What each used while both were waiting (the requests still queued then are the tail).
     async with http.get(hal0d.make_url("/api/keys"), headers=auth("admin")) as resp:
         assert resp.status == 200
         used = {line["name"]: line["window_tokens"] for line in (await resp.json())["keys"]}
+    done.set()
+    await asyncio.gather(*clients)
     assert abs(used["short"] - used["long"]) <= 0.1 * max(used.values()), used
     assert sent["short"] > 4 * sent["long"], sent  # equal tokens, so far from equal requests
 
