@@ -37,6 +37,7 @@ from bench import (
     procs,
     router,
     router_rows,
+    shares,
     swaps,
     warm,
 )
@@ -407,6 +408,8 @@ async def measure(run: Run, peers: bool, profile: bool, sections: set[str],
             await keepalive.measure(run, procset, say, baseline=baseline)
         if "swaps" in sections:
             await swaps.measure(run, procset, say)
+        if "shares" in sections:
+            await shares.measure(run, procset, say)
         if "warm" in sections:
             await warm.measure(run, procset, say, baseline=baseline)
         if "placement" in sections:
@@ -651,6 +654,7 @@ def build_rows(run: Run) -> list[dict[str, Any]]:
     rows.extend(failover.rows(run))
     rows.extend(keepalive.rows(run))
     rows.extend(swaps.rows(run))
+    rows.extend(shares.rows(run))
     rows.extend(warm.rows(run))
     rows.extend(placement.rows(run))
     rows.extend(context.rows(run))
@@ -727,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="py-spy hal0d during long streams; writes bench/results/profile*")
     parser.add_argument("--sections",
                         default="latency,throughput,anthropic,paced,memory,lifecycle,failover,"
-                        "keepalive,swaps,warm,placement,context",
+                        "keepalive,swaps,shares,warm,placement,context",
                         help="comma-separated subset of the default, or `router` (not in the "
                         "default: `make bench-router`, ~11 min on llama-server)")
     parser.add_argument("--uvloop", action="store_true",

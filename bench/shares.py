@@ -1,0 +1,431 @@
+"""The bench rows for classes (hal0d/shares): a person chatting beside a batch job on one GPU.
+
+One group of `max_loaded = 1` (policy batch, the default), two on-demand slots whose command is
+the stub, each loading for LOAD_S (`hal0d stub --startup-delay`) and streaming tokens
+TOKEN_DELAY_S apart: slot `a` serves model CHAT_MODEL, slot `b` model BATCH_MODEL. A batch key
+sends BATCH_REQUESTS streamed requests to b, BATCH_CONCURRENCY at a time (each the next as soon
+as one ends); beside it an interactive key chats with a: one request at a time, CHAT_PAUSE_S
+between the end of an answer and the next question (a person reading it), for as long as the
+batch runs. Three runs, one hal0d each, the same config but the keys' classes:
+
+    classes      the chat key interactive, the batch key batch
+    no classes   both keys interactive: what hal0d did before classes
+    batch alone  the batch's requests and no chat: its throughput undisturbed
+
+Every run starts the same way: a request to a, then one to b, so b is loaded and one swap was
+measured (/api/slots: the group's swap_cost_s) before the clients start.
+
+The chat's wait is its requests' `queue_ms` in hal0d's history (GET /api/requests, the chat
+key's rows): from the request's arrival to its grant on a loaded slot, the load and the wait for
+a turn included. The client's own time to its first token is in the row's note. The target
+for its p95: one swap (the median of the three runs' warm-up swaps) plus one of b's answers
+(the median answer of the batch alone: a chat that arrives as b's requests started waits for
+them to finish before b is unloaded). The batch's throughput is its requests over the time from
+its first request sent to its last answer's end; the target is at least RATIO_TARGET of the
+batch alone's. Swaps: /metrics' hal0d_group_swaps_total, less the warm-up's; where the time went,
+from /api/slots every SAMPLE_S (a slot loading, b answering and draining, a up, b's requests in
+flight) and from hal0d's log (b unloaded with answers in flight, and how often that was decided as
+its load answered).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import tomli_w
+
+from bench import client, procs
+from bench.runs import Run, verdict
+
+LOAD_S = 0.25
+TOKEN_DELAY_S = 0.025
+BATCH_REQUESTS = 100
+BATCH_CONCURRENCY = 8
+BATCH_TOKENS = 60  # an answer of about 1.5 s at TOKEN_DELAY_S (the stub's "long" answer)
+CHAT_TOKENS = 16  # a cap: the stub's chat answer is its 13-token greeting, about 0.35 s
+CHAT_PAUSE_S = 1.5  # a person reading the answer before asking the next question
+SAMPLE_S = 0.05
+RATIO_TARGET = 0.8
+# A chat whose load waited longer than this for the group's turn (its history row's turn_ms):
+# with classes, one that came while b was loading again (a's load waits for b's to end).
+TURN_WAIT_MS = 50.0
+# b's eviction logged this soon after its load answered was decided in the same instant: b took
+# its queued batch requests as it came up, then was told to go with them in flight.
+AT_LOAD_S = 0.05
+CHAT_MODEL, BATCH_MODEL = "chat", "reasoning"  # two of the stub's own model names
+SECRETS = {"chat": "sk-bench-chat", "batch": "sk-bench-batch", "admin": "sk-bench-admin"}
+RUNS = ("classes", "no classes", "batch alone")
+
+
+@dataclass(frozen=True)
+class SharePlan:
+    batch_requests: int = BATCH_REQUESTS
+
+    @classmethod
+    def quick(cls) -> SharePlan:
+        return cls(batch_requests=32)
+
+
+def headers(key: str) -> dict[str, str]:
+    return {**client.JSON_HEADERS, "Authorization": f"Bearer {SECRETS[key]}"}
+
+
+# -- the hal0d of a run ---------------------------------------------------------------------------
+
+def shares_toml(port: int, slot_ports: dict[str, int], run: str, folder: str) -> str:
+    stub = [sys.executable, "-m", "hal0d", "stub", "--delay", str(TOKEN_DELAY_S),
+            "--startup-delay", str(LOAD_S)]
+    slots = [{"name": name, "upstream": f"http://127.0.0.1:{p}", "models": [model],
+              "command": [*stub, "--port", str(p)], "start": "on_demand", "group": "gpu0",
+              "max_concurrent": BATCH_CONCURRENCY, "max_queue": 256, "queue_timeout_s": 300.0,
+              "load_timeout_s": 60.0}
+             for (name, p), model in zip(slot_ports.items(), (CHAT_MODEL, BATCH_MODEL),
+                                         strict=True)]
+    batch_class = "batch" if run == "classes" else "interactive"
+    keys = [{"name": "chat", "key": SECRETS["chat"], "scopes": ["inference"],
+             "class": "interactive"},
+            {"name": "batch", "key": SECRETS["batch"], "scopes": ["inference"],
+             "class": batch_class},
+            # the bench's own: the warm-up, /api/slots, /api/requests, /metrics
+            {"name": "admin", "key": SECRETS["admin"], "scopes": ["inference", "read", "admin"]}]
+    return "# generated by bench/shares.py\n" + tomli_w.dumps({
+        "server": {"host": "127.0.0.1", "port": port, "shutdown_grace_s": 2.0},
+        "metrics": {"database": f"{folder}/history.sqlite3"},
+        "logging": {"level": "info", "format": "json"},
+        "groups": {"gpu0": {"max_loaded": 1}},  # policy batch, the default
+        "keys": keys,
+        "slots": slots,
+    })
+
+
+async def start_hal0d(procset: procs.Processes, run: str) -> procs.Child:
+    name = "hal0d-shares-" + run.replace(" ", "-")
+    folder = procset.workdir / name
+    folder.mkdir(exist_ok=True)
+    port = procs.free_port()
+    config = folder / "hal0d.toml"
+    config.write_text(shares_toml(port, {"a": procs.free_port(), "b": procs.free_port()}, run,
+                                  str(folder)))
+    child = procset.spawn(name, [str(Path(sys.executable).parent / "hal0d"), "serve",
+                                 "--config", str(config)], port, cwd=procs.ROOT)
+    await procs.wait_until(child, procs.http_ok(child.base + "/readyz"), 30, procset)
+    return child
+
+
+# -- the clients ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Answer:
+    began: float  # monotonic
+    first_token_s: float | None  # to the first `data: {` event (not a keepalive comment)
+    total_s: float
+    ok: bool  # 200 and the stream's [DONE]
+
+
+async def ask(session: aiohttp.ClientSession, base: str, key: str, model: str,
+              tokens: int) -> Answer:
+    # "long" makes the stub's reasoning model talk until max_tokens; its chat model greets.
+    body = orjson.dumps({"model": model, "stream": True, "max_tokens": tokens,
+                         "messages": [{"role": "user", "content": "long"}]})
+    began = time.monotonic()
+    first: float | None = None
+    tail = b""
+    try:
+        async with session.post(base + client.CHAT, data=body, headers=headers(key)) as resp:
+            status = resp.status
+            async for data in resp.content.iter_any():
+                if first is None and b"data: {" in tail[-8:] + data:
+                    first = time.monotonic() - began
+                tail = (tail + data)[-64:]
+    except aiohttp.ClientError:
+        status = 0
+    ok = status == 200 and tail.endswith(b"data: [DONE]\n\n")
+    return Answer(began, first, time.monotonic() - began, ok)
+
+
+async def batch(session: aiohttp.ClientSession, base: str, requests: int) -> list[Answer]:
+    """`requests` to b, BATCH_CONCURRENCY at a time."""
+    left = iter(range(requests))
+    answers: list[Answer] = []
+
+    async def worker() -> None:
+        for _ in left:
+            answers.append(await ask(session, base, "batch", BATCH_MODEL, BATCH_TOKENS))
+
+    await asyncio.gather(*(worker() for _ in range(BATCH_CONCURRENCY)))
+    return answers
+
+
+async def chat(session: aiohttp.ClientSession, base: str, stop: asyncio.Event) -> list[Answer]:
+    """One question at a time, CHAT_PAUSE_S after each answer (and before the first), until
+    `stop`: the last question asked before it is answered."""
+    answers: list[Answer] = []
+    while True:
+        try:
+            await asyncio.wait_for(stop.wait(), CHAT_PAUSE_S)
+            return answers
+        except TimeoutError:
+            pass
+        answers.append(await ask(session, base, "chat", CHAT_MODEL, CHAT_TOKENS))
+
+
+# -- what hal0d did -------------------------------------------------------------------------------
+
+async def get_json(session: aiohttp.ClientSession, url: str) -> Any:
+    async with session.get(url, headers=headers("admin")) as resp:
+        resp.raise_for_status()
+        return await resp.json()
+
+
+async def sample_states(session: aiohttp.ClientSession, base: str,
+                        stop: asyncio.Event) -> list[dict[str, Any]]:
+    """Each slot's state and requests in flight every SAMPLE_S: where the group's time went."""
+    samples = []
+    while not stop.is_set():
+        views = (await get_json(session, base + "/api/slots"))["slots"]
+        samples.append({v["name"]: (v["state"], v["in_flight"]) for v in views})
+        await asyncio.sleep(SAMPLE_S)
+    return samples
+
+
+def time_shares(samples: list[dict[str, Any]]) -> dict[str, float]:
+    """Shares of the samples: b answering batch requests (any in flight; `b_draining` the part
+    of it in which b was already being unloaded, its in-flight answers finishing), a slot
+    loading (starting), a up (ready or serving); and b's mean requests in flight over
+    BATCH_CONCURRENCY (its use of what the batch asks: the throughput's own ratio)."""
+    n = max(len(samples), 1)
+    b = [s.get("b", ("stopped", 0)) for s in samples]
+    return {
+        "b_serving": sum(flight > 0 for _, flight in b) / n,
+        "b_draining": sum(state == "stopping" and flight > 0 for state, flight in b) / n,
+        "loading": sum(any(state == "starting" for state, _ in s.values()) for s in samples) / n,
+        "a_up": sum(s.get("a", ("stopped", 0))[0] in ("ready", "serving") for s in samples) / n,
+        "b_use": sum(flight for _, flight in b) / n / BATCH_CONCURRENCY,
+    }
+
+
+async def swaps_total(session: aiohttp.ClientSession, base: str) -> int:
+    async with session.get(base + "/metrics", headers=headers("admin")) as resp:
+        text = await resp.text()
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("hal0d_group_swaps_total{")))
+
+
+async def group_view(session: aiohttp.ClientSession, base: str) -> dict[str, Any]:
+    groups = (await get_json(session, base + "/api/slots")).get("groups") or []
+    return next(g for g in groups if g["name"] == "gpu0")
+
+
+async def history(session: aiohttp.ClientSession, base: str, key: str) -> list[dict[str, Any]]:
+    rows = await get_json(session, f"{base}/api/requests?key={key}&limit=1000")
+    return list(rows["requests"])
+
+
+def evictions_of_b(log: Path) -> dict[str, int]:
+    """From hal0d's log: b's evictions with batch answers in flight (each drains them before a
+    loads), and of those the ones made within AT_LOAD_S of b's load answering: b took its queued
+    requests as it came up and was told to go in the same instant."""
+    found = {"with_work": 0, "at_load": 0}
+    loaded_at = None
+    for line in log.read_bytes().splitlines():
+        try:
+            event = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue  # a child's own output
+        if not isinstance(event, dict) or event.get("slot") != "b":
+            continue
+        at = datetime.datetime.fromisoformat(str(event.get("timestamp"))).timestamp()
+        if event.get("event") == "slot.loaded":
+            loaded_at = at
+        elif event.get("event") == "slot.evicting" and event.get("in_flight"):
+            found["with_work"] += 1
+            found["at_load"] += loaded_at is not None and at - loaded_at <= AT_LOAD_S
+    return found
+
+
+# -- a run ----------------------------------------------------------------------------------------
+
+async def warm_up(session: aiohttp.ClientSession, base: str) -> dict[str, Any]:
+    """a loaded, then b (one swap): every run starts with b loaded and one swap measured."""
+    for model in (CHAT_MODEL, BATCH_MODEL):
+        answer = await ask(session, base, "admin", model, 2)
+        if not answer.ok:
+            raise client.BenchError(f"shares: the warm-up request for {model} failed")
+    view = await group_view(session, base)
+    return {"swap_cost_s": view["swap_cost_s"], "b_first_token_s": answer.first_token_s,
+            "swaps": await swaps_total(session, base)}
+
+
+async def run_one(procset: procs.Processes, run: str, requests: int) -> dict[str, Any]:
+    hal0d = await start_hal0d(procset, run)
+    stop, sampled = asyncio.Event(), asyncio.Event()
+    try:
+        async with client.session() as session:
+            warm = await warm_up(session, hal0d.base)
+            sampler = asyncio.create_task(sample_states(session, hal0d.base, sampled))
+            chatting = (asyncio.create_task(chat(session, hal0d.base, stop))
+                        if run != "batch alone" else None)
+            began = time.monotonic()
+            batch_answers = await batch(session, hal0d.base, requests)
+            batch_s = max(a.began + a.total_s for a in batch_answers) - began
+            # What the batch's time went to is counted up to its end; the chat's last question
+            # may still be on its way.
+            sampled.set()
+            swaps_in_batch = await swaps_total(session, hal0d.base) - warm["swaps"]
+            stop.set()
+            chat_answers = await chatting if chatting is not None else []
+            samples = await sampler
+            swaps = await swaps_total(session, hal0d.base) - warm["swaps"]
+            view = await group_view(session, hal0d.base)
+            chat_rows = await history(session, hal0d.base, "chat")
+            batch_rows = await history(session, hal0d.base, "batch")
+    finally:
+        hal0d.stop()
+    evictions = evictions_of_b(procset.workdir / f"{hal0d.name}.log")
+    return summary(warm, batch_answers=batch_answers, batch_s=batch_s,
+                   chat_answers=chat_answers, chat_rows=chat_rows, batch_rows=batch_rows,
+                   swaps=swaps, view=view, shares=time_shares(samples),
+                   in_batch={"swaps": swaps_in_batch, "chats": sum(
+                       a.began + a.total_s <= began + batch_s for a in chat_answers)},
+                   evictions=evictions)
+
+
+def spread(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p95": None, "max": None}
+    return {"p50": client.median(values), "p95": client.pct(values, 95), "max": max(values)}
+
+
+def summary(warm: dict[str, Any], *, batch_answers: list[Answer], batch_s: float,
+            chat_answers: list[Answer], chat_rows: list[dict[str, Any]],
+            batch_rows: list[dict[str, Any]], swaps: int, view: dict[str, Any],
+            shares: dict[str, float], in_batch: dict[str, int],
+            evictions: dict[str, int]) -> dict[str, Any]:
+    return {
+        "warm_up": warm,
+        "batch": {
+            "requests": len(batch_answers), "ok": sum(a.ok for a in batch_answers),
+            "seconds": batch_s, "per_s": len(batch_answers) / batch_s,
+            "answer_s": spread([a.total_s for a in batch_answers]),
+            "queue_ms": spread([r["queue_ms"] for r in batch_rows if r["queue_ms"] is not None]),
+            "classes": sorted({str(r.get("service_class")) for r in batch_rows}),
+        },
+        "chat": {
+            "requests": len(chat_answers), "ok": sum(a.ok for a in chat_answers),
+            "queue_ms": spread([r["queue_ms"] for r in chat_rows if r["queue_ms"] is not None]),
+            "first_token_s": spread([a.first_token_s for a in chat_answers
+                                     if a.first_token_s is not None]),
+            "answer_s": spread([a.total_s for a in chat_answers]),
+            "rows": len(chat_rows),
+            # The waits of those that waited for the group's turn: with classes, b's load was
+            # under way when they came, and they waited for it, b's first answers, a's load.
+            "turn_waited": [r["queue_ms"] for r in chat_rows
+                            if (r.get("turn_ms") or 0.0) > TURN_WAIT_MS],
+        },
+        "swaps": swaps, "swap_cost_s": view["swap_cost_s"], "swap_share": view["swap_share"],
+        "time": shares, "in_batch": in_batch, "b_evictions": evictions,
+    }
+
+
+async def measure(run: Run, procset: procs.Processes, say: Callable[[str], None]) -> None:
+    plan = SharePlan.quick() if run.plan.latency_pairs < 1000 else SharePlan()
+    results: dict[str, dict[str, Any]] = {}
+    for name in RUNS:
+        say(f"shares: {name}: {plan.batch_requests} batch requests to b, {BATCH_CONCURRENCY} at "
+            f"a time" + ("" if name == "batch alone" else
+                         f", a chat with a every {CHAT_PAUSE_S:g} s after each answer"))
+        results[name] = await run_one(procset, name, plan.batch_requests)
+    alone = results["batch alone"]
+    swap_s = client.median([r["warm_up"]["swap_cost_s"] for r in results.values()])
+    run.results["shares"] = {
+        "runs": results, "load_s": LOAD_S, "chat_pause_s": CHAT_PAUSE_S,
+        "batch_concurrency": BATCH_CONCURRENCY, "batch_tokens": BATCH_TOKENS,
+        "chat_tokens": CHAT_TOKENS, "token_delay_s": TOKEN_DELAY_S,
+        "swap_s": swap_s, "batch_answer_s": alone["batch"]["answer_s"]["p50"],
+        "chat_p95_target_ms": 1000 * (swap_s + alone["batch"]["answer_s"]["p50"]),
+    }
+
+
+# -- the rows -------------------------------------------------------------------------------------
+
+def rows(run: Run) -> list[dict[str, Any]]:
+    r = run.results.get("shares")
+    if not r:
+        return []
+    out: list[dict[str, Any]] = []
+    for name, s in r["runs"].items():
+        if name != "batch alone":
+            out.append(chat_row(name, s, r))
+        out.append(batch_row(name, s, r["runs"]["batch alone"]))
+        if name != "batch alone":
+            out.append(swaps_row(name, s, r["runs"]["batch alone"]))
+    return out
+
+
+def chat_row(name: str, s: dict[str, Any], r: dict[str, Any]) -> dict[str, Any]:
+    c, target_ms = s["chat"], r["chat_p95_target_ms"]
+    q, first = c["queue_ms"], c["first_token_s"]
+    if q["p50"] is None:
+        return {"row": f"shares, {name}: chat wait", "value": "-", "target": "-",
+                "verdict": verdict(False), "note": "no chat request in the history"}
+    failed = c["requests"] - c["ok"]
+    came_in_load = sorted(c["turn_waited"])
+    in_load = (f"; {len(came_in_load)} waited for the group's turn (turn_ms), their wait p50 "
+               f"{client.median(came_in_load):.0f} ms" if came_in_load else "")
+    return {
+        "row": f"shares, {name}: chat wait p50 / p95 (queue_ms)",
+        "value": f"{q['p50']:.0f} / {q['p95']:.0f} ms, {c['requests']} requests",
+        "target": f"p95 <= swap + b's answer = {target_ms:.0f} ms",
+        "verdict": verdict(q["p95"] <= target_ms and not failed if name == "classes" else None),
+        "note": (f"max {q['max']:.0f} ms; client's first token p50 {first['p50']:.2f} / p95 "
+                 f"{first['p95']:.2f} s; target: swap {r['swap_s']:.3f} s (the warm-up swaps' "
+                 f"median) + b's answer {r['batch_answer_s']:.2f} s (batch alone's median)"
+                 + in_load + (f"; {failed} not answered" if failed else "")),
+    }
+
+
+def batch_row(name: str, s: dict[str, Any], alone: dict[str, Any]) -> dict[str, Any]:
+    b, t = s["batch"], s["time"]
+    ratio = b["per_s"] / alone["batch"]["per_s"]
+    failed = b["requests"] - b["ok"]
+    return {
+        "row": f"shares, {name}: batch throughput",
+        "value": f"{b['per_s']:.2f} req/s" + ("" if name == "batch alone"
+                                              else f", {ratio:.2f} of alone"),
+        "target": f">= {RATIO_TARGET:g} of alone" if name == "classes" else "-",
+        "verdict": verdict(ratio >= RATIO_TARGET and not failed if name == "classes" else None),
+        "note": (f"{b['requests']} in {b['seconds']:.1f} s; b's use of its {BATCH_CONCURRENCY} "
+                 f"{100 * t['b_use']:.0f}%; queue_ms p50 {b['queue_ms']['p50'] or 0:.0f} "
+                 f"/ p95 {b['queue_ms']['p95'] or 0:.0f}; classes in the history "
+                 f"{'/'.join(b['classes'])}" + (f"; {failed} not answered" if failed else "")),
+    }
+
+
+def swaps_row(name: str, s: dict[str, Any], alone: dict[str, Any]) -> dict[str, Any]:
+    """The swaps, and where the batch's time went while it ran: the swaps' part of it as hal0d
+    measured them, and the group's states as sampled."""
+    chats, swaps = s["in_batch"]["chats"], s["in_batch"]["swaps"]
+    cost, t, seconds = s["swap_cost_s"] or 0.0, s["time"], s["batch"]["seconds"]
+    ev = s["b_evictions"]
+    return {
+        "row": f"shares, {name}: swaps",
+        "value": f"{s['swaps']} ({swaps / max(chats, 1):.1f} a chat answered in the batch)",
+        "target": "-", "verdict": verdict(None),
+        "note": (f"in the batch's {seconds:.1f} s (alone {alone['batch']['seconds']:.1f}): "
+                 f"{chats} chats answered, {swaps} swaps x median cost {cost:.3f} s = "
+                 f"{swaps * cost:.1f} s; sampled: a slot loading {100 * t['loading']:.0f}%, "
+                 f"b answering {100 * t['b_serving']:.0f}% (draining for a "
+                 f"{100 * t['b_draining']:.0f}%), a up {100 * t['a_up']:.0f}%; b's use of its "
+                 f"{BATCH_CONCURRENCY} {100 * t['b_use']:.0f}% (alone "
+                 f"{100 * alone['time']['b_use']:.0f}%); b unloaded with answers in flight "
+                 f"{ev['with_work']} times, {ev['at_load']} of them as its load answered"),
+    }
