@@ -78,12 +78,13 @@ browser:
 	fi
 
 # `make screenshot`: docs/dashboard.png (1440x900) and docs/dashboard-390.png (390x844), the status
-# page of the demo `make run` serves, after a few of the tour's requests, and docs/page-devices.png,
-# the page of a hal0d on a simulated box of two GPUs, photographed by Debian's chromium
-# (tests/screenshot.py).
+# page of the demo `make run` serves, after a few of the tour's requests, docs/page-devices.png,
+# the page of a hal0d on a simulated box of two GPUs, and docs/page-keys.png, the Keys section of
+# a family's box after 150 s of its traffic, photographed by Debian's chromium (tests/screenshot.py).
 screenshot: $(STAMP) browser
 	$(BIN)/python -m tests.screenshot docs/dashboard.png
 	$(BIN)/python -m tests.screenshot --devices docs/page-devices.png
+	$(BIN)/python -m tests.screenshot --keys docs/page-keys.png
 
 lint: $(STAMP)
 	$(BIN)/ruff check hal0d hal0d_stub tests

@@ -18,6 +18,7 @@ FILES = {
     "charts.js": "text/javascript",
     "groups.js": "text/javascript",
     "devices.js": "text/javascript",
+    "keys.js": "text/javascript",
 }
 # Revalidated on every load, so an upgraded hal0d serves its new page at once.
 CACHE = {hdrs.CACHE_CONTROL: "no-cache", "X-Content-Type-Options": "nosniff"}

@@ -6,6 +6,7 @@
 import { WINDOW_S, clock, drawMemory, drawSlotCharts, el, pickedText, timeline, windowOf } from "./charts.js";
 import { followDevices } from "./devices.js";
 import { drawGroups, waiting } from "./groups.js";
+import { followKeys } from "./keys.js";
 
 const KEY_STORE = "hal0d.api_key";
 const MAX_ROWS = 200;
@@ -582,7 +583,7 @@ function askForKey() {
   $("key").focus();
 }
 
-let devicesFollowed = false;
+let panelsFollowed = false;
 async function run() {
   let delay = 500;
   for (;;) {
@@ -591,9 +592,10 @@ async function run() {
       $("key-form").hidden = true;
       $("live").hidden = false;
       render();
-      if (!devicesFollowed) {
-        devicesFollowed = true; // after the first snapshot: the key, when asked for, is known
+      if (!panelsFollowed) {
+        panelsFollowed = true; // after the first snapshot: the key, when asked for, is known
         followDevices($("devices-section"), () => api("/api/devices"), () => [...state.slots.keys()]);
+        followKeys($("keys-section"), () => api("/api/keys"));
       }
       delay = 500;
       await follow();
