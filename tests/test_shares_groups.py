@@ -108,3 +108,29 @@ async def test_batch_work_does_not_swap_out_a_model_while_its_interactive_work_i
     assert [line["slot"] for line in evicted] == ["a"], evicted
     # Gone once the chat's stream had ended, not while it was in flight (fifo's way).
     assert evicted[0]["in_flight"] == 0, evicted
+
+
+async def test_a_model_loaded_for_batch_work_takes_none_of_it_while_a_chats_load_comes_next(
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """b loads for the batch; a chat for a arrives meanwhile. b, once up, takes none of its
+    batch (a's load would unload it and the chat would wait for a whole batch answer): it
+    goes empty, a loads, the chat is answered, then b comes back for its batch."""
+    hal0d = await two_models(start_hal0d, tmp_path, "batch")
+    await answered(http, hal0d, "chat", body("reasoning", "long", max_tokens=2, stream=True))
+    with capture_logs() as logs:
+        batch = [asyncio.create_task(answered(http, hal0d, "nightly", body(
+            "chat", stream=True))) for _ in range(4)]
+        await eventually(lambda: _state_is(http, hal0d, "b", "starting"), STARTUP_S,
+                         "b loading for the batch")
+        await answered(http, hal0d, "chat", body("reasoning", "long", max_tokens=2, stream=True))
+        await asyncio.gather(*batch)
+    evicted = [(line["slot"], line["in_flight"]) for line in logs
+               if line["event"] == "slot.evicting"]
+    # a for b's first load (idle), then b for the chat, empty: it took none of its batch.
+    assert evicted[:2] == [("a", 0), ("b", 0)], evicted
+
+
+async def _state_is(http: aiohttp.ClientSession, hal0d: TestServer, slot: str,
+                    state: str) -> bool:
+    return await state_of(http, hal0d, slot) == state

@@ -169,7 +169,7 @@ def add_cors_headers(request: web.Request, response: web.StreamResponse,
 
 # What each scope lets a key do, for the refusal's message.
 SCOPE_WORK: Final = {INFERENCE: "call models", READ: "read hal0d's state",
-                     ADMIN: "load or unload slots"}
+                     ADMIN: "load or unload slots, or read the keys' use"}
 
 
 KEY_REQUIRED: Final = "Authorization: Bearer KEY or x-api-key: KEY"

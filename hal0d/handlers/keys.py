@@ -34,7 +34,9 @@ async def keys(request: web.Request) -> web.Response:
             "window_tokens": used[account],
             "window_share": round(used[account] / total, 4) if total else 0.0,
             "quotas": quotas_view(key, limits.counts),
-            "queued": queued.get(account, 0), "in_flight": limits.in_flight(key.name or ""),
+            # The key's model calls in hal0d (what max_concurrent counts) less those queued.
+            "queued": queued.get(account, 0),
+            "in_flight": max(0, limits.in_flight(key.name or "") - queued.get(account, 0)),
             "last_hour_tokens": book.last_hour(account, now),
         })
     return json({"share_window_s": book.window_s, "batch_max_wait_s": book.batch_max_wait_s,

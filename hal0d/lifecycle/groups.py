@@ -46,7 +46,7 @@ import contextlib
 import re
 import statistics
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -112,6 +112,7 @@ class Group:
 
     config: GroupConfig
     held: bool = False
+    turn_of: Slot | None = None  # the slot whose load has the turn
     # The loads waiting for their turn: (the slot, when it asked, its grant).
     waiting: list[tuple[Slot, float, asyncio.Future[None]]] = field(default_factory=list)
     wake: asyncio.Future[None] | None = None  # the batch wait under way, if any
@@ -122,9 +123,17 @@ class Group:
         """What a busy model's turn is now, by the swaps measured so far."""
         return Pricing(self.config, self.clock.cost_s())
 
+    def interactive_load(self, other_than: Slot) -> bool:
+        """Whether a load of another member with interactive work (turns.py) waits for its
+        turn or has it: it comes next, and may unload `other_than`."""
+        loads = [slot for slot, _, fut in self.waiting if not fut.done()]
+        if self.turn_of is not None:
+            loads.append(self.turn_of)
+        return any(slot is not other_than and slot.urgent() for slot in loads)
+
     async def take_turn(self, slot: Slot) -> None:
         if not self.held and not self.waiting:
-            self.held = True
+            self.held, self.turn_of = True, slot
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = (slot, time.monotonic(), fut)
@@ -146,7 +155,7 @@ class Group:
         whose oldest request waits longest (a load no request waits for, by when it asked)."""
         self.waiting = [entry for entry in self.waiting if not entry[2].done()]
         if not self.waiting:
-            self.held = False
+            self.held, self.turn_of = False, None
             return
         now = time.monotonic()
 
@@ -155,7 +164,7 @@ class Group:
             tier, used, granted, since = slot.rank(now) or (INTERACTIVE, 0.0, 0.0, asked)
             return (tier, used, granted, since) if self.config.batch else (tier, index)
 
-        _, _, fut = self.waiting.pop(min(range(len(self.waiting)), key=rank))
+        self.turn_of, _, fut = self.waiting.pop(min(range(len(self.waiting)), key=rank))
         fut.set_result(None)
 
     def poke(self) -> None:
@@ -198,6 +207,9 @@ class Groups:
 
     def __init__(self, groups: dict[str, GroupConfig]) -> None:
         self.groups = {name: Group(config) for name, config in groups.items()}
+        # Told each load's turn's end (the manager: members that held their grants for it may
+        # take their requests now).
+        self.on_turn_end: Callable[[str], None] | None = None
 
     def get(self, name: str | None) -> Group | None:
         return self.groups.get(name or "")
@@ -230,3 +242,5 @@ class Groups:
         finally:
             group.pending = None
             group.give_turn()
+            if self.on_turn_end is not None:
+                self.on_turn_end(group.config.name)

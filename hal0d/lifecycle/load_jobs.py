@@ -267,6 +267,7 @@ class LoadJobs(DeviceJobs):
         next_wake: float | None = wake
         while next_wake is not None:
             await group.until(next_wake)
+            self.regrant(limits.name)  # a victim's batch work past its bound is urgent now
             member = next((m for m in self._members(limits.name) if m.slot.name == victim), None)
             if member is None or member.slot.state not in EVICTABLE:
                 return

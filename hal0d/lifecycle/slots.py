@@ -154,6 +154,10 @@ class Slot(ProcessFates):
         # one (for a slot without a command: each time its probe sees the server come back),
         # so that what was learnt of an earlier process (modes.py, props.py) is asked anew.
         self.generation = 0
+        # Set by the lifecycle manager on a member of a group: True while the slot is to take
+        # none of its queue (its work is batch alone and a load with interactive work comes
+        # next in its group: that load may unload it, and what it took would drain first).
+        self.hold_grants: Callable[[Slot], bool] | None = None
         # Set by the lifecycle manager in a group whose loads wait for their turn: the longest
         # that wait may be, added to a waiter's bound while the slot is not up.
         self.turn_wait_s = 0.0
@@ -302,7 +306,12 @@ class Slot(ProcessFates):
 
     def _can_grant(self) -> bool:
         return (self.state in GRANTABLE and self.in_flight < self.config.max_concurrent
-                and not self._held())
+                and not self._held()
+                and (self.hold_grants is None or not self.hold_grants(self)))
+
+    def regrant(self) -> None:
+        """Grants what may be granted now (the manager, when what held the grants changed)."""
+        self._pump()
 
     def _counts(self) -> None:
         if self.observer is not None:

@@ -66,6 +66,8 @@ class Teller:
         self.configs: dict[str, SlotConfig] = {}
         self.runners: dict[str, Runner] = {}
         self.groups = Groups(groups or {})
+        self.groups.on_turn_end = self.regrant
+        self._regranting = False  # regrant under way: the grants it makes ask nothing again
         # Ends the in-flight streams of a slot with their surface's terminal frame (a forced
         # unload); returns how many it ended.
         self.end_streams = end_streams
@@ -164,6 +166,7 @@ class Teller:
         slot.exit_seen = self._exit_seen
         slot.process_runs = self._process_runs
         slot.turn_wait_s = self.turn_wait_s(config)
+        slot.hold_grants = self._holds_grants if config.group else None
 
     @staticmethod
     def _unwire(slot: Slot) -> None:
@@ -172,6 +175,7 @@ class Teller:
         slot.exit_seen = None
         slot.process_runs = None
         slot.turn_wait_s = 0.0
+        slot.hold_grants = None
 
     def _begin(self, runner: Runner) -> None:
         """A runner's first event: an on-demand slot rests, an `always` one starts."""
@@ -239,6 +243,7 @@ class Teller:
             return
         self.groups.poke(runner.config.group)
         self.on_devices.poke()
+        self.regrant(runner.config.group)
         if new in UP:
             runner.last_used = time.monotonic()
         if new is SlotState.SERVING:
@@ -253,6 +258,30 @@ class Teller:
         if runner is not None and runner.slot is slot:
             self.groups.poke(runner.config.group)
             self.on_devices.poke()
+            self.regrant(runner.config.group)
+
+    def _holds_grants(self, slot: Slot) -> bool:
+        """A model with batch work alone takes none of it while a load of its group with
+        interactive work waits or is under way: that load unloads it for a model with
+        interactive work, and the batch answers it took would drain first (a whole answer
+        added to the chat's wait). Its requests wait in its queue, as they would once it is
+        unloaded; it takes them once that load's turn is over, if it is still loaded."""
+        runner = self.runners.get(slot.name)
+        group = self.groups.get(runner.config.group) if runner is not None else None
+        return group is not None and not slot.urgent() and group.interactive_load(slot)
+
+    def regrant(self, group: str | None) -> None:
+        """The members of `group` that held their grants look again (a member's work, or the
+        group's loads, changed); a grant it makes tells its counts, which asks again: once."""
+        if group is None or self._regranting:
+            return
+        self._regranting = True
+        try:
+            for runner in list(self.runners.values()):
+                if runner.config.group == group and runner.slot.queued:
+                    runner.slot.regrant()
+        finally:
+            self._regranting = False
 
     def _idle(self, runner: Runner) -> None:
         slot = runner.slot

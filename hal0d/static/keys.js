@@ -89,11 +89,8 @@ function quota(per, limits) {
     el("div", { class: "fill", style: `width: ${Math.min(100, used * 100).toFixed(2)}%` })));
 }
 
-// /api/keys' in_flight is every model call of the key in hal0d, the queued ones too (what its
-// max_concurrent counts); the card says "in flight" as a slot's card does: being answered.
 function requestsFact(key) {
-  const queued = key.queued || 0;
-  return `${Math.max(0, (key.in_flight || 0) - queued)} in flight, ${queued} queued`;
+  return `${key.in_flight || 0} in flight, ${key.queued || 0} queued`;
 }
 
 function keyCard(key, view, top) {
