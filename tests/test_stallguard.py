@@ -540,7 +540,9 @@ async def test_a_client_that_stops_reading_is_cut_and_frees_its_slot(
         assert slot["in_flight"] == 0, slot
         return True
 
-    await eventually(released, 3.0, "the slot freed from the client that stopped reading")
+    # The flood first fills the socket buffers on the way to the client, slower on a busy box:
+    # the wait is the next test's, and the bound is asserted below.
+    await eventually(released, 8.0, "the slot freed from the client that stopped reading")
     assert time.monotonic() - started >= 0.5
     row = await history_row(http, hal0d)
     assert (row["ok"], row["error_code"]) == (False, "client_stalled")
