@@ -456,9 +456,12 @@ async def test_the_prefill_takes_longer_the_more_of_the_prompt_is_uncached(
 
     prompt_n = cold["timings"]["prompt_n"]
     assert prompt_n > 300 and warm["timings"]["prompt_n"] < prompt_n / 10
-    # The head comes at once, the first chunk after the prompt is read (a sleep never ends
-    # early); the warm turn, with a tenth of the tokens to read, answers sooner.
-    assert cold_chunk - cold_head >= prompt_n * ms_per_token / 1000
+    # The first chunk comes after the prompt is read (a sleep never ends early, and it began
+    # after the request was sent), the head long before it (not to the millisecond: the client
+    # may wake to the head a moment after the stub sent it and began the prompt); the warm
+    # turn, with a tenth of the tokens to read, answers sooner.
+    prefill_s = prompt_n * ms_per_token / 1000
+    assert cold_chunk >= prefill_s and cold_chunk - cold_head >= prefill_s / 2
     assert cold["timings"]["prompt_ms"] >= prompt_n * ms_per_token
     assert warm_chunk < cold_chunk
     assert warm["timings"]["prompt_ms"] < cold["timings"]["prompt_ms"]
