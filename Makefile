@@ -39,10 +39,13 @@ BROWSER_PACKAGES := chromium chromium-driver
 
 # Two pytest-xdist workers, a test file each at a time (--dist loadfile: a file's tests share its
 # fixtures and run in order on one worker); tests/harness/ports.py gives each worker ports of its
-# own. `make test PYTEST_ARGS=-n0` runs the suite in one process.
+# own. The tests marked `alone` (what a second test beside them would slow: a model's turns
+# counted in seconds) run after, in one process. `make test PYTEST_ARGS=-n0` runs the rest in one
+# process too.
 PYTEST_ARGS ?= -n 2 --dist loadfile
 test: $(STAMP) browser npm-test-tools
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) -m "not alone"
+	$(BIN)/python -m pytest -q -m alone
 
 # The npm clients some tests drive (the Codex CLI: tests/test_codex_cli.py; the ollama package:
 # tests/test_ollama_api.py), installed into the git-ignored .npm-test/ when the list changed; npm

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp.test_utils import TestServer
 from structlog.testing import capture_logs
 
@@ -35,6 +36,9 @@ from tests.harness.config import build_config, on_demand
 from tests.harness.daemons import STARTUP_S, ServerFactory, start
 from tests.harness.poll import eventually
 from tests.harness.processes import stub_pids
+
+# Turns and paces counted in seconds: run with nothing beside it (setup.cfg).
+pytestmark = pytest.mark.alone
 
 STORM_S = float(os.environ.get("HAL0D_STORM_S", "4"))
 STORM_MORE_S = 20.0  # the most the storm goes on past STORM_S for a kind it has not done yet

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp.test_utils import TestServer
 from structlog.testing import capture_logs
 
@@ -18,6 +19,9 @@ from tests.harness.client import CHAT, body
 from tests.harness.config import build_config, on_demand
 from tests.harness.daemons import STARTUP_S, ServerFactory, start
 from tests.harness.poll import eventually
+
+# Turns and paces counted in seconds: run with nothing beside it (setup.cfg).
+pytestmark = pytest.mark.alone
 
 SECRETS = {"chat": "sk-chat-3Nd8", "nightly": "sk-nightly-Vb6", "admin": "sk-admin-Jc1"}
 LOAD_S = "0.3"  # the stub's --startup-delay

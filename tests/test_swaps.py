@@ -28,6 +28,9 @@ from tests.harness.daemons import ServerFactory, start
 from tests.harness.poll import eventually
 from tests.harness.processes import ProcessSampler, alive, stub_pids
 
+# Turns and paces counted in seconds: run with nothing beside it (setup.cfg).
+pytestmark = pytest.mark.alone
+
 LOAD_S = "0.8"  # the stub's --startup-delay: a model that loads for 0.8 s
 
 

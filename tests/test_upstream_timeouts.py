@@ -18,6 +18,9 @@ from structlog.testing import capture_logs
 
 from tests.harness.client import chat_body
 
+# Turns and paces counted in seconds: run with nothing beside it (setup.cfg).
+pytestmark = pytest.mark.alone
+
 ANSWER = orjson.dumps({"id": "chatcmpl-1", "object": "chat.completion", "created": 0,
                        "model": "chat", "choices": []})
 RECEIVE_BUFFER = 256 * 1024
