@@ -28,7 +28,9 @@ from hal0d.forward.modes import AnthropicModes
 from hal0d.lifecycle.reload import ConfigDiff
 from hal0d.routing import Runtime
 from hal0d.transport.upstream import UpstreamClient
-from hal0d_stub.app import CONTENT_TEXT, REASONING_TEXT, make_stub_app, prompt_tokens, words
+from hal0d_stub.app import make_stub_app
+from hal0d_stub.models import CONTENT_TEXT, REASONING_TEXT, words
+from hal0d_stub.prompt import prompt_tokens
 from tests.harness.client import state_is
 from tests.harness.config import build_config
 from tests.harness.daemons import start

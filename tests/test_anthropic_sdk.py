@@ -2,7 +2,7 @@
 
 hal0d sits in front of the stub upstream; the SDK is pointed at `<hal0d>/llm` exactly as a user
 would point it (it appends /v1/messages itself). What the SDK ends up with is compared to what the
-stub generated (hal0d_stub.app.REASONING_TEXT / CONTENT_TEXT), not to anything hal0d computed.
+stub generated (hal0d_stub.models.REASONING_TEXT / CONTENT_TEXT), not to anything hal0d computed.
 
 The SDK is imported where it is used, not at the top: importing it costs about a second, which
 every `pytest` run would pay at collection, whichever tests it runs.
@@ -18,7 +18,8 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from hal0d.config import ServerConfig
-from hal0d_stub.app import CONTENT_TEXT, LONG_WORDS, REASONING_TEXT, prompt_tokens, words
+from hal0d_stub.models import CONTENT_TEXT, LONG_WORDS, REASONING_TEXT, words
+from hal0d_stub.prompt import prompt_tokens
 from tests.harness.config import make_config
 from tests.harness.stubs import Stub
 

@@ -19,7 +19,7 @@ import orjson
 import pytest
 from aiohttp import hdrs, web
 
-from hal0d_stub.app import prompt_tokens
+from hal0d_stub.prompt import prompt_tokens
 from tests.harness.cli import CLI_DEADLINE_S, QUIT_S, ROOT, cli, cli_daemon, env_without, row_of
 from tests.harness.config import CLI_KEY, daemon_toml
 from tests.harness.daemons import Hal0dProcess, spawn, stop

@@ -23,7 +23,8 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestServer
 
-from hal0d_stub.app import CONTENT_TEXT, SHELL_ANSWER, SHELL_OUTPUT, make_stub_app
+from hal0d_stub.app import make_stub_app
+from hal0d_stub.models import CONTENT_TEXT, SHELL_ANSWER, SHELL_OUTPUT
 from hal0d_stub.slots import SlotOptions
 from tests.harness.ports import free_port
 from tests.harness.stubs import Stub

@@ -27,7 +27,7 @@ from aiohttp import web
 
 from hal0d.errors import ContextExceeded
 from hal0d.protocol.context_errors import context_exceeded
-from hal0d_stub.app import prompt_tokens
+from hal0d_stub.prompt import prompt_tokens
 from hal0d_stub.slots import SlotOptions
 from tests.fixtures_util import fixture_path
 from tests.harness.client import Served

@@ -16,7 +16,7 @@ from structlog.testing import capture_logs
 
 from hal0d.config import Config, MetricsConfig, SlotConfig
 from hal0d.transport.tokens import estimate
-from hal0d_stub.app import SYSTEM_PREAMBLE
+from hal0d_stub.prompt import SYSTEM_PREAMBLE
 from tests.anthropic_rules import assert_valid_anthropic_stream, events_from_sse
 from tests.harness.poll import eventually
 from tests.harness.ports import free_port

@@ -1,9 +1,9 @@
 """The OpenAI Responses API through hal0d, driven by the official openai SDK over real sockets.
 
 hal0d sits in front of the stub upstream (its /v1/responses); what the SDK ends up with is
-compared to what the stub generated (hal0d_stub.app.CONTENT_TEXT), and the stall and break cases to
-what a Responses client must see: an incomplete answer carrying the guard's notice, or an error.
-The SDK is imported where it is used: importing it costs about a second at collection.
+compared to what the stub generated (hal0d_stub.models.CONTENT_TEXT), and the stall and break
+cases to what a Responses client must see: an incomplete answer carrying the guard's notice, or
+an error. The SDK is imported where it is used: importing it costs about a second at collection.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from aiohttp import hdrs, web
 from aiohttp.test_utils import TestServer
 
 from hal0d.response_owners import ResponseOwners
-from hal0d_stub.app import CONTENT_TEXT, TOKENS_BEFORE_TROUBLE, words
+from hal0d_stub.answering import TOKENS_BEFORE_TROUBLE
+from hal0d_stub.models import CONTENT_TEXT, words
 from tests.harness.client import openai_sdk
 from tests.harness.poll import eventually
 from tests.harness.stubs import Stub

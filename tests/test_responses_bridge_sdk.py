@@ -3,7 +3,7 @@ driven by the official openai SDK over real sockets.
 
 The stub is made `chat_only` (no /v1/responses, as llama-cpp-python's server): every answer the
 SDK gets was translated by hal0d from a chat completion. What the SDK ends up with is compared to
-what the stub generated (hal0d_stub.app's texts), and the stall and break cases to the endings
+what the stub generated (hal0d_stub.models' texts), and the stall and break cases to the endings
 the native path gives (README "The Responses API").
 """
 
@@ -19,15 +19,9 @@ import pytest
 from aiohttp.test_utils import TestServer
 from structlog.testing import capture_logs
 
-from hal0d_stub.app import (
-    CONTENT_TEXT,
-    REASONING_TEXT,
-    SHELL_ANSWER,
-    SHELL_COMMAND,
-    TOKENS_BEFORE_TROUBLE,
-    make_stub_app,
-    words,
-)
+from hal0d_stub.answering import TOKENS_BEFORE_TROUBLE
+from hal0d_stub.app import make_stub_app
+from hal0d_stub.models import CONTENT_TEXT, REASONING_TEXT, SHELL_ANSWER, SHELL_COMMAND, words
 from tests.harness.client import openai_sdk
 from tests.harness.poll import eventually
 from tests.harness.ports import free_port

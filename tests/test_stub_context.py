@@ -17,7 +17,7 @@ import aiohttp
 import orjson
 import pytest
 
-from hal0d_stub.app import prompt_tokens
+from hal0d_stub.prompt import prompt_tokens
 from hal0d_stub.slots import SlotOptions
 from tests.fixtures_util import fixture_path
 from tests.harness.cli import ROOT
