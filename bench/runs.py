@@ -1,7 +1,8 @@
 """What one `make bench` run is: its plan (how much of everything), its results and skips, how
-it tells what it does, and a row's verdict. Apart from bench/run.py so that the sections in their
-own modules (lifecycle, swaps, failover, keepalive) and the orchestration import it, not each
-other."""
+it tells what it does, and a row's verdict; the names the figures of its shared processes go
+under, and the folder its results land in. Apart from bench/run.py so that the sections in their
+own modules (lifecycle, swaps, failover, keepalive, overhead), the table and the orchestration
+import it, not each other."""
 
 from __future__ import annotations
 
@@ -10,6 +11,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bench import procs
+
+RESULTS = procs.ROOT / "bench" / "results"
+BASELINE = "hal0d-baseline"  # the --baseline revision's hal0d, measured beside this tree's
+FLOOR = "aiohttp-floor"  # bench/floor.py: the bare proxy on hal0d's stack, in the latency rows
 
 
 @dataclass

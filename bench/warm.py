@@ -37,49 +37,48 @@ with the chat template) and a short question a turn; answers are greedy and shor
 
 A swap's `load_ms` (hal0d's history) holds the group's idle grace too: the model just answered,
 so a swap waits 0.25 s in case its client comes back (lifecycle/groups.py IDLE_GRACE_S).
+
+The section's parts: this module, the scenario (what each variant is put through, in which
+order); bench/warm_conversations.py, the conversations and their streamed turns as the client
+sees them; bench/warm_hal0ds.py, the hal0d processes, their configs and what they report (slots,
+history, log); bench/warm_rows.py, the figures and the rows with their targets.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import glob
 import os
-import random
-import signal
-import statistics
-import subprocess
-import sys
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import datetime
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import orjson
-import tomli_w
 
 from bench import client, procs
-from bench.runs import Run, verdict
+from bench.runs import Run
+from bench.warm_conversations import Conversation, short_body, stream_turn
+from bench.warm_hal0ds import (
+    Hal0d,
+    Variant,
+    feature_problem,
+    history_rows,
+    log_events,
+    note_pids,
+    route_slots,
+    start,
+    stop,
+    swap_slots,
+    walls,
+    warm_toml,
+)
 
 REAL_DIR = Path.home() / ".cache" / "hal0d-real"  # where `make test-real` builds and fetches
 SERVER_GLOB = "src/llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-server"
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CONTEXT = 4096
-NOTE_WORDS = 1220  # ~1,250 prompt tokens with the system prompt and the chat template
-ANSWER_TOKENS = 24
 STAGGER_S = 0.2  # between the two conversations of a pair: each first turn meets a settled plan
 THINK_S = (0.5, 1.5)  # between a conversation's turns (seeded): its user reads the answer
-TARGET_SWAP_FACTOR = 1.5
-TARGET_READ_RATIO = 1.05
-TARGET_SAVE_MS = 100.0
-LOAD_TIMEOUT_S = 120.0
-WORDS = ("river", "stone", "light", "garden", "window", "morning", "paper", "music", "winter",
-         "forest", "engine", "market", "silver", "letter", "harbor", "candle", "mountain",
-         "bridge", "orchard", "lantern", "meadow", "copper", "valley", "thunder", "pocket",
-         "island", "ribbon", "castle", "shadow", "feather")
 
 
 @dataclass
@@ -103,332 +102,6 @@ def find_real() -> tuple[str, str] | str:
     if not os.path.isfile(model):
         return f"the model file not found ({model}; `make test-real` fetches it)"
     return server, model
-
-
-# -- conversations ----------------------------------------------------------------------------
-
-@dataclass
-class Turn:
-    """One streamed turn as the client saw it; times in seconds from sending it."""
-
-    request_id: str
-    status: int = 0
-    ttft_s: float | None = None  # the first token of the answer's text
-    total_s: float = 0.0
-    text: str = ""
-    prompt_tokens: int | None = None  # usage: what the client is told
-    cached_tokens: int | None = None
-    completion_tokens: int | None = None
-    prompt_n: int | None = None  # timings: what the server read, and took from its cache
-    cache_n: int | None = None
-    error: str = ""
-    row: dict[str, Any] = field(default_factory=dict)  # hal0d's history row of it
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 200 and not self.error and self.prompt_n is not None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "ok": self.ok}
-
-
-class Conversation:
-    """A system prompt of seeded notes and a question a turn; each answer is added to it."""
-
-    def __init__(self, name: str, seed: int) -> None:
-        rng = random.Random(seed)
-        notes = " ".join(rng.choice(WORDS) for _ in range(NOTE_WORDS))
-        self.name = name
-        self.rng = rng
-        self.messages: list[dict[str, str]] = [
-            {"role": "system", "content": f"You answer in one short sentence. Notes {name}: "
-                                          + notes},
-        ]
-        self.turns: list[Turn] = []
-        self.ask()
-
-    def ask(self) -> None:
-        word = self.rng.choice(WORDS)
-        self.messages.append({"role": "user", "content": f"Question {len(self.turns) + 1}: "
-                                                         f"where do the notes name the {word}?"})
-
-    def body(self, model: str) -> bytes:
-        return orjson.dumps({"model": model, "messages": self.messages, "stream": True,
-                             "stream_options": {"include_usage": True},
-                             "max_tokens": ANSWER_TOKENS, "temperature": 0})
-
-    def answered(self, turn: Turn) -> None:
-        self.turns.append(turn)
-        self.messages.append({"role": "assistant", "content": turn.text or "I do not know."})
-        self.ask()
-
-    def ideal(self) -> int:
-        """Every token of the conversation read once: the first turn's prompt, then each later
-        turn's new tokens (its prompt beyond the last one's and the answer the server wrote
-        into its cache as it generated it)."""
-        total, held = 0, 0
-        for t in self.turns:
-            if t.prompt_tokens is None:
-                continue  # a failed turn: the next one asks what it asked, and more
-            total += max(0, t.prompt_tokens - held)
-            held = t.prompt_tokens + (t.completion_tokens or 0)
-        return total
-
-
-def short_body(model: str) -> bytes:
-    """The other model's request: a swap's cause, short, so its own prompt costs nothing."""
-    return orjson.dumps({"model": model, "stream": True, "max_tokens": 4, "temperature": 0,
-                         "stream_options": {"include_usage": True},
-                         "messages": [{"role": "user", "content": "Say hello."}]})
-
-
-async def stream_turn(session: aiohttp.ClientSession, base: str, body: bytes,
-                      request_id: str) -> Turn:
-    """The turn streamed to its end; its text, usage and llama-server's timings read from the
-    events (hal0d relays them as the server sent them)."""
-    turn = Turn(request_id)
-    headers = {**client.JSON_HEADERS, "X-Request-Id": request_id}
-    began = time.perf_counter()
-    pending = b""
-    try:
-        async with session.post(base + client.CHAT, data=body, headers=headers) as resp:
-            turn.status = resp.status
-            if resp.status != 200:
-                turn.error = f"status {resp.status}: {(await resp.read())[:200]!r}"
-                return turn
-            async for piece in resp.content.iter_any():
-                pending += piece
-                *lines, pending = pending.split(b"\n")
-                for line in lines:
-                    read_event(turn, line.rstrip(b"\r"), time.perf_counter() - began)
-            read_event(turn, pending.rstrip(b"\r"), time.perf_counter() - began)
-    except (aiohttp.ClientError, OSError) as exc:
-        turn.error = type(exc).__name__
-    turn.total_s = time.perf_counter() - began
-    if not turn.error and turn.prompt_n is None:
-        turn.error = "no timings in the stream"
-    return turn
-
-
-def read_event(turn: Turn, line: bytes, at_s: float) -> None:
-    if not line.startswith(b"data:"):
-        return  # blank lines, keepalive comments
-    data = line[5:].strip()
-    if data == b"[DONE]":
-        return
-    try:
-        event = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        turn.error = f"not JSON: {data[:80]!r}"
-        return
-    if "error" in event:
-        turn.error = f"error event: {str(event['error'])[:120]}"
-        return
-    for choice in event.get("choices") or ():
-        text = (choice.get("delta") or {}).get("content")
-        if text:
-            turn.text += text
-            if turn.ttft_s is None:
-                turn.ttft_s = at_s
-    if usage := event.get("usage"):
-        turn.prompt_tokens = usage.get("prompt_tokens")
-        turn.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        turn.completion_tokens = usage.get("completion_tokens")
-    if timings := event.get("timings"):
-        turn.prompt_n, turn.cache_n = timings.get("prompt_n"), timings.get("cache_n")
-    if turn.ttft_s is None and event.get("choices") == [] and turn.prompt_n is not None:
-        turn.ttft_s = at_s  # an answer with no text at all: its end stands for its first token
-
-
-async def history_rows(session: aiohttp.ClientSession, base: str,
-                       ids: set[str]) -> dict[str, dict[str, Any]]:
-    """hal0d's history rows of these requests (written once each answer is out: retried)."""
-    found: dict[str, dict[str, Any]] = {}
-    for _ in range(50):
-        async with session.get(base + "/api/requests?limit=200") as resp:
-            rows = (await resp.json())["requests"]
-        found = {r["request_id"]: r for r in rows if r.get("request_id") in ids}
-        if len(found) == len(ids):
-            break
-        await asyncio.sleep(0.1)
-    return found
-
-
-async def slot_views(session: aiohttp.ClientSession, base: str) -> dict[str, dict[str, Any]]:
-    async with session.get(base + "/api/slots") as resp:
-        return {v["name"]: v for v in (await resp.json())["slots"]}
-
-
-# -- the hal0d processes ----------------------------------------------------------------------
-
-@dataclass
-class Variant:
-    tag: str  # save, off, baseline (swaps); hal0d, baseline (route)
-    label: str
-    command: Path | None = None  # another installed hal0d (the baseline's)
-    prompt_cache: str | None = None  # None: no key written (off by default, or unknown)
-
-
-def server_command(real: tuple[str, str], alias: str, port: int, *, save: bool,
-                   threads: int | None = None) -> list[str]:
-    server, model = real
-    command = [server, "-m", model, "--alias", alias, "--host", "127.0.0.1", "--port", str(port),
-               "-c", str(CONTEXT), "--parallel", "1", "--jinja", "--no-webui"]
-    if threads is not None:
-        command += ["-t", str(threads)]
-    if save:
-        command += ["--slot-save-path", "{prompt_cache_dir}"]
-    return command
-
-
-def warm_toml(port: int, name: str, folder: Path, slots: list[dict[str, Any]],
-              **tables: Any) -> str:
-    return f"# generated by bench/warm.py for {name}\n" + tomli_w.dumps({
-        "server": {"host": "127.0.0.1", "port": port, "shutdown_grace_s": 5.0},
-        "metrics": {"database": str(folder / "history.sqlite3")},
-        "logging": {"level": "info", "format": "json"},
-        **tables,
-        "slots": slots,
-    })
-
-
-def swap_slots(real: tuple[str, str], variant: Variant) -> list[dict[str, Any]]:
-    slots = []
-    for name in ("a", "b"):
-        port = procs.free_port()
-        slot: dict[str, Any] = {
-            "name": name, "upstream": f"http://127.0.0.1:{port}", "models": [f"warm-{name}"],
-            "command": server_command(real, f"warm-{name}", port,
-                                      save=variant.prompt_cache == "save"),
-            "start": "on_demand", "group": "cpu", "max_concurrent": 1, "max_queue": 8,
-            "queue_timeout_s": 300.0, "load_timeout_s": LOAD_TIMEOUT_S,
-        }
-        if variant.prompt_cache is not None:
-            slot["prompt_cache"] = variant.prompt_cache
-        slots.append(slot)
-    return slots
-
-
-def route_slots(real: tuple[str, str]) -> list[dict[str, Any]]:
-    slots = []
-    for name in ("r1", "r2"):
-        port = procs.free_port()
-        slots.append({
-            "name": name, "upstream": f"http://127.0.0.1:{port}", "models": [f"warm-{name}"],
-            "command": server_command(real, "warm", port, save=False, threads=1),
-            "start": "always", "max_concurrent": 1, "max_queue": 8, "queue_timeout_s": 300.0,
-            "load_timeout_s": LOAD_TIMEOUT_S,
-        })
-    return slots
-
-
-@dataclass
-class Hal0d:
-    variant: Variant
-    child: procs.Child
-    log: Path
-    pids: set[int] = field(default_factory=set)  # its llama-servers' pids, as it reported them
-
-    @property
-    def base(self) -> str:
-        return self.child.base
-
-
-async def start(procset: procs.Processes, name: str, variant: Variant, config: str, *,
-                port: int, ready: Callable[[str], Callable[[aiohttp.ClientSession], object]]
-                ) -> Hal0d:
-    folder = procset.workdir / name
-    folder.mkdir(exist_ok=True)
-    path = folder / "hal0d.toml"
-    path.write_text(config)
-    binary = variant.command or Path(sys.executable).parent / "hal0d"
-    # A baseline runs outside the work tree, so this tree's hal0d/ cannot shadow its own.
-    child = procset.spawn(name, [str(binary), "serve", "--config", str(path)], port,
-                          cwd=folder if variant.command else procs.ROOT)
-    await procs.wait_until(child, ready(child.base), LOAD_TIMEOUT_S, procset)
-    return Hal0d(variant, child, procset.workdir / f"{name}.log")
-
-
-def stop(hal0d: Hal0d, say: Callable[[str], None]) -> None:
-    """hal0d stopped (SIGTERM: it saves and stops its servers); a llama-server that outlived
-    it (hal0d killed before it stopped them) ends by its own process group, hal0d's gift."""
-    hal0d.child.stop()
-    for pid in hal0d.pids:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                if b"llama-server" not in cmdline.read():
-                    continue  # gone, its pid another process's now
-        except OSError:
-            continue
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
-            say(f"warm: llama-server {pid} outlived {hal0d.child.name}; killed its group")
-
-
-async def note_pids(session: aiohttp.ClientSession, hal0d: Hal0d) -> dict[str, dict[str, Any]]:
-    views = await slot_views(session, hal0d.base)
-    hal0d.pids.update(v["pid"] for v in views.values() if v.get("pid"))
-    return views
-
-
-def feature_problem(variant: Variant, real: tuple[str, str], folder: Path) -> str | None:
-    """Why this tree's hal0d cannot run `variant`'s config (`hal0d check-config`), or None."""
-    folder.mkdir(exist_ok=True)
-    path = folder / "check.toml"
-    path.write_text(warm_toml(procs.free_port(), "check-config", folder, swap_slots(real, variant),
-                              groups={"cpu": {"max_loaded": 1}}))
-    done = subprocess.run([str(Path(sys.executable).parent / "hal0d"), "check-config", "--config",
-                           str(path)], capture_output=True, text=True, check=False)
-    if done.returncode == 0:
-        return None
-    lines = (done.stderr or done.stdout).strip().splitlines()
-    return "this tree's hal0d refuses it: " + (lines[0] if lines else f"exit {done.returncode}")
-
-
-@dataclass
-class Walls:
-    """Of one slot, in order, in ms, from hal0d's log: each stop (stopping to stopped: the
-    save, then the process's exit), each load (starting to ready), and each load's tail (from
-    the server's own `listening` line, which hal0d logs as the process's output, to ready: the
-    probe, then the restore). The tail leaves out the process's start, which varies by tens of
-    ms from one load to the next."""
-
-    stops: list[float] = field(default_factory=list)
-    loads: list[float] = field(default_factory=list)
-    tails: list[float] = field(default_factory=list)
-
-
-def walls(events: list[dict[str, Any]], slot: str) -> Walls:
-    out = Walls()
-    began: dict[str, float] = {}
-    for e in events:
-        if e.get("slot") != slot or "timestamp" not in e:
-            continue
-        at = datetime.fromisoformat(e["timestamp"]).timestamp()
-        new = e.get("new") if e["event"] == "slot.state_changed" else None
-        if new in ("stopping", "starting"):
-            began[new] = at
-            began.pop("listening", None)
-        elif e["event"] == "slot.process_output" and "listening on" in str(e.get("line")):
-            began.setdefault("listening", at)
-        elif new == "stopped" and "stopping" in began:
-            out.stops.append((at - began.pop("stopping")) * 1000)
-        elif new == "ready" and "starting" in began:
-            out.loads.append((at - began.pop("starting")) * 1000)
-            if "listening" in began:
-                out.tails.append((at - began.pop("listening")) * 1000)
-    return out
-
-
-def log_events(path: Path, names: tuple[str, ...]) -> list[dict[str, Any]]:
-    out = []
-    with contextlib.suppress(OSError), path.open("rb") as log:
-        for line in log:
-            with contextlib.suppress(orjson.JSONDecodeError):
-                event = orjson.loads(line)
-                if isinstance(event, dict) and event.get("event") in names:
-                    out.append(event)
-    return out
 
 
 # -- swap out and back ------------------------------------------------------------------------
@@ -576,152 +249,3 @@ async def measure(run: Run, procset: procs.Processes, say: Callable[[str], None]
         result["error"] = str(exc).splitlines()[0]
         say(f"warm: failed: {exc}")
     run.results["warm"] = result
-
-
-def med(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def swap_figures(v: dict[str, Any]) -> dict[str, Any]:
-    rounds = v["rounds"]
-
-    def of(key: str, what: Callable[[dict[str, Any]], float | None]) -> float | None:
-        values = [x for r in rounds if (x := what(r[key])) is not None]
-        return med([float(x) for x in values])
-
-    def cache(key: str, name: str) -> float | None:
-        values = [c[name] for r in rounds if (c := r.get(key)) and c.get(name) is not None]
-        return med([float(x) for x in values])
-
-    return {
-        "warm_ttft_s": of("warm", lambda t: t["ttft_s"]),
-        "back_ttft_s": of("back", lambda t: t["ttft_s"]),
-        "back_load_s": of("back", lambda t: (t["row"].get("load_ms") or 0) / 1000),
-        "back_prompt_tokens": of("back", lambda t: t["prompt_tokens"]),
-        "back_cached_tokens": of("back", lambda t: t["cached_tokens"]),
-        "back_prompt_n": of("back", lambda t: t["prompt_n"]),
-        "warm_prompt_n": of("warm", lambda t: t["prompt_n"]),
-        "unload_ms": med(v.get("stops_ms", [])),
-        "load_ms": med(v.get("loads_ms", [])),
-        "load_tail_ms": med(v.get("load_tails_ms", [])),
-        "save_ms": cache("cache_after_unload", "save_ms"),
-        "restore_ms": cache("cache_after_load", "restore_ms"),
-        "saved_tokens": cache("cache_after_unload", "saved_tokens"),
-        "restored_tokens": cache("cache_after_load", "restored_tokens"),
-        "loadavg_max": max((r.get("loadavg", 0.0) for r in rounds), default=0.0),
-        "failed": sum(not t["ok"] for r in rounds for t in (r["warm"], r["evict"], r["back"]))
-        + (not v["first"]["ok"]),
-        "errors": sorted({t["error"] for r in rounds for t in (r["warm"], r["evict"], r["back"])
-                          if t["error"]}),
-    }
-
-
-def rows(run: Run) -> list[dict[str, Any]]:
-    if "warm" in run.skipped:
-        return [{"row": "warm rows", "value": "-", "target": "-", "verdict": "skipped",
-                 "note": run.skipped["warm"]}]
-    r = run.results.get("warm")
-    if not r:
-        return []
-    out: list[dict[str, Any]] = []
-
-    def row(name: str, value: str, target: str, ok: bool | None, note: str) -> None:
-        out.append({"row": f"warm: {name}", "value": value, "target": target,
-                    "verdict": verdict(ok), "note": note})
-
-    figures = {tag: swap_figures(v) for tag, v in r.get("swaps", {}).items()}
-    off, save = figures.get("off"), figures.get("save")
-    load_itself = (off or save or {}).get("back_load_s")
-
-    def swap_note(f: dict[str, Any]) -> str:
-        note = (f"warm turn {s(f['warm_ttft_s'])}; load_ms {s(f['back_load_s'])}; "
-                f"prompt {n(f['back_prompt_tokens'])} tokens, cached {n(f['back_cached_tokens'])}"
-                f", read {n(f['back_prompt_n'])}")
-        if f["failed"]:
-            note += f"; {f['failed']} turns failed: {'; '.join(f['errors'])[:160]}"
-        return note
-
-    if save is not None and save["back_ttft_s"] is not None and load_itself is not None:
-        bound = TARGET_SWAP_FACTOR * (save["warm_ttft_s"] or 0.0) + load_itself
-        ttft = save["back_ttft_s"]
-        row("next turn after a swap out and back, save", f"{ttft:.2f} s TTFT",
-            f"<= 1.5 x {save['warm_ttft_s']:.2f} warm + {load_itself:.2f} load = {bound:.2f} s",
-            ttft <= bound and not save["failed"],
-            swap_note(save) + (f"; off's TTFT {s(off['back_ttft_s'])}" if off else "")
-            + f"; the load: off's load_ms; {r['rounds']} rounds, medians; 1-min load "
-            f"average up to {save['loadavg_max']:.1f}")
-    elif "save_skipped" in r:
-        out.append({"row": "warm: next turn after a swap out and back, save", "value": "-",
-                    "target": "<= 1.5 x warm + load", "verdict": "skipped",
-                    "note": r["save_skipped"]})
-    for tag in ("off", "baseline"):
-        f = figures.get(tag)
-        if f is not None and f["back_ttft_s"] is not None:
-            row(f"the same, {r['swaps'][tag]['label']}", f"{f['back_ttft_s']:.2f} s TTFT", "-",
-                None if not f["failed"] else False, swap_note(f))
-    if save is not None:
-        swaps_of = r["swaps"]
-
-        def extra(series: str) -> float | None:
-            """Save over off, round by round (the rounds took turns, so a drift of the machine
-            reaches both alike), the median."""
-            on, without = swaps_of["save"].get(series, []), swaps_of.get("off", {}).get(series, [])
-            return med([a - b for a, b in zip(on, without, strict=False)])
-
-        def wall(key: str, f: dict[str, Any] | None) -> str:
-            return ms(f[key] if f else None)
-
-        stop_extra, tail_extra = extra("stops_ms"), extra("load_tails_ms")
-        for what, key, added, tokens, note in (
-                ("the save adds to an unload", "save_ms", stop_extra, "saved_tokens",
-                 f"a's stop (stopping to stopped) {wall('unload_ms', save)} with vs "
-                 f"{wall('unload_ms', off)} without ({ms(stop_extra, sign=True)} a round)"),
-                ("the restore adds to a load", "restore_ms", tail_extra, "restored_tokens",
-                 f"a's load {wall('load_ms', save)} with vs {wall('load_ms', off)} without "
-                 f"(starting to ready; {ms(extra('loads_ms'), sign=True)} a round), of it "
-                 f"from the server's listening to ready {wall('load_tail_ms', save)} vs "
-                 f"{wall('load_tail_ms', off)} ({ms(tail_extra, sign=True)} a round)")):
-            own = save[key]
-            ok = (own is not None and own < TARGET_SAVE_MS
-                  and (added is None or added < TARGET_SAVE_MS))
-            row(what, f"{ms(own)} {key}, {ms(added, sign=True)} wall",
-                f"< {TARGET_SAVE_MS:g} ms", ok,
-                f"{note}; {n(save[tokens])} tokens; {logged(swaps_of['save'], key)}; "
-                f"medians of {r['rounds']}")
-    routes = r.get("route", {})
-    for tag, v in routes.items():
-        ours = tag == "hal0d"
-        row("prompt tokens read over a route of 2 replicas / ideal" if ours
-            else f"the same, {v['label']}",
-            f"{v['ratio']:.2f}x", f"<= {TARGET_READ_RATIO:g}x" if ours else "-",
-            (v["ratio"] <= TARGET_READ_RATIO and not v["failed"]) if ours
-            else (None if not v["failed"] else False),
-            f"read {v['read']:,} of {v['ideal']:,} tokens; {r['conversations']} conversations x "
-            f"{r['turns']} turns, 2 at a time; {v['moves']} of {v['later_turns']} later turns "
-            f"on another replica" + (f"; {v['failed']} turns failed" if v["failed"] else ""))
-    if "error" in r:
-        out.append({"row": "warm rows", "value": "-", "target": "-", "verdict": "FAIL",
-                    "note": f"the section ended early: {r['error']}"})
-    return out
-
-
-def logged(v: dict[str, Any], key: str) -> str:
-    """The log's own line per save or restore of `a` (the last save is hal0d's at its end)."""
-    event = "slot.cache_saved" if key == "save_ms" else "slot.cache_restored"
-    lines = [e for e in v.get("log", []) if e["event"] == event and e["slot"] == "a"]
-    failed = [e for e in v.get("log", []) if e["event"].endswith("_failed")]
-    text = f"{len(lines)} {event} lines of a, ms " + "/".join(f"{e['ms']:g}" for e in lines
-                                                                if e.get("ms") is not None)
-    return text + (f"; {len(failed)} failed: {failed[0]}" if failed else "")
-
-
-def s(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f} s"
-
-
-def ms(value: float | None, *, sign: bool = False) -> str:
-    return "-" if value is None else (f"{value:+.0f} ms" if sign else f"{value:.0f} ms")
-
-
-def n(value: float | None) -> str:
-    return "-" if value is None else f"{value:,.0f}"
