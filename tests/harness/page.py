@@ -1,5 +1,6 @@
-"""The status page's tests: Debian's chromium driven by selenium through chromium-driver, and the
-`hal0d serve` they point it at (its slots the stub, one of them on demand)."""
+"""The status page's tests: Debian's chromium driven by selenium through chromium-driver, the
+`hal0d serve` they point it at (its slots the stub, one of them on demand), and the two readers
+(a slot card's state, the requests listed) that more than one of them reads the page with."""
 
 from __future__ import annotations
 
@@ -151,3 +152,18 @@ def serving_text(tmp: Path, text: Callable[[int], str]) -> Iterator[Hal0dPopen]:
         yield daemon
     finally:
         daemon.stop()
+
+
+# Read in one script each: finding the elements and then asking each for its text races the page,
+# which redraws a list as its events come (a StaleElementReferenceException in between).
+def card_state(browser: Any, slot: str) -> str:
+    state: str | None = browser.execute_script(
+        "const card = document.querySelector(`article.card[data-slot=\"${arguments[0]}\"]`);"
+        "return card ? card.getAttribute('data-state') : '';", slot)
+    return state or ""
+
+
+def request_rows(browser: Any) -> list[str]:
+    rows: list[str] = browser.execute_script(
+        "return [...document.querySelectorAll('#requests tbody tr')].map(row => row.innerText);")
+    return rows
