@@ -17,4 +17,6 @@ no test module imports another (tests/test_imports.py holds that).
 - model_stores: model stores on disk as their owners write them: a folder of GGUF files,
   Ollama's store, the Hugging Face cache.
 - gguf_files: small real GGUF models (split in parts, too) and vision projectors.
+- anthropic_stream: OpenAI chunks built short and played through the Anthropic translator, its
+  events read short; any upstream stream (hypothesis); the anthropic SDK reading our frames.
 """
