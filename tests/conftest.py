@@ -123,6 +123,14 @@ async def start_hal0d(aiohttp_server: ServerStarter, tmp_path: Path) -> ServerFa
 
 
 @pytest.fixture
+async def hal0d(stub: Stub, start_hal0d: ServerFactory) -> TestServer:
+    """hal0d in process in front of the stub, `claude-*` an alias of its `reasoning` model: the
+    Anthropic surface's tests ask it as a Claude client does. A test module's own `hal0d`
+    fixture takes this one's place in that module."""
+    return await start_hal0d(stub.url, aliases={"claude-*": "reasoning"})
+
+
+@pytest.fixture
 async def start_hal0d_process(tmp_path: Path) -> AsyncIterator[Hal0dProcessFactory]:
     """Start a real `hal0d serve` in front of `upstream`; keyword arguments go to config_text
     (`slot=`: its slots instead). Each is stopped after the test, and none of the slot

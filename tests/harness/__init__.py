@@ -9,7 +9,7 @@ no test module imports another (tests/test_imports.py holds that).
 - daemons: hal0d in process (a TestServer), as a process with asyncio (`Hal0dProcess`), and as
   one for a test without an event loop (`Hal0dPopen`).
 - client: asking a daemon as its clients do: bodies, chats, slot views and states, streams, the
-  event feed.
+  event feed, a POSTed stream read by an independent SSE client.
 - observe: what a daemon reports: /metrics, the history, the per-slot figures.
 - logs: hal0d's own logging pipeline into a buffer.
 - cli: hal0d's command line, run for real.
@@ -19,4 +19,6 @@ no test module imports another (tests/test_imports.py holds that).
 - gguf_files: small real GGUF models (split in parts, too) and vision projectors.
 - anthropic_stream: OpenAI chunks built short and played through the Anthropic translator, its
   events read short; any upstream stream (hypothesis); the anthropic SDK reading our frames.
+- anthropic_surface: the Messages surface's request body, its wire read strictly and folded, its
+  error envelope, and an upstream that writes chat completion chunks as a script says.
 """

@@ -1,6 +1,7 @@
 """Asking a daemon as its clients do, in-process (a TestServer) or a process (Hal0dProcess): the
 request bodies, a chat and its answer, the slots' views and states, a stream as the client saw
-it, the event feed read by an independent SSE client, and what an SDK read under its parser."""
+it, the event feed and a POSTed stream read by an independent SSE client, and what an SDK read
+under its parser."""
 
 from __future__ import annotations
 
@@ -184,6 +185,36 @@ class Reader:
     async def close(self) -> None:
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
+
+
+async def read_independently(
+    http: aiohttp.ClientSession, url: Any, payload: dict[str, Any],
+    headers: dict[str, str] | None = None,
+) -> list[tuple[float, str, dict[str, Any]]]:
+    """(seconds since the request, event name, parsed data) per event, read by aiohttp-sse-client
+    to the end of the body. It refuses a response that is not 200 text/event-stream."""
+    started = time.monotonic()
+    out: list[tuple[float, str, dict[str, Any]]] = []
+    source = sse_client.EventSource(
+        str(url), option={"method": "POST"}, session=http, json=payload,
+        headers=dict(headers or {}), on_error=_ended, max_connect_retry=0,
+    )
+    async with asyncio.timeout(15):
+        try:
+            async with source:
+                async for message in source:
+                    assert message.type, f"a frame without an event name: {message!r}"
+                    assert message.type == message.message
+                    out.append((time.monotonic() - started, message.type, json.loads(message.data)))
+        except _StreamEnded:
+            pass
+    assert out, "the independent SSE client saw no events"
+    return out
+
+
+async def independent_events(http: aiohttp.ClientSession, url: Any, payload: dict[str, Any],
+                             headers: dict[str, str] | None = None) -> list[Event]:
+    return [(name, data) for _, name, data in await read_independently(http, url, payload, headers)]
 
 
 class Recording(httpx2.AsyncBaseTransport):
