@@ -21,4 +21,6 @@ no test module imports another (tests/test_imports.py holds that).
   events read short; any upstream stream (hypothesis); the anthropic SDK reading our frames.
 - anthropic_surface: the Messages surface's request body, its wire read strictly and folded, its
   error envelope, and an upstream that writes chat completion chunks as a script says.
+- stallguard: the guard's bounds, a response as the client received it chunk by chunk, the stall
+  frame read back and checked.
 """
