@@ -57,6 +57,24 @@ async def db_row(path: Path, request_id: str, timeout: float = 2.0) -> dict[str,
     return await eventually(written, timeout, f"a row for {request_id} in {path}")
 
 
+async def api_row(
+    http: aiohttp.ClientSession, hal0d: Served, request_id: str, timeout: float = 2.0
+) -> dict[str, Any]:
+    """The row GET /api/requests gives for `request_id`, once it is there."""
+    async def written() -> dict[str, Any]:
+        rows = (await get_json(http, hal0d, "/api/requests?limit=100"))["requests"]
+        found = [row for row in rows if row["request_id"] == request_id]
+        assert found, rows
+        return dict(found[0])
+
+    return await eventually(written, timeout, f"the history row of {request_id}")
+
+
+def headers(request_id: str) -> dict[str, str]:
+    """The header that names a request's id: its history row is found by it."""
+    return {"X-Request-Id": request_id}
+
+
 async def scrape(http: aiohttp.ClientSession, hal0d: Served) -> dict[str, list[Sample]]:
     """GET /metrics parsed by prometheus_client: samples by sample name."""
     async with http.get(hal0d.make_url("/metrics")) as resp:

@@ -18,6 +18,8 @@ from tests.harness.ports import free_port
 
 STUB_MODELS = ("reasoning", "chat", "think-only", "tool", "stall", "chatty", "broken", "shell")
 ROLE_CHUNK = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}\n\n'
+FINISH_CHUNK = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+DONE = b"data: [DONE]\n\n"
 
 # aiohttp_server's: an app in, its started TestServer out.
 ServerStarter = Callable[..., Awaitable[TestServer]]
