@@ -21,6 +21,7 @@ no test module imports another (tests/test_imports.py holds that).
   events read short; any upstream stream (hypothesis); the anthropic SDK reading our frames.
 - anthropic_surface: the Messages surface's request body, its wire read strictly and folded, its
   error envelope, and an upstream that writes chat completion chunks as a script says.
+- slots: a slot outside a daemon, its config stand-in and an observer that keeps its changes.
 - stallguard: the guard's bounds, a response as the client received it chunk by chunk, the stall
   frame read back and checked.
 """
