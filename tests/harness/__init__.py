@@ -19,6 +19,7 @@ no test module imports another (tests/test_imports.py holds that).
 - gguf_files: small real GGUF models (split in parts, too) and vision projectors.
 - anthropic_stream: OpenAI chunks built short and played through the Anthropic translator, its
   events read short; any upstream stream (hypothesis); the anthropic SDK reading our frames.
+- anthropic_request: the smallest valid Anthropic Messages request body, for the parser's tests.
 - anthropic_surface: the Messages surface's request body, its wire read strictly and folded, its
   error envelope, and an upstream that writes chat completion chunks as a script says.
 - slots: a slot outside a daemon, its config stand-in and an observer that keeps its changes.
