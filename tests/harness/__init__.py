@@ -24,6 +24,7 @@ no test module imports another (tests/test_imports.py holds that).
   error envelope, and an upstream that writes chat completion chunks as a script says.
 - keys: the scoped keys of the keys tests, hal0d with them, a request made with one.
 - responses_bridge: a Responses request translated for a chat upstream, and Codex's tools.
+- swaps: a group of max_loaded = 1, two stub models in it, a sampler of every pid it loaded.
 - slots: a slot outside a daemon, its config stand-in and an observer that keeps its changes.
 - stallguard: the guard's bounds, a response as the client received it chunk by chunk, the stall
   frame read back and checked.
