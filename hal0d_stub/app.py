@@ -69,22 +69,12 @@ from hal0d_stub.context import ContextLimit, ctx_size, with_n_ctx
 from hal0d_stub.device_load import DeviceLoad, claim
 from hal0d_stub.handling import json_errors
 from hal0d_stub.media import images, speech, transcriptions
-from hal0d_stub.models import CONTENT_TEXT, REASONING_TEXT, models, words
-from hal0d_stub.prompt import prompt_tokens, template, tokenize
+from hal0d_stub.models import models
+from hal0d_stub.prompt import template, tokenize
 from hal0d_stub.responses_api import RESPONSES_KEY, responses, stored_response
 from hal0d_stub.retrieval import embeddings, rerank
 from hal0d_stub.slot_api import SlotApi
 from hal0d_stub.slots import ServerSlots, SlotOptions
-
-__all__ = [
-    "CONTENT_TEXT",  # re-exported: tests/test_anthropic_surface.py, test_responses_bridge.py
-    "MAX_BODY_BYTES",
-    "REASONING_TEXT",  # re-exported: tests/test_anthropic_surface.py
-    "make_stub_app",
-    "prompt_tokens",  # re-exported: tests/test_anthropic_surface.py
-    "run_stub",
-    "words",  # re-exported: tests/test_anthropic_surface.py
-]
 
 # hal0d accepts request bodies up to its largest [server].max_body_bytes (4 GiB): the stub takes
 # as much, so every body hal0d lets through reaches an upstream that answers it, instead of

@@ -39,11 +39,6 @@ WEATHER_TOOL = {
 
 
 @pytest.fixture
-async def hal0d(stub: Stub, start_hal0d: Any) -> TestServer:
-    return await start_hal0d(stub.url, aliases={"claude-*": "reasoning"})
-
-
-@pytest.fixture
 async def client(hal0d: TestServer) -> AsyncIterator[AsyncAnthropic]:
     from anthropic import AsyncAnthropic
 
