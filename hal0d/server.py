@@ -49,7 +49,7 @@ import uvloop
 from aiohttp import web
 
 from hal0d import config as configuration
-from hal0d import logs, preflight, systemd
+from hal0d import library, logs, preflight, systemd
 from hal0d.app import make_app
 from hal0d.appkeys import (
     DEVICES,
@@ -385,7 +385,8 @@ class Daemon:
         try:
             # In a thread: a [[library]] rescan reads folders and model headers.
             loaded = with_server_overrides(
-                await asyncio.to_thread(configuration.load, self.config_path),
+                await asyncio.to_thread(configuration.load, self.config_path,
+                                        library.find_models),
                 self.server_overrides)
         except configuration.ConfigError as exc:
             log_reload_failed(self.config_path, exc.problems)

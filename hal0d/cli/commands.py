@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hal0d import __version__, preflight
+from hal0d import __version__, library, preflight
 from hal0d import config as configuration
 from hal0d.cli.models import add_models_command, run_models
 from hal0d.config.ports import unused_port
@@ -240,7 +240,7 @@ def run_client(args: argparse.Namespace) -> int:
 
 def load_or_report(path: str) -> configuration.Config | None:
     try:
-        return configuration.load(path)
+        return configuration.load(path, find_models=library.find_models)
     except configuration.ConfigError as exc:
         for problem in exc.problems:
             print(problem, file=sys.stderr)

@@ -69,7 +69,7 @@ def locate(config_path: str | None, url: str | None, default_config: str) -> Dae
         config = configuration.Config()
     else:
         try:
-            config = configuration.load(path, find_models=False)
+            config = configuration.load(path)
         except configuration.ConfigError as exc:
             raise ClientError(f"cannot use {path}: {'; '.join(exc.problems)}") from None
     server = config.server

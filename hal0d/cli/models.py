@@ -12,6 +12,7 @@ from typing import Any
 import tomli_w
 
 from hal0d import config as configuration
+from hal0d import library
 from hal0d.library.view import library_view
 
 MIB = 1024 * 1024
@@ -34,7 +35,7 @@ def run_models(args: argparse.Namespace) -> int:
     from hal0d.cli import daemon
 
     try:
-        config = configuration.load(args.file)
+        config = configuration.load(args.file, find_models=library.find_models)
     except configuration.ConfigError as exc:
         for problem in exc.problems:
             print(problem, file=sys.stderr)

@@ -13,14 +13,21 @@ from the table (hal0d/library/slots.py makes them; this module only checks the t
 
 A slot key set here is checked as a slot's is, once, so a bad one is one problem and not one
 per model found.
+
+What the tables find is `Found`, made by a `ModelFinder` that the reader is handed
+(hal0d/library/slots.py's `library_slots`): the library reads the config's tables, so the
+config does not import the library.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hal0d.config.cache_dir import PROMPT_CACHE_DIR
-from hal0d.config.model import LIBRARY_CONTEXT, PROMPT_CACHE_SAVE, LibraryConfig
+from hal0d.config.model import LIBRARY_CONTEXT, PROMPT_CACHE_SAVE, LibraryConfig, LibraryEntry
 from hal0d.config.ports import FREE_PORT
 from hal0d.config.spec import SLOT_SPEC, check_table, string_list
 
@@ -38,6 +45,23 @@ MODEL_PATH = "{model_path}"
 MMPROJ = "{mmproj}"
 ALIAS = "{alias}"
 CONTEXT = "{context}"
+
+
+@dataclass(slots=True)
+class Found:
+    """What the libraries hold: the slot tables to check (with where each came from, for its
+    problems), what each slot was made from (by slot name), and the lines of what is not
+    served."""
+
+    tables: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    entries: dict[str, LibraryEntry] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+
+# The libraries' models, given what is served otherwise: (the [[library]] tables, the model
+# names hand-written slots, routes and aliases serve, the hand-written slots' names, the
+# [groups] table as written, the config's folder) -> what they find.
+ModelFinder = Callable[[tuple[LibraryConfig, ...], set[str], set[str], Any, Path], Found]
 
 
 def check_library(raw: Any, groups: Any, problems: list[str]) -> tuple[LibraryConfig, ...]:

@@ -12,7 +12,7 @@ import dataclasses
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hal0d.config.anonymous import check_anonymous, check_beside_keys
 from hal0d.config.cache_dir import cache_root
@@ -28,7 +28,7 @@ from hal0d.config.checks import (
     check_slots,
 )
 from hal0d.config.client_keys import access_keys, check_keys
-from hal0d.config.library import check_library
+from hal0d.config.library import Found, ModelFinder, check_library
 from hal0d.config.model import (
     Config,
     ConfigError,
@@ -52,14 +52,13 @@ from hal0d.config.spec import (
     check_table,
 )
 
-if TYPE_CHECKING:
-    from hal0d.library.slots import Found
 
-
-def parse(raw: dict[str, Any], base_dir: Path | None = None, find_models: bool = True) -> Config:
+def parse(raw: dict[str, Any], base_dir: Path | None = None,
+          find_models: ModelFinder | None = None) -> Config:
     """Validate a decoded TOML document; raise ConfigError listing every problem.
-    `find_models`: scan the [[library]] sources (without it their models are not among the
-    slots: for a command that only needs the server's address)."""
+    `find_models`: what scans the [[library]] sources (hal0d/library/slots.py's
+    `library_slots`, handed in by whoever reads a config to serve it); without it their models
+    are not among the slots, for a command that only needs the server's address."""
     problems: list[str] = []
     known = {"server", "dispatcher", "slots", "groups", "models", "metrics", "logging", "keys",
              "routes", "ollama", "library", "devices"}
@@ -76,11 +75,7 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None, find_models: bool =
     keys = check_keys(raw.get("keys", []), server, base_dir, problems)
     dispatcher = check_table(raw.get("dispatcher", {}), DISPATCHER_SPEC, "dispatcher", problems)
     metrics = check_table(raw.get("metrics", {}), METRICS_SPEC, "metrics", problems)
-    logging_ = check_table(raw.get("logging", {}), LOGGING_SPEC, "logging", problems)
-    if logging_.get("level", "info") not in LOG_LEVELS:
-        problems.append(f"logging.level: {logging_['level']!r} is not one of {LOG_LEVELS}")
-    if logging_.get("format", "auto") not in LOG_FORMATS:
-        problems.append(f"logging.format: {logging_['format']!r} is not one of {LOG_FORMATS}")
+    logging_ = checked_logging(raw, problems)
     ollama = check_ollama(raw.get("ollama", {}), server, problems)
     devices = check_devices(raw.get("devices", {}), problems)
     has_keys = bool(server.get("accepted_keys")) or bool(raw.get("keys"))
@@ -118,6 +113,15 @@ def parse(raw: dict[str, Any], base_dir: Path | None = None, find_models: bool =
     )
 
 
+def checked_logging(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    logging_ = check_table(raw.get("logging", {}), LOGGING_SPEC, "logging", problems)
+    if logging_.get("level", "info") not in LOG_LEVELS:
+        problems.append(f"logging.level: {logging_['level']!r} is not one of {LOG_LEVELS}")
+    if logging_.get("format", "auto") not in LOG_FORMATS:
+        problems.append(f"logging.format: {logging_['format']!r} is not one of {LOG_FORMATS}")
+    return logging_
+
+
 @dataclass(frozen=True, slots=True)
 class Libraries:
     """The [[library]] tables and what their sources hold that is not served."""
@@ -126,14 +130,17 @@ class Libraries:
     problems: list[str]
 
 
+SlotsChecked = tuple[tuple[SlotConfig, ...], dict[str, GroupConfig], list[Any], Libraries]
+
+
 def checked_slots(raw: dict[str, Any], base_dir: Path, caches: Path, problems: list[str],
-                  find_models: bool) -> tuple[tuple[SlotConfig, ...], dict[str, GroupConfig],
-                                              list[Any], Libraries]:
+                  find_models: ModelFinder | None) -> SlotsChecked:
     """The [[slots]] and the slots of the models the [[library]] tables find (`find_models`),
     then the [groups] they name; with the slot tables as written (the found ones made)."""
     raw_slots = raw.get("slots", [])
     library = check_library(raw.get("library", []), raw.get("groups", {}), problems)
-    found = models_found(raw, library, base_dir) if library and find_models else None
+    found = (models_found(raw, library, base_dir, find_models)
+             if library and find_models is not None else None)
     slots = check_slots(raw_slots, problems, base_dir, caches, found.tables if found else ())
     if found:
         slots = tuple(dataclasses.replace(slot, library=found.entries[slot.name])
@@ -146,13 +153,10 @@ def checked_slots(raw: dict[str, Any], base_dir: Path, caches: Path, problems: l
     return slots, groups, tables, Libraries(library, found.problems if found else [])
 
 
-def models_found(raw: dict[str, Any], library: tuple[LibraryConfig, ...],
-                 base_dir: Path) -> Found:
+def models_found(raw: dict[str, Any], library: tuple[LibraryConfig, ...], base_dir: Path,
+                 find_models: ModelFinder) -> Found:
     """The slots of the models the [[library]] tables find, beside what the file writes by
-    hand: a name a slot, a route or an alias serves, and a slot's name, stay theirs. Imported
-    here, not above: reading GGUF headers loads numpy, which a config without a library
-    never needs."""
-    from hal0d.library.slots import library_slots
+    hand: a name a slot, a route or an alias serves, and a slot's name, stay theirs."""
 
     def tables(section: str) -> list[dict[str, Any]]:
         given = raw.get(section)
@@ -165,12 +169,11 @@ def models_found(raw: dict[str, Any], library: tuple[LibraryConfig, ...],
              for model in table["models"]}
     taken |= {route.get("model") for route in tables("routes")}
     taken |= set(aliases) if isinstance(aliases, dict) else set()
-    return library_slots(library, {name for name in taken if isinstance(name, str)},
-                         {str(table.get("name")) for table in slots}, raw.get("groups"),
-                         base_dir)
+    return find_models(library, {name for name in taken if isinstance(name, str)},
+                       {str(table.get("name")) for table in slots}, raw.get("groups"), base_dir)
 
 
-def load(path: str | Path, find_models: bool = True) -> Config:
+def load(path: str | Path, find_models: ModelFinder | None = None) -> Config:
     path = Path(path)
     try:
         text = path.read_bytes()

@@ -13,10 +13,17 @@ becomes a Problem line and the rest is served. Inside, one module a concern:
   slots.py        the models the [[library]] tables find, as slot tables
   view.py         what was found, as GET /api/library and `hal0d models` show it
 
-gguf_facts.py (and slots.py, which uses it) load numpy: they are imported where a config has a
-[[library]] table, not from here.
+gguf_facts.py (and slots.py, which uses it) load numpy: `find_models`, the finder a config is
+read with to be served, imports them on a config's first [[library]] table, not before.
 """
 
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hal0d.config.library import Found
+from hal0d.config.model import LibraryConfig
 from hal0d.library.catalog import merge
 from hal0d.library.folder import scan_folder
 from hal0d.library.found import FoundModel, IsProjector, Problem, Scan, projector_by_name
@@ -28,6 +35,7 @@ __all__ = [
     "IsProjector",
     "Problem",
     "Scan",
+    "find_models",
     "hf_root",
     "merge",
     "ollama_roots",
@@ -36,3 +44,12 @@ __all__ = [
     "scan_hf",
     "scan_ollama",
 ]
+
+
+def find_models(libraries: tuple[LibraryConfig, ...], taken_names: set[str],
+                taken_slots: set[str], groups: Any, base_dir: Path) -> Found:
+    """The models the [[library]] tables find, as slot tables (slots.py): the `ModelFinder`
+    (config/library.py) that `config.load(path, find_models=...)` is handed."""
+    from hal0d.library.slots import library_slots
+
+    return library_slots(libraries, taken_names, taken_slots, groups, base_dir)

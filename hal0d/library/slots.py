@@ -27,12 +27,11 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hal0d.config.cache_dir import PROMPT_CACHE_DIR
-from hal0d.config.library import ALIAS, CONTEXT, MMPROJ, MODEL_PATH
+from hal0d.config.library import ALIAS, CONTEXT, MMPROJ, MODEL_PATH, Found
 from hal0d.config.model import (
     LIBRARY_IDLE_UNLOAD_S,
     PROMPT_CACHE_SAVE,
@@ -52,17 +51,6 @@ DEFAULT_COMMAND = ("llama-server", "-m", MODEL_PATH, "--mmproj", MMPROJ, "--alia
                    "--host", "127.0.0.1", "--port", FREE_PORT, "-c", CONTEXT, "--jinja")
 SAVE_ARGS = ("--slot-save-path", PROMPT_CACHE_DIR)
 UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
-
-
-@dataclass(slots=True)
-class Found:
-    """What the libraries hold: the slot tables to check (with where each came from, for its
-    problems), what each slot was made from (by slot name), and the lines of what is not
-    served."""
-
-    tables: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
-    entries: dict[str, LibraryEntry] = field(default_factory=dict)
-    problems: list[str] = field(default_factory=list)
 
 
 def library_slots(libraries: Iterable[LibraryConfig], taken_names: set[str],
