@@ -1,7 +1,8 @@
 """Classes across a group's turns, over real sockets with the stub as each slot's command (a group
 of max_loaded = 1, two models): interactive work for one model ends a batch's turn on the other
-at once (its answers in flight finish first), where a busy model's priced turn would otherwise
-hold it; batch work never swaps out a model while interactive work for it is in flight."""
+at once (its answers in flight finish first), where a busy model's priced turn holds it when
+the batch is interactive too; batch work never swaps out a model while interactive work for it
+is in flight."""
 
 from __future__ import annotations
 
@@ -90,6 +91,28 @@ async def test_interactive_work_ends_a_batch_turn_at_once_where_the_turn_would_h
     assert [line["slot"] for line in evicted] == ["b"], evicted
     assert "chat" not in evicted[0]["why"] and "interactive work" in evicted[0]["why"], evicted
     await asyncio.gather(*workers)  # and the batch is served to its end
+
+
+async def test_without_classes_the_chat_waits_for_the_batchs_turn(
+    start_hal0d: ServerFactory, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """The same as above with the nightly key interactive too: b's priced turn holds it for as
+    long as its work lasts, so the chat is answered only once the whole batch was served."""
+    hal0d = await two_models(start_hal0d, tmp_path, "batch", classes=False)
+    batch_left = 30
+
+    async def nightly() -> None:
+        nonlocal batch_left
+        while batch_left > 0:
+            batch_left -= 1
+            await answered(http, hal0d, "nightly", body("chat", stream=True))
+
+    workers = [asyncio.create_task(nightly()) for _ in range(3)]
+    await eventually(lambda: _serving(http, hal0d, "b"), STARTUP_S, "b serving the batch")
+    assert batch_left > 0, "the whole batch was sent before the chat came"
+    await answered(http, hal0d, "chat", body("reasoning", "long", max_tokens=5, stream=True))
+    assert batch_left == 0, f"{batch_left} of the batch were left when the chat was answered"
+    await asyncio.gather(*workers)
 
 
 async def _serving(http: aiohttp.ClientSession, hal0d: TestServer, slot: str) -> bool:
